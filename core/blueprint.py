@@ -1,0 +1,348 @@
+"""The blueprint: one YAML file that describes a whole post-training run.
+
+Pydantic models with `extra="forbid"`; their JSON Schema is the Prefect run form. Plain defaults (not
+default_factory) so the form shows them. Paths in a blueprint *file* are relative to that file.
+"""
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from core.errors import BlueprintError
+
+ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "gae")
+KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSpec(Section):
+    path: str = Field("tiny/qwen2/model", description="Hugging Face model folder (config, weights, tokenizer).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype the weights are loaded in; training keeps fp32 master weights when float32."
+    )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    trust_remote_code: bool = False
+
+
+class DataSpec(Section):
+    train_files: list[str] = Field(
+        ["tiny/qwen2/data/train.parquet"],
+        description="Parquet files in verl's RL schema: prompt (chat messages), data_source, reward_model.ground_truth.",
+    )
+    prompt_key: str = "prompt"
+    max_prompt_length: int = Field(128, ge=1, description="Prompt tokens after the chat template; longer is an error.")
+    batch_size: int = Field(8, ge=1, description="Prompts per iteration (each sampled rollout.n times).")
+    shuffle: bool = True
+
+
+class RewardSpec(Section):
+    function: str = Field(
+        "tiny_digits",
+        description="Reward function from the registry: verl_default (verl's default_compute_score by data_source), "
+        "tiny_digits, exact_match, a name registered by reward.module, or 'package.module:function'.",
+    )
+    module: Optional[str] = Field(None, description="Module imported first; it may call @register_reward('name').")
+
+
+class AlgorithmSpec(Section):
+    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "gae"] = Field(
+        "grpo", description="verl core_algos advantage estimator; gae trains a critic (PPO)."
+    )
+    policy_loss: Literal["vanilla"] = Field("vanilla", description="verl core_algos policy loss (PPO clip).")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    lam: float = Field(1.0, ge=0.0, le=1.0)
+    norm_adv_by_std_in_grpo: bool = True
+    clip_ratio_low: float = Field(0.2, gt=0.0, lt=1.0)
+    clip_ratio_high: float = Field(0.2, gt=0.0)
+    clip_ratio_c: float = Field(3.0, gt=1.0, description="Dual-clip lower bound for negative advantages.")
+    use_kl_loss: bool = Field(True, description="KL to the reference policy as a loss term (GRPO style).")
+    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
+    kl_loss_coef: float = Field(0.001, ge=0.0)
+    use_kl_in_reward: bool = Field(False, description="Subtract kl_coef * KL(policy||ref) from token rewards.")
+    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "kl"
+    kl_coef: float = Field(0.001, ge=0.0)
+    entropy_coeff: float = Field(0.0, ge=0.0)
+    ppo_epochs: int = Field(1, ge=1)
+    ppo_mini_batch_size: int = Field(4, ge=1, description="Prompts per optimizer step (x rollout.n samples).")
+    ppo_micro_batch_size_per_gpu: int = Field(4, ge=1, description="Samples per forward/backward on one rank.")
+    lr: float = Field(1e-6, gt=0.0)
+    weight_decay: float = Field(0.01, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0.0)
+    critic_lr: float = Field(1e-5, gt=0.0)
+    cliprange_value: float = Field(0.5, gt=0.0)
+    vf_coef: float = Field(0.5, gt=0.0)
+
+
+class RolloutSpec(Section):
+    n: int = Field(4, ge=1, description="Samples per prompt (the GRPO group size).")
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    max_new_tokens: int = Field(16, ge=1)
+    micro_batch_size: int = Field(32, ge=1, description="Sequences generated together on one rank.")
+
+
+class FSDPSpec(Section):
+    version: Literal[1, 2] = Field(2, description="2: fully_shard per decoder layer; 1: FullyShardedDataParallel.")
+    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] = "FULL_SHARD"
+    use_orig_params: bool = Field(True, description="FSDP1 only.")
+    mixed_precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Compute dtype of sharded params.")
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    cpu_offload: bool = False
+    forward_prefetch: bool = True
+    backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "NONE"] = "BACKWARD_PRE"
+    reshard_after_forward: bool = True
+    wrap_class: Optional[str] = Field(None, description="Decoder-layer class to wrap; default: model._no_split_modules.")
+    activation_checkpointing: bool = False
+
+
+class ResourcesSpec(Section):
+    backend: Literal["local"] = Field("local", description="Where stage jobs run.")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="cpu runs gloo, cuda runs nccl.")
+    nnodes: int = Field(1, ge=1)
+    nproc_per_node: int = Field(2, ge=1, description="Ranks per node (one per GPU on cuda).")
+    stage_timeout_s: int = Field(1800, ge=1, description="A stage job is killed after this many seconds.")
+    retries: int = Field(1, ge=0, description="Retries of a stage whose failure is retryable (timeouts, kills).")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def dist_backend(self) -> str:
+        return "nccl" if self.device == "cuda" else "gloo"
+
+
+class StorageSpec(Section):
+    uri: str = Field("artifacts", description="Artifact root: a folder, file:///abs, or s3://bucket/prefix.")
+    endpoint_url: Optional[str] = Field(None, description="S3-compatible endpoint (MinIO...). Keys come from env.")
+    region: Optional[str] = None
+    keep_last: int = Field(3, ge=1, description="Promoted checkpoints kept besides the best one.")
+    keep_best_metric: Optional[str] = Field("reward_mean", description="Also keep the checkpoint best by this metric.")
+
+
+class ScheduleSpec(Section):
+    cron: Optional[str] = Field(None, description="Cron expression for recurring fine-tunes (verlflow deploy).")
+    timezone: str = "UTC"
+    init_from: Literal["base", "previous"] = Field(
+        "base", description="previous: warm-start from the last promoted policy of this deployment."
+    )
+
+
+class Blueprint(Section):
+    name: str = Field("tiny-grpo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    model: ModelSpec = ModelSpec()
+    data: DataSpec = DataSpec()
+    reward: RewardSpec = RewardSpec()
+    algorithm: AlgorithmSpec = AlgorithmSpec()
+    rollout: RolloutSpec = RolloutSpec()
+    fsdp: FSDPSpec = FSDPSpec()
+    resources: ResourcesSpec = ResourcesSpec()
+    storage: StorageSpec = StorageSpec()
+    schedule: ScheduleSpec = ScheduleSpec()
+    iterations: int = Field(2, ge=1)
+    seed: int = 0
+    deterministic: bool = Field(False, description="Deterministic kernels (slower); for exact reproducibility.")
+
+    @model_validator(mode="after")
+    def _batches_fit_world(self):
+        world = self.resources.world_size
+        a, r, d = self.algorithm, self.rollout, self.data
+        problems = []
+        if d.batch_size % a.ppo_mini_batch_size:
+            problems.append(
+                f"algorithm.ppo_mini_batch_size={a.ppo_mini_batch_size} must divide data.batch_size={d.batch_size}"
+            )
+        mini_samples = a.ppo_mini_batch_size * r.n
+        if mini_samples % world:
+            problems.append(
+                f"algorithm.ppo_mini_batch_size x rollout.n = {mini_samples} samples must divide across "
+                f"{world} ranks (resources.nnodes x nproc_per_node)"
+            )
+        elif (mini_samples // world) % a.ppo_micro_batch_size_per_gpu:
+            problems.append(
+                f"algorithm.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu} must divide the "
+                f"{mini_samples // world} samples each rank gets per mini-batch"
+            )
+        if (d.batch_size * r.n) % world:
+            problems.append(f"data.batch_size x rollout.n = {d.batch_size * r.n} must divide across {world} ranks")
+        if a.adv_estimator == "grpo" and r.n < 2:
+            problems.append("algorithm.adv_estimator=grpo needs rollout.n >= 2 (it compares samples of a prompt)")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    # -- hashing: a stage key depends on the sections it reads, not on the whole file ---------------
+    def section_hash(self, *names: str) -> str:
+        data = {n: _dump(getattr(self, n)) for n in names}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+    def hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+def _dump(v: Any) -> Any:
+    return v.model_dump(mode="json") if isinstance(v, BaseModel) else v
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading with errors that point at the YAML line.
+
+
+def _line_map(text: str) -> dict[tuple, int]:
+    """Maps a YAML path (tuple of keys/indices) to its 1-based line."""
+    lines: dict[tuple, int] = {}
+
+    def walk(node, path):
+        lines.setdefault(path, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                lines[path + (k.value,)] = k.start_mark.line + 1
+                walk(v, path + (k.value,))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                walk(v, path + (i,))
+
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return lines
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def _allowed(loc: tuple) -> str:
+    """What keys are allowed at the model that holds `loc`."""
+    model: Any = Blueprint
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return ""
+        model = ann
+    names = list(model.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    return f"{hint} Allowed keys here: {', '.join(names)}."
+
+
+def format_validation_error(err: ValidationError, source: str, lines: dict[tuple, int]) -> str:
+    out = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"])
+        field = ".".join(str(p) for p in loc) or "(top level)"
+        line = next((lines[loc[:i]] for i in range(len(loc), -1, -1) if loc[:i] in lines), None)
+        where = f"{source}:{line}" if line else source
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = f"unknown key '{loc[-1]}'.{_allowed(loc)}"
+        elif "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], (dict, list)):
+            msg = f"{msg} (got {e['input']!r})"
+        out.append(f"{where}: {field}: {msg}")
+    return "Blueprint is not valid:\n  " + "\n  ".join(out)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text or text.startswith("="):
+        raise BlueprintError(f"override '{text}' must look like section.field=value, e.g. rollout.n=8")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise BlueprintError(f"override '{text}': value is not valid YAML ({e.problem})") from None
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise BlueprintError(f"override '{text}': '{part}' is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def resolve_paths(bp: Blueprint, base: Path) -> Blueprint:
+    """Relative local paths in a blueprint file are relative to the file's folder."""
+
+    def fix(p: str) -> str:
+        if "://" in p or Path(p).is_absolute():
+            return p
+        return str((base / p).resolve())
+
+    bp.model.path = fix(bp.model.path)
+    bp.data.train_files = [fix(p) for p in bp.data.train_files]
+    bp.storage.uri = fix(bp.storage.uri)
+    return bp
+
+
+def load_blueprint(path: str | Path | None = None, overrides: list[str] = (), data: dict | None = None) -> Blueprint:
+    """Blueprint from a YAML file (or a dict), with `a.b=value` overrides applied."""
+    lines: dict[tuple, int] = {}
+    source = "<blueprint>"
+    base = Path.cwd()
+    if path is not None:
+        p = Path(path)
+        source = str(path)
+        if not p.is_file():
+            raise BlueprintError(f"{path}: no such blueprint file. Pass a YAML file, e.g. blueprints/tiny-cpu.yaml.")
+        text = p.read_text()
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark else str(path)
+            raise BlueprintError(
+                f"{where}: not valid YAML: {getattr(e, 'problem', e)}. Only plain YAML is accepted "
+                "(no !!python tags); check indentation and quoting."
+            ) from None
+        lines = _line_map(text)
+        base = p.resolve().parent
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise BlueprintError(f"{source}: the top level must be a mapping of sections (model:, data:, ...).")
+    data = apply_overrides(json.loads(json.dumps(data)), list(overrides))
+    try:
+        bp = Blueprint.model_validate(data)
+    except ValidationError as e:
+        raise BlueprintError(format_validation_error(e, source, lines)) from None
+    return resolve_paths(bp, base)
+
+
+def json_schema() -> dict:
+    return Blueprint.model_json_schema()
+
+
+def missing_inputs(bp: Blueprint) -> list[str]:
+    """Files and URIs the blueprint names that are not usable, each with the fix (cheap: no torch import)."""
+    problems = []
+    m = Path(bp.model.path)
+    if not m.is_dir():
+        problems.append(f"model.path: {bp.model.path} is not a folder; point it at a Hugging Face model folder "
+                        "(`verlflow make-tiny tiny/qwen2` writes a tiny one).")
+    elif not (m / "config.json").is_file():
+        problems.append(f"model.path: {bp.model.path} has no config.json; save the model with save_pretrained().")
+    for i, f in enumerate(bp.data.train_files):
+        if not Path(f).is_file():
+            problems.append(f"data.train_files[{i}]: {f} does not exist; give a parquet file in verl's RL schema.")
+    scheme = bp.storage.uri.split("://", 1)[0] if "://" in bp.storage.uri else "file"
+    if scheme not in ("file", "s3"):
+        problems.append(f"storage.uri: scheme '{scheme}://' is not supported; use a folder, file:// or s3://bucket/prefix.")
+    return problems

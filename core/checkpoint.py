@@ -1,0 +1,75 @@
+"""Training checkpoints with torch.distributed.checkpoint: sharded, and loadable at any world size.
+
+A checkpoint folder holds `model/` (DCP: model [+ optimizer]) and `state.json` (step, data cursor, lineage).
+"""
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from core.errors import InputError
+
+log = logging.getLogger("verlflow.checkpoint")
+
+
+def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict) -> None:
+    """Every rank writes its shards; rank 0 writes state.json."""
+    if optimizer is not None:
+        msd, osd = get_state_dict(model, optimizer)
+        sd = {"model": msd, "optim": osd}
+    else:
+        sd = {"model": get_model_state_dict(model)}
+    dcp.save(sd, checkpoint_id=str(folder / "dcp"))
+    if dist.get_rank() == 0:
+        (folder / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
+
+
+def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Reshards on load: the saving world size does not matter."""
+    try:
+        if optimizer is not None:
+            msd, osd = get_state_dict(model, optimizer)
+            sd = {"model": msd, "optim": osd}
+            dcp.load(sd, checkpoint_id=str(folder / "dcp"))
+            set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        else:
+            sd = {"model": get_model_state_dict(model)}
+            dcp.load(sd, checkpoint_id=str(folder / "dcp"))
+            set_model_state_dict(model, sd["model"])
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise InputError(
+            f"checkpoint {folder}: does not match the model being loaded ({str(e).splitlines()[0][:300]}). "
+            "The blueprint's model must be the one this run was built from; rerun from build."
+        ) from None
+    return read_state(folder)
+
+
+def read_state(folder: Path) -> dict:
+    return json.loads((folder / "state.json").read_text())
+
+
+def load_full(folder: Path, model: nn.Module) -> None:
+    """Fill an unsharded (non-FSDP) model from a DCP checkpoint without a process group."""
+    sd = {"model": model.state_dict()}
+    try:
+        dcp.load(sd, checkpoint_id=str(folder / "dcp"), no_dist=True)
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise InputError(f"checkpoint {folder}: does not match the model ({str(e).splitlines()[0][:300]})") from None
+    model.load_state_dict(sd["model"])
+
+
+def full_state_dict(model: nn.Module) -> dict:
+    """The whole model on every rank, on CPU (for the inference copy and HF export)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))

@@ -1,0 +1,186 @@
+"""`verlflow` command line. Errors a user can fix print as one paragraph and exit non-zero."""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from core.errors import VerlflowError
+
+EXAMPLES = "examples:\n  verlflow make-tiny tiny/qwen2\n  verlflow run blueprints/tiny-cpu.yaml iterations=3\n"
+
+
+def _blueprint(args):
+    from core.blueprint import load_blueprint
+
+    path, overrides = args.blueprint, list(args.overrides)
+    if path and "=" in path and not Path(path).exists():  # `verlflow run iterations=3`: defaults + override
+        path, overrides = None, [path] + overrides
+    return load_blueprint(path, overrides)
+
+
+def _add_blueprint(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument("blueprint", nargs=None if required else "?", help="blueprint YAML (default: embedded defaults)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides such as rollout.n=8")
+
+
+def cmd_schema(args) -> int:
+    from core.blueprint import json_schema
+
+    print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
+def cmd_validate_blueprint(args) -> int:
+    from core.blueprint import missing_inputs
+
+    bp = _blueprint(args)
+    problems = missing_inputs(bp)
+    if problems:
+        raise VerlflowError("Blueprint refers to inputs that are not there:\n  " + "\n  ".join(problems))
+    print(f"{args.blueprint or '<embedded defaults>'}: ok ({bp.name}, {bp.iterations} iterations, "
+          f"{bp.resources.world_size} ranks on {bp.resources.device}, store {bp.storage.uri})")
+    return 0
+
+
+def cmd_make_tiny(args) -> int:
+    from core.tinykit import make_tiny
+
+    info = make_tiny(args.out, arch=args.arch, seed=args.seed)
+    print(f"tiny {args.arch} kit written to {args.out}: model {info.get('model_dir', Path(args.out) / 'model')}")
+    return 0
+
+
+def _preflight(bp) -> None:
+    from core.blueprint import missing_inputs
+    from core.runner import open_store
+
+    problems = missing_inputs(bp)
+    if problems:
+        raise VerlflowError("Blueprint refers to inputs that are not there:\n  " + "\n  ".join(problems))
+    open_store(bp).probe()
+
+
+def _print_summary(bp, run_id: str, results) -> None:
+    from core.runner import open_store
+
+    rows = [(r.manifest["iteration"], r.manifest["metrics"]) for r in results if r.manifest["stage"] == "rollout"]
+    print(f"\nrun {run_id}: reward per iteration")
+    print(f"{'iter':>5} {'reward_mean':>12} {'reward_std':>11} {'resp_len':>9}")
+    for it, m in rows:
+        print(f"{it:>5} {m['reward_mean']:>12.4f} {m['reward_std']:>11.4f} {m['response_len_mean']:>9.2f}")
+    pointer = open_store(bp).get_pointer(f"runs/{run_id}/latest")
+    if pointer:
+        print(f"latest policy (HF folder): {pointer['hf_uri']}")
+
+
+def cmd_run(args) -> int:
+    from core.pipeline import run_pipeline
+
+    bp = _blueprint(args)
+    _preflight(bp)
+    run_id = args.run_id or f"{bp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    results = run_pipeline(bp, run_id, on_line=lambda line: print(line, flush=True), force_from=args.from_step)
+    _print_summary(bp, run_id, results)
+    return 0
+
+
+def cmd_rerun(args) -> int:
+    args.run_id = args.run
+    return cmd_run(args)
+
+
+def cmd_ls(args) -> int:
+    from core.runner import open_store
+
+    bp = _blueprint(args)
+    store = open_store(bp)
+    runs = [p.rsplit("/", 1)[-1] for p in store.ls("runs")]
+    for run in runs if not args.run else [args.run]:
+        print(run)
+        if args.run:
+            for it in store.ls(f"runs/{run}"):
+                for st in store.ls(it):
+                    m = store.read_manifest(st)
+                    state = "committed" if m else "NOT committed"
+                    print(f"  {st.split('/', 2)[-1]:<24} {state}  {store.uri(st)}")
+    return 0
+
+
+def cmd_show(args) -> int:
+    from core.runner import open_store
+
+    bp = _blueprint(args)
+    m = open_store(bp).read_manifest(args.stage)
+    if m is None:
+        raise VerlflowError(f"{args.stage}: no committed stage there (try `verlflow ls --run RUN_ID`).")
+    print(json.dumps(m, indent=1))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="verlflow", description="Declarative PPO/GRPO post-training pipelines.",
+                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="verb", required=True)
+
+    s = sub.add_parser("schema", help="print the blueprint's JSON Schema")
+    s.set_defaults(fn=cmd_schema)
+
+    s = sub.add_parser("validate-blueprint", help="check a blueprint (types, ranges, files) without running")
+    _add_blueprint(s)
+    s.set_defaults(fn=cmd_validate_blueprint)
+
+    s = sub.add_parser("make-tiny", help="write a tiny random-init HF model, tokenizer and prompt dataset")
+    s.add_argument("out", help="output folder, e.g. tiny/qwen2")
+    s.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=cmd_make_tiny)
+
+    s = sub.add_parser("run", help="run the pipeline (validate, build, rollout/update/checkpoint x iterations)")
+    _add_blueprint(s)
+    s.add_argument("--run-id", help="reuse a run id to resume it (default: <name>-<timestamp>)")
+    s.add_argument("--from", dest="from_step", metavar="STAGE[ITER]", help="force a restart at this step")
+    s.set_defaults(fn=cmd_run)
+
+    s = sub.add_parser("rerun", help="resume a run: committed stages with the same key are reused")
+    s.add_argument("run", help="run id")
+    _add_blueprint(s)
+    s.add_argument("--from", dest="from_step", metavar="STAGE[ITER]", help="force a restart at this step")
+    s.set_defaults(fn=cmd_rerun)
+
+    s = sub.add_parser("ls", help="list runs, or one run's stages (--run)")
+    _add_blueprint(s)
+    s.add_argument("--run", help="run id")
+    s.set_defaults(fn=cmd_ls)
+
+    s = sub.add_parser("show", help="print a committed stage's manifest")
+    s.add_argument("stage", help="stage path, e.g. runs/<run>/1/rollout")
+    _add_blueprint(s)
+    s.set_defaults(fn=cmd_show)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    p = parser()
+    args, extra = p.parse_known_args(argv)
+    # KEY=VALUE overrides may follow options too (`run bp.yaml --run-id r iterations=3`).
+    stray = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
+    if stray:
+        p.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
+    try:
+        return args.fn(args)
+    except VerlflowError as e:
+        print(f"verlflow {args.verb}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("verlflow: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

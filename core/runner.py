@@ -1,0 +1,149 @@
+"""run_stage: the one core every orchestrator calls. Key -> skip if committed -> torchrun job -> manifest.
+
+A stage's key hashes the blueprint sections it reads, its inputs' keys, its iteration and the code version, so
+a committed stage with the same key is reused (that is how reruns resume) and a changed field reruns it.
+"""
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from core.blueprint import Blueprint
+from core.errors import StoreError
+from core.launcher import LaunchSpec, launch
+from core.store import ArtifactStore, stage_key
+
+log = logging.getLogger("verlflow.runner")
+
+STAGES = ("validate", "build", "rollout", "update", "checkpoint")
+
+# The blueprint sections each stage's outputs depend on. resources is absent on purpose: a checkpoint
+# reshards, so a world-size change reuses what was committed and continues.
+SECTIONS = {
+    "validate": ("model", "data", "reward", "algorithm", "rollout", "fsdp", "resources", "storage"),
+    "build": ("model", "fsdp", "algorithm", "seed", "deterministic"),
+    "rollout": ("model", "data", "reward", "rollout", "seed"),
+    "update": ("model", "data", "algorithm", "rollout", "fsdp", "seed", "deterministic"),
+    "checkpoint": ("storage",),
+}
+SINGLE_PROCESS = {"checkpoint"}  # an export needs no process group beyond one rank
+
+
+def code_version() -> str:
+    """Hash of the core package's sources: any change to the maths invalidates committed stages."""
+    h = hashlib.sha256()
+    root = Path(__file__).parent
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+_CODE_VERSION = None
+
+
+def _code_version() -> str:
+    global _CODE_VERSION
+    if _CODE_VERSION is None:
+        _CODE_VERSION = code_version()
+    return _CODE_VERSION
+
+
+def open_store(bp: Blueprint) -> ArtifactStore:
+    return ArtifactStore(bp.storage.uri, endpoint_url=bp.storage.endpoint_url, region=bp.storage.region)
+
+
+def compute_key(stage: str, bp: Blueprint, iteration, input_keys: dict[str, str], extra: dict | None = None) -> str:
+    payload = {"stage": stage, "iteration": iteration, "sections": bp.section_hash(*SECTIONS[stage]),
+               "inputs": dict(sorted(input_keys.items())), "code": _code_version(), "extra": extra or {}}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
+
+
+@dataclass
+class StageResult:
+    manifest: dict
+    skipped: bool
+    seconds: float
+
+    @property
+    def key(self) -> str:
+        return self.manifest["key"]
+
+
+def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[str, str], *,
+              on_line: Callable[[str], None] = print, cancel: threading.Event | None = None, force: bool = False,
+              store: ArtifactStore | None = None, extra_key: dict | None = None, env: dict | None = None) -> StageResult:
+    """Run `stage` for `iteration` unless a committed manifest with the same key exists. `inputs` maps an input
+    name to the stage key (store path) of a committed stage."""
+    t0 = time.time()
+    store = store or open_store(bp)
+    manifests = {}
+    for name, skey in inputs.items():
+        m = store.read_manifest(skey)
+        if m is None:
+            raise StoreError(f"{stage}[{iteration}]: input '{name}' ({store.uri(skey)}) is not committed; "
+                             "run the earlier stages first (verlflow rerun resumes at the first missing one).")
+        manifests[name] = m
+    key = compute_key(stage, bp, iteration, {n: m["key"] for n, m in manifests.items()}, extra_key)
+    out = stage_key(run_id, iteration, stage)
+    existing = store.read_manifest(out)
+    if existing is not None and existing.get("key") == key and not force:
+        on_line(f"[verlflow] {stage}[{iteration}] is committed with the same key: reusing {store.uri(out)}")
+        return StageResult(existing, True, time.time() - t0)
+    if existing is not None:
+        store.uncommit(out)  # invisible first, then replaced
+    store.rm(out)
+
+    scratch = Path(tempfile.mkdtemp(prefix=f"verlflow-{stage}-"))
+    job = {
+        "stage": stage, "run_id": run_id, "iteration": iteration, "output": out, "scratch": str(scratch),
+        "blueprint": bp.model_dump(mode="json"), "inputs": inputs,
+        "input_manifests": {n: {"key": m["key"], "metrics": m.get("metrics", {}), "lineage": m.get("lineage", [])}
+                            for n, m in manifests.items()},
+        "manifest": {
+            "stage": stage, "run_id": run_id, "iteration": iteration, "key": key,
+            "inputs": {n: {"stage": inputs[n], "key": m["key"]} for n, m in manifests.items()},
+            "blueprint_hash": bp.hash(), "blueprint_name": bp.name, "code_version": _code_version(),
+            "lineage": _lineage(manifests, inputs),
+        },
+        "launched_at": time.time(),
+    }
+    job_file = scratch / "job.json"
+    job_file.write_text(json.dumps(job))
+    res = bp.resources
+    nproc = 1 if stage in SINGLE_PROCESS else res.nproc_per_node
+    spec = LaunchSpec(module=f"core.stages.{stage}", args=[str(job_file)], nproc_per_node=nproc,
+                      nnodes=1 if stage in SINGLE_PROCESS else res.nnodes, timeout_s=res.stage_timeout_s,
+                      env=dict(env or {}), log_dir=str(scratch / "logs"))
+    on_line(f"[verlflow] {stage}[{iteration}] -> {store.uri(out)} ({nproc} x {spec.nnodes} ranks)")
+    try:
+        launch(spec, on_line=on_line, cancel=cancel)
+    except BaseException:
+        if store.read_manifest(out) is None:
+            store.rm(out)  # a failed stage leaves nothing behind, not even invisible partial data
+        raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    manifest = store.read_manifest(out)
+    if manifest is None or manifest.get("key") != key:
+        raise StoreError(f"{stage}[{iteration}]: the job exited cleanly but committed no manifest at {store.uri(out)}")
+    return StageResult(manifest, False, time.time() - t0)
+
+
+def _lineage(manifests: dict, inputs: dict) -> list:
+    """Warm-start ancestry: carried forward from inputs so every manifest knows where its weights came from."""
+    if "warm_start" in manifests:
+        m = manifests["warm_start"]
+        return m.get("lineage", []) + [{"run_id": m.get("run_id"), "iteration": m.get("iteration"),
+                                        "stage": inputs["warm_start"], "key": m["key"]}]
+    for name in ("policy", "build", "update"):
+        if name in manifests and manifests[name].get("lineage"):
+            return manifests[name]["lineage"]
+    return []

@@ -1,0 +1,41 @@
+"""checkpoint: export the iteration's policy as an HF safetensors folder, then promote it and apply retention.
+
+Inputs: `build` (hf_meta/), `update` (policy/), `rollout` (its metrics rank the checkpoint). Output: hf/.
+Promotion happens after this stage's manifest is committed: `latest` never points at a half-written export.
+"""
+
+import logging
+
+from core import checkpoint, model as M
+from core.promote import promote
+from core.stages.build import copy_meta
+from core.stages.common import StageContext, stage_main
+
+log = logging.getLogger("verlflow.checkpoint")
+
+
+def run(ctx: StageContext) -> dict:
+    if not ctx.is_main():
+        return {}
+    meta_dir = ctx.input("build") / "hf_meta"
+    policy_dir = ctx.input("update") / "policy"
+    with ctx.timed("export_s"):
+        model = M.build_module(meta_dir, ctx.bp)
+        checkpoint.load_full(policy_dir, model)
+        model.config.use_cache = True
+        model.save_pretrained(ctx.out / "hf", safe_serialization=True)
+        copy_meta(meta_dir, ctx.out / "hf")
+    state = checkpoint.read_state(policy_dir)
+    rollout = ctx.input_manifest("rollout")["metrics"]
+    return {"step": state["step"], "data_cursor": state["data_cursor"], "reward_mean": rollout.get("reward_mean"),
+            "reward_std": rollout.get("reward_std")}
+
+
+def after_commit(ctx: StageContext, manifest: dict) -> None:
+    promote(ctx.store, ctx.bp, ctx.job, manifest)
+
+
+main = stage_main(run, after_commit)
+
+if __name__ == "__main__":
+    main()

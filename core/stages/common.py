@@ -1,0 +1,196 @@
+"""What every stage worker shares: the job file, process group, logging with ranks, inputs, and the commit.
+
+A stage module is `main = stage_main(run)` where `run(ctx) -> metrics`. The worker writes its outputs into
+`ctx.out`; after every rank is done, rank 0 commits the manifest (so a crash commits nothing).
+"""
+
+import json
+import logging
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from core.blueprint import Blueprint
+from core.store import ArtifactStore, file_digest
+
+log = logging.getLogger("verlflow.stage")
+
+
+@dataclass
+class StageContext:
+    job: dict
+    bp: Blueprint
+    store: ArtifactStore
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    out: Path
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def iteration(self):
+        return self.job["iteration"]
+
+    def input(self, name: str) -> Path:
+        """Local folder of a committed input stage, checksums verified (once per node)."""
+        key = self.job["inputs"][name]
+        cache = Path(self.job["scratch"]) / "inputs" / name
+        path = None
+        if self.local_rank == 0:
+            path = self.store.materialize(key, cache)
+        if self.world > 1:
+            dist.barrier()
+        return path if path is not None else self.store.local_path(key) or cache
+
+    def input_manifest(self, name: str) -> dict:
+        return self.job["input_manifests"][name]
+
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def timed(self, name: str):
+        return _Timer(self.timings, name)
+
+
+class _Timer:
+    def __init__(self, into: dict, name: str):
+        self.into, self.name = into, name
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.into[self.name] = round(self.into.get(self.name, 0.0) + time.perf_counter() - self.t0, 4)
+
+
+def setup_logging(rank: int) -> None:
+    # verl calls logging.basicConfig on import; force our format so every line carries the rank.
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank{rank}] %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", force=True, stream=sys.stdout)
+
+
+def env_summary() -> dict:
+    import transformers
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "host": platform.node(), "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+    try:
+        from importlib.metadata import version
+
+        info["verl"] = version("verl")
+    except Exception:  # verl metadata missing is reported by validate, not here
+        info["verl"] = None
+    return info
+
+
+def _init_process_group(bp: Blueprint) -> tuple[int, int, int, torch.device]:
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if bp.resources.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(bp.resources.dist_backend, timeout=timedelta(seconds=bp.resources.stage_timeout_s))
+    return rank, world, local_rank, device
+
+
+def _seed(bp: Blueprint, iteration, rank: int) -> None:
+    import random
+
+    import numpy as np
+
+    it = iteration if isinstance(iteration, int) else 0
+    s = bp.seed * 100_003 + it * 1_009 + rank
+    random.seed(s)
+    np.random.seed(s % 2**32)
+    torch.manual_seed(s)
+    if bp.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def _commit(ctx: StageContext, metrics: dict, t_start: float) -> dict | None:
+    """Digest (and upload, for remote stores) what this node wrote; rank 0 writes the manifest last."""
+    local_store = ctx.store.local_path(ctx.job["output"]) is not None
+    files: dict = {}
+    writer = ctx.rank == 0 if local_store else ctx.local_rank == 0
+    if writer:
+        for f in sorted(p for p in ctx.out.rglob("*") if p.is_file()):
+            rel = f.relative_to(ctx.out).as_posix()
+            files[rel] = file_digest(f)
+        if not local_store:
+            ctx.store.upload_dir(ctx.out, ctx.job["output"])
+    if ctx.world > 1:
+        gathered = [None] * ctx.world
+        dist.all_gather_object(gathered, files)
+        files = {k: v for part in gathered if part for k, v in part.items()}
+    if ctx.rank == 0:
+        manifest = dict(ctx.job["manifest"])
+        manifest.update(
+            metrics=metrics,
+            timings={**ctx.timings, "stage_s": round(time.time() - t_start, 3),
+                     "launch_to_worker_s": round(t_start - ctx.job.get("launched_at", t_start), 3)},
+            env=env_summary(),
+            world_size=ctx.world,
+        )
+        manifest = ctx.store.commit(ctx.job["output"], manifest, files)
+        log.info("committed %s (%d files)", ctx.store.uri(ctx.job["output"]), len(files))
+        return manifest
+    return None
+
+
+def stage_main(run: Callable[[StageContext], dict],
+               after_commit: Callable[[StageContext, dict], None] | None = None) -> Callable[[], None]:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from core.launcher import worker_guard
+
+    @record
+    def main() -> None:
+        t_start = time.time()
+        worker_guard()
+        job = json.loads(Path(sys.argv[1]).read_text())
+        bp = Blueprint.model_validate(job["blueprint"])
+        rank, world, local_rank, device = _init_process_group(bp)
+        setup_logging(rank)
+        _seed(bp, job["iteration"], rank)
+        store = ArtifactStore(bp.storage.uri, endpoint_url=bp.storage.endpoint_url, region=bp.storage.region)
+        out = store.local_path(job["output"])
+        if out is None:  # remote store: write on local disk, upload at commit
+            out = Path(job["scratch"]) / "out"
+            if local_rank == 0:
+                shutil.rmtree(out, ignore_errors=True)
+        if world > 1:
+            dist.barrier()
+        out.mkdir(parents=True, exist_ok=True)
+        ctx = StageContext(job, bp, store, rank, world, local_rank, device, out)
+        try:
+            metrics = run(ctx) or {}
+            if world > 1:
+                dist.barrier()
+            manifest = _commit(ctx, metrics, t_start)
+            if after_commit is not None and ctx.rank == 0:
+                after_commit(ctx, manifest)
+            if world > 1:
+                dist.barrier()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    return main
+
+
+def scratch_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="verlflow-"))

@@ -1,0 +1,52 @@
+"""rollout: each rank samples its share of this iteration's prompts on an unsharded copy of the policy.
+
+Inputs: `build` (hf_meta/), `policy` (policy/ checkpoint). Outputs: batch.safetensors, samples.parquet.
+"""
+
+import logging
+
+import torch.distributed as dist
+
+from core import checkpoint, model as M
+from core.data import load_prompts, select
+from core.rollout import generate_share, save_batch
+from core.stages.common import StageContext, stage_main
+
+log = logging.getLogger("verlflow.rollout")
+
+
+def run(ctx: StageContext) -> dict:
+    bp = ctx.bp
+    meta_dir = ctx.input("build") / "hf_meta"
+    policy_dir = ctx.input("policy") / "policy"
+    tok = M.load_tokenizer(meta_dir)
+    state = checkpoint.read_state(policy_dir)
+    data = load_prompts(bp.data.train_files, bp.data.prompt_key)
+    rows = select(len(data), state["data_cursor"], bp.data.batch_size, bp.seed, bp.data.shuffle).tolist()
+    with ctx.timed("load_s"):
+        model = M.build_module(meta_dir, bp)
+        checkpoint.load_full(policy_dir, model)
+        model.to(ctx.device)
+    progress = log.info if ctx.is_main() else None
+    with ctx.timed("generate_s"):
+        mine = generate_share(model, tok, bp, data.take(rows), rows, ctx.iteration, ctx.rank, ctx.world,
+                              ctx.device, progress)
+    # One collective after generation, none during it: ranks that finish early simply wait here.
+    parts = [None] * ctx.world
+    if ctx.world > 1:
+        dist.all_gather_object(parts, mine)
+    else:
+        parts = [mine]
+    if not ctx.is_main():
+        return {}
+    stats = save_batch([s for p in parts for s in p], ctx.out, tok.pad_token_id, bp.rollout.max_new_tokens)
+    stats["data_cursor"] = state["data_cursor"]
+    log.info("rollout[%s]: reward mean %.4f std %.4f, %d samples, %.0f tok/s", ctx.iteration, stats["reward_mean"],
+             stats["reward_std"], stats["samples"], stats["tokens_per_s"])
+    return stats
+
+
+main = stage_main(run)
+
+if __name__ == "__main__":
+    main()

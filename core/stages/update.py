@@ -1,0 +1,70 @@
+"""update: old/ref log-probs, advantages, PPO epochs on the FSDP policy (and critic), a new DCP checkpoint.
+
+Inputs: `build` (hf_meta/, ref/), `policy` (policy/ [+ critic/]), `rollout` (batch). Outputs: policy/ [+ critic/].
+"""
+
+import logging
+
+from core import checkpoint, model as M, ppo
+from core.optim import make_optimizer
+from core.rollout import load_batch
+from core.stages.common import StageContext, stage_main
+
+log = logging.getLogger("verlflow.update")
+
+
+def sharded(ctx: StageContext, meta_dir, critic: bool = False):
+    """An FSDP model whose weights come from a checkpoint load (meta init where FSDP2 allows)."""
+    module = M.build_module(meta_dir, ctx.bp, critic=critic, meta=ctx.bp.fsdp.version == 2)
+    model, rep = M.wrap_fsdp(module, ctx.bp, ctx.device)
+    problems = M.check_shards(rep, ctx.bp)
+    if problems:
+        raise RuntimeError("; ".join(problems))
+    return model
+
+
+def run(ctx: StageContext) -> dict:
+    bp, it = ctx.bp, ctx.iteration
+    build, prev = ctx.input("build"), ctx.input("policy")
+    meta_dir = build / "hf_meta"
+    batch = load_batch(ctx.input("rollout"))
+    gae = bp.algorithm.adv_estimator == "gae"
+    args = (ctx.rank, ctx.world, ctx.device)
+    with ctx.timed("ref_s"):
+        ref = sharded(ctx, meta_dir)
+        checkpoint.load(build / "ref", ref)
+        ref_logp = ppo.score_all(ref, batch, bp, *args)
+        del ref
+    with ctx.timed("load_s"):
+        policy = sharded(ctx, meta_dir)
+        popt = make_optimizer(policy, bp)
+        state = checkpoint.load(prev / "policy", policy, popt)
+        critic = copt = values = None
+        if gae:
+            critic = sharded(ctx, meta_dir, critic=True)
+            copt = make_optimizer(critic, bp, critic=True)
+            checkpoint.load(prev / "critic", critic, copt)
+    with ctx.timed("old_logp_s"):
+        old_logp = ppo.score_all(policy, batch, bp, *args)
+        if gae:
+            values = ppo.score_all(critic, batch, bp, *args, critic=True)
+    adv, ret, adv_metrics = ppo.advantages(bp, batch, old_logp, ref_logp, values)
+    with ctx.timed("train_s"):
+        history, step = ppo.train(bp, batch, old_logp, ref_logp, adv, ret, policy, popt, *args, iteration=it,
+                                  step=state["step"], critic=critic, copt=copt, values=values,
+                                  progress=log.info if ctx.is_main() else None)
+    new_state = {**state, "step": step, "data_cursor": state["data_cursor"] + bp.data.batch_size, "iteration": it}
+    with ctx.timed("save_s"):
+        checkpoint.save(ctx.out / "policy", policy, popt, new_state)
+        if gae:
+            checkpoint.save(ctx.out / "critic", critic, copt, new_state)
+    last = history[-1]
+    return {**adv_metrics, "step": step, "mini_batches": history, "pg_loss": last["pg_loss"],
+            "kl_loss": last["kl_loss"], "entropy": last["entropy"], "pg_clipfrac": last["pg_clipfrac"],
+            "grad_norm": last["grad_norm"], "tokens_per_s": last["tokens_per_s"]}
+
+
+main = stage_main(run)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""validate: everything the run needs, checked at the blueprint's world size, every problem reported at once.
+
+Output: report.json / report.md. Any fatal problem fails the stage (nothing committed) with the full list.
+"""
+
+import json
+import logging
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+import torch.distributed as dist
+from packaging.version import Version
+
+from core import model as M
+from core.errors import InputError
+from core.stages.common import StageContext, stage_main
+
+log = logging.getLogger("verlflow.validate")
+
+MINIMUMS = {"torch": ("2.6", None), "transformers": ("5.5.3", "5.11"), "verl": ("0.9.1", "0.10")}
+
+
+class Report:
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    def add(self, check: str, ok: bool, detail: str, fatal: bool = True):
+        self.rows.append({"check": check, "ok": bool(ok), "detail": detail, "fatal": fatal and not ok})
+
+    def guard(self, check: str, fn):
+        """Run one check; an exception is a failed check, not a crashed stage."""
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - every problem is reported, not just the first
+            self.add(check, False, f"{type(e).__name__}: {e}")
+
+
+def check_versions(r: Report):
+    r.add("python", sys.version_info >= (3, 10), f"{sys.version.split()[0]} (need >= 3.10)")
+    for pkg, (lo, hi) in MINIMUMS.items():
+        try:
+            v = version(pkg)
+        except PackageNotFoundError:
+            r.add(pkg, False, f"{pkg} is not installed; pip install 'verlflow' brings it")
+            continue
+        base = Version(Version(v).base_version)
+        ok = base >= Version(lo) and (hi is None or base < Version(hi))
+        r.add(pkg, ok, f"{v} (need >= {lo}{f', < {hi}' if hi else ''})")
+
+
+def check_devices(ctx: StageContext, r: Report):
+    res = ctx.bp.resources
+    if res.device == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        r.add("accelerators", n >= res.nproc_per_node,
+              f"{n} CUDA device(s) visible, resources.nproc_per_node={res.nproc_per_node}")
+        if n:
+            free, total = torch.cuda.mem_get_info(ctx.device)
+            r.add("device_memory", True, f"rank {ctx.rank}: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free",
+                  fatal=False)
+    else:
+        r.add("accelerators", True, f"cpu with gloo, {res.nproc_per_node} rank(s) per node", fatal=False)
+
+
+def check_allreduce(ctx: StageContext, r: Report):
+    t = torch.tensor([float(ctx.rank + 1)], device=ctx.device)
+    dist.all_reduce(t)
+    want = ctx.world * (ctx.world + 1) / 2
+    r.add("all_reduce", t.item() == want, f"sum over {ctx.world} ranks = {t.item()} (want {want})")
+
+
+def check_fsdp_sharding(ctx: StageContext, r: Report):
+    """The tutorial's silent failure: FSDP that runs but does not shard. A toy model must split ~1/world."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]).to(ctx.device)
+    total = sum(p.numel() for p in net.parameters())
+    for layer in net:
+        fully_shard(layer)
+    fully_shard(net)
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in net.parameters())
+    share = local * ctx.world / total
+    r.add("fsdp_shard", 0.75 <= share <= 1.25,
+          f"rank {ctx.rank} holds {local} of {total} parameters ({share:.2f} x 1/world at world={ctx.world})")
+
+
+def check_model(ctx: StageContext, r: Report):
+    bp = ctx.bp
+    problems = M.check_model_dir(bp.model.path)
+    r.add("model_folder", not problems, "; ".join(problems) or bp.model.path)
+    if problems:
+        return
+    r.guard("tokenizer", lambda: (M.load_tokenizer(bp.model.path), r.add("tokenizer", True, "loads, has chat template")))
+    meta = M.build_module(bp.model.path, bp, meta=True)
+    cls = M.decoder_layer_class(meta, bp.fsdp.wrap_class)
+    layers = sum(1 for m in meta.modules() if isinstance(m, cls))
+    r.add("decoder_layer", layers > 0, f"{cls.__name__} x {layers}")
+    check_memory(ctx, r, sum(p.numel() for p in meta.parameters()), meta.config)
+
+
+def check_memory(ctx: StageContext, r: Report, n_params: int, config):
+    bp, world = ctx.bp, ctx.bp.resources.world_size
+    bytes_p = M.DTYPES[bp.model.dtype].itemsize
+    # policy (params + fp32 grads + Adam moments) and ref, sharded; activations of one micro-batch unsharded.
+    state = n_params * (bytes_p + 4 + 8) / world + n_params * bytes_p / world
+    if bp.algorithm.adv_estimator == "gae":
+        state *= 2
+    seq = bp.data.max_prompt_length + bp.rollout.max_new_tokens
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    act = bp.algorithm.ppo_micro_batch_size_per_gpu * seq * hidden * layers * 34 * (
+        0.1 if bp.fsdp.activation_checkpointing else 1.0)
+    logits = bp.algorithm.ppo_micro_batch_size_per_gpu * seq * config.vocab_size * 4 * 3
+    need = state + act + logits
+    if bp.resources.device == "cuda" and torch.cuda.is_available():
+        _, have = torch.cuda.mem_get_info(ctx.device)
+    else:
+        import psutil
+
+        have = psutil.virtual_memory().available / bp.resources.nproc_per_node
+    r.add("memory_estimate", need < 0.9 * have,
+          f"~{need / 2**30:.2f} GiB per rank (params {n_params / 1e6:.1f}M, world {world}) vs {have / 2**30:.1f} GiB; "
+          "lower micro-batch, enable fsdp.activation_checkpointing or add ranks if short")
+
+
+def check_inputs(ctx: StageContext, r: Report):
+    from core.data import load_prompts
+    from core.rewards import load_reward
+
+    bp = ctx.bp
+    r.guard("dataset", lambda: r.add("dataset", True,
+                                     f"{len(load_prompts(bp.data.train_files, bp.data.prompt_key))} prompts"))
+    r.guard("reward", lambda: (load_reward(bp.reward.function, bp.reward.module),
+                               r.add("reward", True, bp.reward.function)))
+
+
+def run(ctx: StageContext) -> dict:
+    r = Report()
+    check_versions(r)
+    check_devices(ctx, r)
+    r.guard("all_reduce", lambda: check_allreduce(ctx, r))
+    r.guard("fsdp_shard", lambda: check_fsdp_sharding(ctx, r))
+    if ctx.is_main():
+        r.guard("store_probe", lambda: (ctx.store.probe(), r.add("store_probe", True, ctx.store.root_uri)))
+        r.guard("model", lambda: check_model(ctx, r))
+        check_inputs(ctx, r)
+    rows = [None] * ctx.world
+    dist.all_gather_object(rows, r.rows)
+    failed = [f"rank {i}: {row['check']}: {row['detail']}" for i, rs in enumerate(rows) for row in rs if row["fatal"]]
+    if ctx.is_main():
+        (ctx.out / "report.json").write_text(json.dumps(rows, indent=1))
+        lines = ["| rank | check | ok | detail |", "|---|---|---|---|"]
+        lines += [f"| {i} | {row['check']} | {'yes' if row['ok'] else 'NO'} | {row['detail']} |"
+                  for i, rs in enumerate(rows) for row in rs]
+        (ctx.out / "report.md").write_text("\n".join(lines) + "\n")
+        for line in lines[2:]:
+            log.info(line)
+    if failed:
+        raise InputError("validate found {} problem(s):\n  ".format(len(failed)) + "\n  ".join(failed))
+    return {"checks": sum(len(rs) for rs in rows), "problems": 0}
+
+
+main = stage_main(run)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,425 @@
+"""The artifact store: files of every stage under one root (file:// or s3://), committed by a manifest.
+
+Layout under the root:
+    runs/<run_id>/<iteration>/<stage>/...            data files, then manifest.json (written LAST)
+    index/<key>.json                                 {"manifest": "<stage_key>/manifest.json"}
+    pointers/<name>.json                             e.g. the promoted `latest` iteration
+    _probe/                                          scratch objects of probe()
+
+A stage is *committed* once its manifest.json exists; readers trust manifests only and check every file's
+sha256 and size against it. Credentials come from the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+AWS_ENDPOINT_URL, ... read by s3fs/botocore) or from `storage_options` in code; they never reach a manifest,
+repr() or an error message.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import fsspec
+
+from core.errors import ChecksumError, StoreError, UnsafeKeyError, VerlflowError
+
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+CHUNK = 1 << 20
+MANIFEST = "manifest.json"
+_SECRET_OPTIONS = ("secret", "token", "key", "password", "aws_secret_access_key", "aws_session_token")
+
+
+def safe_key(key: str) -> str:
+    """Return `key` if it is a relative '/'-separated key that stays under the store root, else raise."""
+    allowed = ("a relative key of '/'-separated segments, e.g. 'runs/r1/0/rollout/batch.pt': no leading '/', "
+               "no '.', '..' or empty segments, no backslashes or control characters")
+    problem = None
+    if not isinstance(key, str) or not key:
+        problem = "it is empty or not a string"
+    elif key.startswith("/"):
+        problem = "it is absolute"
+    elif "\\" in key:
+        problem = "it contains a backslash"
+    elif any(ord(c) < 32 or ord(c) == 127 for c in key):
+        problem = "it contains a NUL or control character"
+    elif any(seg in ("", ".", "..") for seg in key.split("/")):
+        problem = "it has an empty, '.' or '..' segment"
+    if problem:
+        raise UnsafeKeyError(f"Artifact key {key!r} is refused because {problem}; allowed is {allowed}.")
+    return key
+
+
+def safe_name(name: str, what: str = "name") -> str:
+    """Run ids, stage and pointer names: one segment matching [A-Za-z0-9][A-Za-z0-9._-]*."""
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise UnsafeKeyError(f"{what} {name!r} is refused; allowed is [A-Za-z0-9][A-Za-z0-9._-]* "
+                             "(a letter or digit, then letters, digits, '.', '_' or '-').")
+    return name
+
+
+def stage_key(run_id: str, iteration: int | str, stage: str) -> str:
+    """`runs/<run_id>/<iteration>/<stage>`; iteration is an int >= 0 or a name such as "init"."""
+    if isinstance(iteration, bool) or not isinstance(iteration, (int, str)) or \
+            (isinstance(iteration, int) and iteration < 0):
+        raise UnsafeKeyError(f"iteration {iteration!r} is refused; allowed is an int >= 0 or a name like 'init'.")
+    it = str(iteration) if isinstance(iteration, int) else safe_name(iteration, "iteration")
+    return f"runs/{safe_name(run_id, 'run_id')}/{it}/{safe_name(stage, 'stage')}"
+
+
+def _secret_values(opts: dict) -> set[str]:
+    """Credential values passed in storage_options (also inside client_kwargs), to keep out of text we write."""
+    found = set()
+    for k, v in opts.items():
+        if isinstance(v, dict):
+            found |= _secret_values(v)
+        elif k.lower() in _SECRET_OPTIONS and v:
+            found.add(str(v))
+    return found
+
+
+def _index_key(key: str) -> str:
+    return f"index/{safe_key(key)}.json"
+
+
+def file_digest(local_path: str | os.PathLike) -> dict[str, Any]:
+    """{"sha256": hex, "size": bytes} of a local file, read in 1 MiB chunks."""
+    h, size = hashlib.sha256(), 0
+    with open(local_path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return {"sha256": h.hexdigest(), "size": size}
+
+
+class ArtifactStore:
+    def __init__(self, uri: str | os.PathLike, *, endpoint_url: str | None = None, region: str | None = None,
+                 storage_options: dict | None = None):
+        uri = str(uri)
+        self.protocol = uri.split("://", 1)[0] if "://" in uri else "file"
+        opts = dict(storage_options or {})
+        self._secrets = _secret_values(opts)
+        if self.protocol == "file":
+            opts["auto_mkdir"] = True
+        elif self.protocol == "s3":
+            bucket = uri.split("://", 1)[1].split("/", 1)[0]
+            if "@" in bucket or ":" in bucket:  # s3://KEY:SECRET@bucket (secrets may contain '/')
+                raise StoreError("The store URI must not carry credentials (s3://key:secret@bucket); set "
+                                 "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the environment instead.")
+            if endpoint_url:
+                opts["endpoint_url"] = endpoint_url
+            if region:
+                opts["client_kwargs"] = {**opts.get("client_kwargs", {}), "region_name": region}
+        else:
+            raise StoreError(f"Store URI {uri!r} uses the unsupported protocol {self.protocol!r}; "
+                             "use a local path, file:///abs/path or s3://bucket/prefix.")
+        self.fs, root = fsspec.core.url_to_fs(uri, **opts)
+        self.root = root.rstrip("/") or "/"
+        self.root_uri = f"{self.protocol}://{self.root}"
+        self.is_local = self.protocol == "file"
+
+    stage_key = staticmethod(stage_key)
+    file_digest = staticmethod(file_digest)
+
+    def __repr__(self) -> str:
+        return f"ArtifactStore({self.root_uri!r})"
+
+    # ---------- paths and errors
+    def _path(self, key: str) -> str:
+        return f"{self.root.rstrip('/')}/{safe_key(key)}"
+
+    def uri(self, key: str) -> str:
+        """Full URI of a key, e.g. s3://bucket/prefix/runs/r1/0/rollout/batch.pt."""
+        return f"{self.protocol}://{self._path(key)}"
+
+    def local_path(self, key: str) -> Path | None:
+        """The folder/file of a key on this machine's disk for file:// stores (workers write there); else None."""
+        return Path(self._path(key)) if self.is_local else None
+
+    def _redact(self, text: str) -> str:
+        secrets = self._secrets | {os.environ.get(v, "") for v in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")}
+        for s in secrets:
+            if len(s) >= 4:
+                text = text.replace(s, "***")
+        return text
+
+    @contextmanager
+    def _wrap(self, action: str, key: str = "") -> Iterator[None]:
+        """Turn fsspec/botocore/OS errors into one StoreError paragraph naming the URI and a fix."""
+        try:
+            yield
+        except VerlflowError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every backend error becomes a StoreError
+            where = self.uri(key) if key else self.root_uri
+            reason = self._redact(f"{type(exc).__name__}: {exc}")
+            raise StoreError(f"Artifact store could not {action} {where}: {reason}. {self._hint(exc)}") from exc
+
+    def _hint(self, exc: Exception) -> str:
+        names = {c.__name__ for c in type(exc).__mro__} | {type(exc.__cause__).__name__}
+        text = str(exc).lower()
+        if "NoCredentialsError" in names or "PartialCredentialsError" in names:
+            return ("No S3 credentials were found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the "
+                    "environment (or load them from a Prefect Secret), or pass storage_options in code.")
+        if "NoSuchBucket" in names or "bucket does not exist" in text:
+            bucket = self.root.split("/")[0]
+            return f"The bucket does not exist: create it (e.g. `aws s3 mb s3://{bucket}`) or fix storage.uri."
+        if {"EndpointConnectionError", "ConnectionError", "ClientConnectorError"} & names:
+            return "The S3 endpoint cannot be reached: check AWS_ENDPOINT_URL / endpoint_url and the network."
+        if isinstance(exc, PermissionError):
+            if self.is_local:
+                return "The folder is not writable by this user: fix its permissions or choose another storage.uri."
+            return ("Access was denied: check that the credentials are valid and may read and write this "
+                    "bucket and prefix (and that AWS_ENDPOINT_URL / region are right).")
+        if isinstance(exc, (NotADirectoryError, FileExistsError)):
+            return "A part of the path is a regular file, not a folder: choose another storage.uri."
+        return "Check storage.uri and the store's credentials, then retry."
+
+    def _fresh(self) -> None:
+        self.fs.invalidate_cache()  # s3fs caches listings; other ranks/processes may have written since
+
+    # ---------- basic IO
+    def put_bytes(self, key: str, data: bytes) -> None:
+        with self._wrap("write", key):
+            self.fs.pipe_file(self._path(key), data)
+
+    def get_bytes(self, key: str) -> bytes:
+        with self._wrap("read", key):
+            return self.fs.cat_file(self._path(key))
+
+    def _get_or_none(self, key: str) -> bytes | None:
+        try:
+            return self.fs.cat_file(self._path(key))
+        except FileNotFoundError as exc:
+            if type(exc.__cause__).__name__ == "NoSuchBucket":
+                with self._wrap("read", key):
+                    raise
+            return None
+        except (IsADirectoryError, NotADirectoryError):
+            return None
+        except Exception:
+            with self._wrap("read", key):
+                raise
+
+    def exists(self, key: str) -> bool:
+        with self._wrap("check", key):
+            self._fresh()
+            return self.fs.exists(self._path(key))
+
+    def ls(self, prefix: str = "") -> list[str]:
+        """Every file key under `prefix` (the whole store if empty), relative to the store root, sorted."""
+        base = self._path(prefix) if prefix else self.root
+        with self._wrap("list", prefix):
+            self._fresh()
+            found = self.fs.find(base)
+        cut = len(self.root.rstrip("/")) + 1
+        return sorted(p[cut:] for p in found)
+
+    def rm(self, prefix: str) -> None:
+        """Delete one key or everything under `prefix` (missing is fine)."""
+        with self._wrap("delete", prefix):
+            self._fresh()
+            try:
+                self.fs.rm(self._path(prefix), recursive=True)
+            except FileNotFoundError as exc:
+                if type(exc.__cause__).__name__ == "NoSuchBucket":
+                    raise
+
+    def upload_file(self, local: str | os.PathLike, key: str) -> None:
+        path = self._path(key)
+        if self.is_local and os.path.exists(path) and os.path.samefile(local, path):
+            return  # the worker wrote straight into the stage folder
+        with self._wrap("upload to", key):
+            self.fs.put_file(os.fspath(local), path)
+
+    def download_file(self, key: str, local: str | os.PathLike) -> None:
+        local = Path(local)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        part = local.with_name(f".{local.name}.{uuid.uuid4().hex[:8]}.part")
+        with self._wrap("download", key):
+            try:
+                self.fs.get_file(self._path(key), str(part))
+                os.replace(part, local)
+            finally:
+                part.unlink(missing_ok=True)
+
+    def upload_dir(self, local_dir: str | os.PathLike, key_prefix: str) -> list[str]:
+        """Upload every file below local_dir to <key_prefix>/<rel>; return the rel names (sorted, '/'-separated)."""
+        local_dir, key_prefix = Path(local_dir), safe_key(key_prefix)
+        names = sorted(p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*") if p.is_file())
+        for rel in names:
+            self.upload_file(local_dir / rel, f"{key_prefix}/{safe_key(rel)}")
+        return names
+
+    def _write_atomic(self, key: str, data: bytes) -> None:
+        """Readers see the old object or the new one, never half of it."""
+        path = self._path(key)
+        with self._wrap("write", key):
+            if not self.is_local:
+                self.fs.pipe_file(path, data)  # a single S3 PUT is atomic
+                return
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
+            try:
+                with open(tmp, "xb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+
+    def _read_json(self, key: str) -> dict | None:
+        raw = self._get_or_none(key)
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise StoreError(f"{self.uri(key)} is not valid JSON ({exc}); delete it or rerun the stage "
+                             "that wrote it.") from exc
+
+    # ---------- commit protocol
+    def commit(self, stage_key: str, manifest: dict, files: dict[str, dict]) -> dict:
+        """Write <stage_key>/manifest.json (after checking every listed file is there), then the index entry."""
+        safe_key(stage_key)
+        if not isinstance(manifest.get("key"), str):
+            raise StoreError(f"The manifest for {self.uri(stage_key)} has no string 'key'; "
+                             "every stage manifest needs one.")
+        index_key = _index_key(manifest["key"])
+        with self._wrap("check files of", stage_key):
+            self._fresh()
+            for rel, d in files.items():
+                if rel == MANIFEST:
+                    raise StoreError(f"{self.uri(stage_key)}: a data file may not be called {MANIFEST}.")
+                key = f"{stage_key}/{safe_key(rel)}"
+                try:
+                    size = self.fs.size(self._path(key))
+                except FileNotFoundError:
+                    raise StoreError(f"Cannot commit {self.uri(stage_key)}: the listed file {self.uri(key)} is missing "
+                                     "from the store; upload every data file before committing.") from None
+                if size != d["size"]:
+                    raise StoreError(f"Cannot commit {self.uri(stage_key)}: {self.uri(key)} has {size} bytes but "
+                                     f"{d['size']} were recorded; upload it again before committing.")
+        listed = {rel: {"sha256": d["sha256"], "size": d["size"]} for rel, d in sorted(files.items())}
+        stored = {**manifest, "files": listed, "format": 1, "stage_uri": self.uri(stage_key),
+                  "committed_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+        text = json.dumps(stored, indent=2, sort_keys=True, default=str)
+        if self._redact(text) != text:
+            raise StoreError(f"Refusing to commit {self.uri(stage_key)}: the manifest contains a credential value; "
+                             "remove secrets (e.g. environment dumps) from the manifest.")
+        self._write_atomic(f"{stage_key}/{MANIFEST}", text.encode())
+        self._write_atomic(index_key, json.dumps({"manifest": f"{stage_key}/{MANIFEST}"}).encode())
+        return stored
+
+    def read_manifest(self, stage_key: str) -> dict | None:
+        """The committed manifest of a stage, or None if it never committed."""
+        return self._read_json(f"{safe_key(stage_key)}/{MANIFEST}")
+
+    def lookup(self, key: str) -> dict | None:
+        """The committed manifest whose "key" is `key`, or None (index missing, stale, or stage uncommitted)."""
+        entry = self._read_json(_index_key(key))
+        target = entry.get("manifest") if isinstance(entry, dict) else None
+        if not isinstance(target, str) or not target.endswith(f"/{MANIFEST}"):
+            return None
+        manifest = self._read_json(target)
+        return manifest if manifest and manifest.get("key") == key else None
+
+    def uncommit(self, stage_key: str) -> None:
+        """Make a stage invisible (manifest first), then drop its index entry and its data."""
+        manifest_key = f"{safe_key(stage_key)}/{MANIFEST}"
+        manifest = self.read_manifest(stage_key)
+        self.rm(manifest_key)
+        if manifest and isinstance(manifest.get("key"), str):
+            index_key = _index_key(manifest["key"])
+            entry = self._read_json(index_key)
+            if isinstance(entry, dict) and entry.get("manifest") == manifest_key:
+                self.rm(index_key)
+        self.rm(stage_key)
+
+    def mark_pruned(self, stage_key: str) -> None:
+        """Retention: the manifest is replaced by one listing no files (still committed, so reruns skip the
+        stage), then the data goes."""
+        manifest = self._committed(stage_key)
+        kept = {k: v for k, v in manifest.items() if k not in ("files", "format", "stage_uri", "committed_at")}
+        self.commit(stage_key, {**kept, "pruned": True, "pruned_files": sorted(manifest["files"])}, {})
+        for rel in manifest["files"]:
+            self.rm(f"{stage_key}/{safe_key(rel)}")
+
+    # ---------- verified reads
+    def _committed(self, stage_key: str) -> dict:
+        manifest = self.read_manifest(stage_key)
+        if manifest is None:
+            raise StoreError(f"Stage {self.uri(stage_key)} is not committed (no {MANIFEST}); run it first, or "
+                             f"rerun it with `verlflow rerun --from {stage_key.rsplit('/', 1)[-1]}`.")
+        return manifest
+
+    def _check(self, stage_key: str, rel: str, expected: dict, actual: dict) -> None:
+        if actual["sha256"] != expected["sha256"] or actual["size"] != expected["size"]:
+            raise ChecksumError(
+                f"{self.uri(f'{stage_key}/{rel}')} does not match its manifest: expected sha256 {expected['sha256']} "
+                f"({expected['size']} bytes), found sha256 {actual['sha256']} ({actual['size']} bytes). The file "
+                "changed after the stage committed; rerun the stage with "
+                f"`verlflow rerun --from {stage_key.rsplit('/', 1)[-1]}`.")
+
+    def read_verified(self, stage_key: str, rel: str) -> bytes:
+        """Bytes of one committed file, checked against the manifest."""
+        files = self._committed(stage_key)["files"]
+        if rel not in files:
+            raise StoreError(f"{self.uri(stage_key)} has no file {rel!r}; its manifest lists {sorted(files)}.")
+        data = self.get_bytes(f"{stage_key}/{safe_key(rel)}")
+        self._check(stage_key, rel, files[rel], {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)})
+        return data
+
+    def materialize(self, stage_key: str, local_dir: str | os.PathLike | None = None) -> Path:
+        """A local folder holding every file of the committed stage, each verified against the manifest.
+
+        file:// stores return the stage folder itself. s3:// stores download into local_dir (default
+        $VERLFLOW_CACHE_DIR or ~/.cache/verlflow, then <bucket/prefix>/<stage_key>); files already there with
+        the right digest are not downloaded again.
+        """
+        files = self._committed(stage_key)["files"]
+        if self.is_local:
+            folder = Path(self._path(stage_key))
+        else:
+            cache = Path(os.environ.get("VERLFLOW_CACHE_DIR") or Path.home() / ".cache" / "verlflow")
+            folder = Path(local_dir) if local_dir is not None else cache / self.root / stage_key
+        for rel, expected in files.items():
+            key, dst = f"{stage_key}/{safe_key(rel)}", folder / rel
+            actual = file_digest(dst) if dst.is_file() else None
+            if not self.is_local and actual != expected:  # not in the cache yet, or damaged there
+                try:
+                    self.download_file(key, dst)
+                    actual = file_digest(dst)
+                except StoreError as exc:
+                    if not isinstance(exc.__cause__, FileNotFoundError):
+                        raise
+                    actual = None
+            if actual is None:
+                raise ChecksumError(f"{self.uri(key)} is listed in the manifest but missing; rerun the stage with "
+                                    f"`verlflow rerun --from {stage_key.rsplit('/', 1)[-1]}`.")
+            self._check(stage_key, rel, expected, actual)
+        return folder
+
+    # ---------- pointers and probe
+    def set_pointer(self, name: str, value: dict) -> None:
+        self._write_atomic(f"pointers/{safe_key(name)}.json", json.dumps(value, sort_keys=True).encode())
+
+    def get_pointer(self, name: str) -> dict | None:
+        return self._read_json(f"pointers/{safe_key(name)}.json")
+
+    def probe(self) -> None:
+        """Write, read back and delete a small object; raise StoreError saying what is wrong and how to fix it."""
+        key, payload = f"_probe/{uuid.uuid4().hex}", b"verlflow probe"
+        self.put_bytes(key, payload)
+        try:
+            if self.get_bytes(key) != payload:
+                raise StoreError(f"Artifact store {self.root_uri} returned different bytes than were written to "
+                                 f"{self.uri(key)}; check the endpoint (AWS_ENDPOINT_URL) and any proxy in between.")
+        finally:
+            self.rm(key)
