@@ -20,7 +20,7 @@ KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelSpec(Section):
@@ -35,6 +35,7 @@ class ModelSpec(Section):
 class DataSpec(Section):
     train_files: list[str] = Field(
         ["tiny/qwen2/data/train.parquet"],
+        min_length=1,
         description="Parquet files in verl's RL schema: prompt (chat messages), data_source, reward_model.ground_truth.",
     )
     prompt_key: str = "prompt"
@@ -201,14 +202,20 @@ def _dump(v: Any) -> Any:
 # Loading with errors that point at the YAML line.
 
 
-def _line_map(text: str) -> dict[tuple, int]:
-    """Maps a YAML path (tuple of keys/indices) to its 1-based line."""
+def _line_map(text: str, duplicates: list | None = None) -> dict[tuple, int]:
+    """Maps a YAML path (tuple of keys/indices) to its 1-based line. Keys repeated in one mapping (which
+    yaml.safe_load silently collapses to the last) are appended to `duplicates` as (path, first, again)."""
     lines: dict[tuple, int] = {}
 
     def walk(node, path):
         lines.setdefault(path, node.start_mark.line + 1)
         if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
             for k, v in node.value:
+                if duplicates is not None and isinstance(k, yaml.ScalarNode):
+                    if k.value in seen:
+                        duplicates.append((path + (k.value,), seen[k.value], k.start_mark.line + 1))
+                    seen.setdefault(k.value, k.start_mark.line + 1)
                 lines[path + (k.value,)] = k.start_mark.line + 1
                 walk(v, path + (k.value,))
         elif isinstance(node, yaml.SequenceNode):
@@ -239,16 +246,27 @@ def _allowed(loc: tuple) -> str:
     return f"{hint} Allowed keys here: {', '.join(names)}."
 
 
-def format_validation_error(err: ValidationError, source: str, lines: dict[tuple, int]) -> str:
+def format_validation_error(err: ValidationError, source: str, lines: dict[tuple, int],
+                            overridden: dict[tuple, str] | None = None) -> str:
     out = []
     for e in err.errors():
         loc = tuple(p for p in e["loc"])
-        field = ".".join(str(p) for p in loc) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if not loc:  # a cross-field rule: its message names the fields itself
+            out.append(f"{source}: {msg}")
+            continue
+        field = ".".join(str(p) for p in loc)
         line = next((lines[loc[:i]] for i in range(len(loc), -1, -1) if loc[:i] in lines), None)
         where = f"{source}:{line}" if line else source
-        msg = e["msg"].removeprefix("Value error, ")
+        # A value that came from a command-line override is reported as that override, not as a file line.
+        hit = [p for p in (overridden or {}) if loc[:len(p)] == p or p[:len(loc)] == loc]
+        if hit:
+            where = f"override '{overridden[max(hit, key=len)]}'"
         if e["type"] == "extra_forbidden":
             msg = f"unknown key '{loc[-1]}'.{_allowed(loc)}"
+        elif e["type"] == "model_type":
+            kind = type(e.get("input")).__name__
+            msg = f"must be a mapping of fields (key: value lines), not a {kind}.{_allowed(loc + ('',))}"
         elif "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], (dict, list)):
             msg = f"{msg} (got {e['input']!r})"
         out.append(f"{where}: {field}: {msg}")
@@ -259,11 +277,15 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text or text.startswith("="):
         raise BlueprintError(f"override '{text}' must look like section.field=value, e.g. rollout.n=8")
     key, raw = text.split("=", 1)
+    if any(not part.strip() for part in key.split(".")):
+        raise BlueprintError(f"override '{text}': the key '{key}' has an empty part; write section.field=value, "
+                             "e.g. rollout.n=8")
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError as e:
-        raise BlueprintError(f"override '{text}': value is not valid YAML ({e.problem})") from None
-    return key.strip().split("."), value
+        raise BlueprintError(f"override '{text}': value is not valid YAML ({getattr(e, 'problem', e)}); quote "
+                             "strings with special characters, e.g. model.path='/a b/c'") from None
+    return [part.strip() for part in key.split(".")], value
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -303,7 +325,11 @@ def load_blueprint(path: str | Path | None = None, overrides: list[str] = (), da
         source = str(path)
         if not p.is_file():
             raise BlueprintError(f"{path}: no such blueprint file. Pass a YAML file, e.g. blueprints/tiny-cpu.yaml.")
-        text = p.read_text()
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise BlueprintError(f"{path}: not a UTF-8 text file; a blueprint is a YAML file "
+                                 "(e.g. blueprints/tiny-cpu.yaml).") from None
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
@@ -313,16 +339,25 @@ def load_blueprint(path: str | Path | None = None, overrides: list[str] = (), da
                 f"{where}: not valid YAML: {getattr(e, 'problem', e)}. Only plain YAML is accepted "
                 "(no !!python tags); check indentation and quoting."
             ) from None
-        lines = _line_map(text)
+        duplicates: list = []
+        lines = _line_map(text, duplicates)
+        if duplicates:
+            raise BlueprintError("\n  ".join(
+                f"{source}:{again}: {'.'.join(map(str, key))}: duplicate key (first given on line {first}); "
+                "YAML would silently keep only the last one: keep one of them." for key, first, again in duplicates))
         base = p.resolve().parent
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise BlueprintError(f"{source}: the top level must be a mapping of sections (model:, data:, ...).")
-    data = apply_overrides(json.loads(json.dumps(data)), list(overrides))
+    # default=str: YAML dates, sets and binary become strings that fail validation with a clear message.
+    data = apply_overrides(json.loads(json.dumps(data, default=str)), list(overrides))
+    overridden = {}
+    for text in overrides:
+        overridden[tuple(parse_override(text)[0])] = text
     try:
         bp = Blueprint.model_validate(data)
     except ValidationError as e:
-        raise BlueprintError(format_validation_error(e, source, lines)) from None
+        raise BlueprintError(format_validation_error(e, source, lines, overridden)) from None
     return resolve_paths(bp, base)
 
 
@@ -331,7 +366,12 @@ def json_schema() -> dict:
 
 
 def missing_inputs(bp: Blueprint) -> list[str]:
-    """Files and URIs the blueprint names that are not usable, each with the fix (cheap: no torch import)."""
+    """Files, URIs and names the blueprint refers to that are not usable, each with the fix (cheap: no torch
+    or verl import; the datasets are read with pyarrow, the reward function is resolved)."""
+    from core.data import load_prompts
+    from core.errors import VerlflowError
+    from core.rewards import load_reward
+
     problems = []
     m = Path(bp.model.path)
     if not m.is_dir():
@@ -339,10 +379,26 @@ def missing_inputs(bp: Blueprint) -> list[str]:
                         "(`verlflow make-tiny tiny/qwen2` writes a tiny one).")
     elif not (m / "config.json").is_file():
         problems.append(f"model.path: {bp.model.path} has no config.json; save the model with save_pretrained().")
+    missing_data = False
     for i, f in enumerate(bp.data.train_files):
         if not Path(f).is_file():
+            missing_data = True
             problems.append(f"data.train_files[{i}]: {f} does not exist; give a parquet file in verl's RL schema.")
+    if not missing_data:
+        try:  # columns, types, rows
+            load_prompts(bp.data.train_files, bp.data.prompt_key)
+        except VerlflowError as e:
+            problems.append(str(e))
+    try:
+        load_reward(bp.reward.function, bp.reward.module)
+    except VerlflowError as e:
+        problems.append(str(e))
     scheme = bp.storage.uri.split("://", 1)[0] if "://" in bp.storage.uri else "file"
     if scheme not in ("file", "s3"):
         problems.append(f"storage.uri: scheme '{scheme}://' is not supported; use a folder, file:// or s3://bucket/prefix.")
+    elif scheme == "s3" and any(c in bp.storage.uri.split("://", 1)[1].split("/", 1)[0] for c in "@:"):
+        # The URI itself is not repeated: it holds a secret.
+        problems.append("storage.uri: an s3:// URI must not carry credentials (s3://key:secret@bucket); use "
+                        "s3://bucket/prefix and set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment "
+                        "(or a Prefect Secret).")
     return problems

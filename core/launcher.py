@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 import glob
 import json
 import os
@@ -73,8 +74,13 @@ class StageFailure(VerlflowError):
     def __init__(self, kind: FailureKind, summary: str, *, rank: int | None = None,
                  exitcode: int | None = None, signal: str | None = None, traceback: str = ""):
         self.kind, self.rank, self.exitcode, self.signal, self.traceback = kind, rank, exitcode, signal, traceback
+        self._summary = summary
         retry = "retryable" if self.retryable else "not retryable"
         super().__init__(f"{summary} [{kind.name}, {retry}]" + (f"\n{traceback.rstrip()}" if traceback else ""))
+
+    def __reduce__(self):  # results and states get pickled (Prefect): rebuild with every field
+        kw = dict(rank=self.rank, exitcode=self.exitcode, signal=self.signal, traceback=self.traceback)
+        return functools.partial(StageFailure, **kw), (self.kind, self._summary)
 
     @property
     def retryable(self) -> bool:

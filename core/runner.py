@@ -32,6 +32,7 @@ SECTIONS = {
     "rollout": ("model", "data", "reward", "rollout", "seed"),
     "update": ("model", "data", "algorithm", "rollout", "fsdp", "seed", "deterministic"),
     "checkpoint": ("storage",),
+    "monolithic": ("model", "data", "reward", "algorithm", "rollout", "fsdp", "seed", "deterministic", "iterations"),
 }
 SINGLE_PROCESS = {"checkpoint"}  # an export needs no process group beyond one rank
 
@@ -121,7 +122,7 @@ def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[st
     nproc = 1 if stage in SINGLE_PROCESS else res.nproc_per_node
     spec = LaunchSpec(module=f"core.stages.{stage}", args=[str(job_file)], nproc_per_node=nproc,
                       nnodes=1 if stage in SINGLE_PROCESS else res.nnodes, timeout_s=res.stage_timeout_s,
-                      env=dict(env or {}), log_dir=str(scratch / "logs"))
+                      env={**_worker_env(nproc), **(env or {})}, log_dir=str(scratch / "logs"))
     on_line(f"[verlflow] {stage}[{iteration}] -> {store.uri(out)} ({nproc} x {spec.nnodes} ranks)")
     try:
         launch(spec, on_line=on_line, cancel=cancel)
@@ -135,6 +136,15 @@ def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[st
     if manifest is None or manifest.get("key") != key:
         raise StoreError(f"{stage}[{iteration}]: the job exited cleanly but committed no manifest at {store.uri(out)}")
     return StageResult(manifest, False, time.time() - t0)
+
+
+def _worker_env(nproc: int) -> dict:
+    """Quiet, offline workers; threads split between the ranks of this node (torchrun would pick 1)."""
+    import os
+
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)), "HF_HUB_OFFLINE": "1",
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
+    return {k: v for k, v in env.items() if k not in os.environ}
 
 
 def _lineage(manifests: dict, inputs: dict) -> list:

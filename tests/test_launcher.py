@@ -1,6 +1,7 @@
 """core.launcher against a real torchrun: 2 ranks, gloo on CPU, core.stages._probe as the worker."""
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -98,6 +99,8 @@ def test_user_error_names_rank_and_traceback():
     assert (e.kind, e.rank, e.exitcode, e.retryable) == (FailureKind.USER_ERROR, 1, 1, False)
     assert "rank 1" in str(e) and "ValueError: boom-123" in str(e) and "_probe.py" in str(e)
     assert "_probe.py" in e.traceback
+    copy = pickle.loads(pickle.dumps(e))
+    assert (copy.kind, copy.rank, copy.traceback, str(copy)) == (e.kind, e.rank, e.traceback, str(e))
 
 
 def test_nonfinite_is_not_retryable():

@@ -75,6 +75,10 @@ class _Timer:
 
 
 def setup_logging(rank: int) -> None:
+    import warnings
+
+    # DCP's single-process load (the inference copy, the HF export) warns on every call; it is intended here.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     # verl calls logging.basicConfig on import; force our format so every line carries the rank.
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank{rank}] %(name)s: %(message)s",
                         datefmt="%H:%M:%S", force=True, stream=sys.stdout)
