@@ -246,6 +246,12 @@ def _allowed(loc: tuple) -> str:
     return f"{hint} Allowed keys here: {', '.join(names)}."
 
 
+def _yaml_kind(value: Any) -> str:
+    kinds = {dict: "a YAML mapping", list: "a YAML list", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number", type(None): "an empty value"}
+    return kinds.get(type(value), type(value).__name__)
+
+
 def format_validation_error(err: ValidationError, source: str, lines: dict[tuple, int],
                             overridden: dict[tuple, str] | None = None) -> str:
     out = []
@@ -265,9 +271,13 @@ def format_validation_error(err: ValidationError, source: str, lines: dict[tuple
         if e["type"] == "extra_forbidden":
             msg = f"unknown key '{loc[-1]}'.{_allowed(loc)}"
         elif e["type"] == "model_type":
-            kind = type(e.get("input")).__name__
-            msg = f"must be a mapping of fields (key: value lines), not a {kind}.{_allowed(loc + ('',))}"
-        elif "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], (dict, list)):
+            msg = f"must be a mapping of fields (key: value lines), not {_yaml_kind(e.get('input'))}." \
+                  f"{_allowed(loc + ('',))}"
+        elif isinstance(e.get("input"), (dict, list)):
+            if e["type"].endswith("_type"):
+                quote = "; quote the value if it is text, e.g. 'a: b'" if e["type"] == "string_type" else ""
+                msg = f"{msg} (got {_yaml_kind(e['input'])}{quote})"
+        elif "input" in e and e["type"] not in ("missing",):
             msg = f"{msg} (got {e['input']!r})"
         out.append(f"{where}: {field}: {msg}")
     return "Blueprint is not valid:\n  " + "\n  ".join(out)
@@ -333,10 +343,15 @@ def load_blueprint(path: str | Path | None = None, overrides: list[str] = (), da
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
+            mark, cmark = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
             where = f"{path}:{mark.line + 1}" if mark else str(path)
+            what = getattr(e, "problem", None) or str(e)
+            context = getattr(e, "context", None)
+            if context:  # e.g. "while parsing a flow sequence (line 5), expected ',' or ']', but got ..."
+                at = f" (line {cmark.line + 1})" if cmark and (not mark or cmark.line != mark.line) else ""
+                what = f"{context}{at}, {what}"
             raise BlueprintError(
-                f"{where}: not valid YAML: {getattr(e, 'problem', e)}. Only plain YAML is accepted "
+                f"{where}: not valid YAML: {what}. Only plain YAML is accepted "
                 "(no !!python tags); check indentation and quoting."
             ) from None
         duplicates: list = []

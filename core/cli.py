@@ -23,7 +23,8 @@ def _blueprint(args):
 
 def _add_blueprint(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("blueprint", nargs=None if required else "?", help="blueprint YAML (default: embedded defaults)")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides such as rollout.n=8")
+    # default=[]: otherwise argparse lists KEY=VALUE among "the following arguments are required".
+    p.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help="overrides such as rollout.n=8")
 
 
 def cmd_schema(args) -> int:
@@ -39,7 +40,7 @@ def cmd_validate_blueprint(args) -> int:
     bp = _blueprint(args)
     problems = missing_inputs(bp)
     if problems:
-        raise VerlflowError("Blueprint refers to inputs that are not there:\n  " + "\n  ".join(problems))
+        raise VerlflowError("Blueprint refers to inputs that are missing or unusable:\n  " + "\n  ".join(problems))
     print(f"{args.blueprint or '<embedded defaults>'}: ok ({bp.name}, {bp.iterations} iterations, "
           f"{bp.resources.world_size} ranks on {bp.resources.device}, store {bp.storage.uri})")
     return 0
@@ -59,7 +60,7 @@ def _preflight(bp) -> None:
 
     problems = missing_inputs(bp)
     if problems:
-        raise VerlflowError("Blueprint refers to inputs that are not there:\n  " + "\n  ".join(problems))
+        raise VerlflowError("Blueprint refers to inputs that are missing or unusable:\n  " + "\n  ".join(problems))
     open_store(bp).probe()
 
 
@@ -77,11 +78,18 @@ def _print_summary(bp, run_id: str, results) -> None:
 
 
 def cmd_run(args) -> int:
-    from core.pipeline import run_pipeline
+    from core.pipeline import parse_from, plan, run_pipeline
+    from core.store import safe_name
 
     bp = _blueprint(args)
-    _preflight(bp)
+    # Everything the user typed is checked before the store is touched (the preflight probe writes to it).
+    if args.run_id is not None:
+        safe_name(args.run_id, "rerun RUN" if getattr(args, "run", None) is not None else "--run-id")
     run_id = args.run_id or f"{bp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    parse_from(args.from_step, plan(bp, run_id))
+    _preflight(bp)
+    if getattr(args, "prefect", False):  # the same pipeline as a Prefect flow run (tasks, logs, artifacts)
+        return _run_flow(bp, args.run_id, args.from_step)
     results = run_pipeline(bp, run_id, on_line=lambda line: print(line, flush=True), force_from=args.from_step)
     _print_summary(bp, run_id, results)
     return 0
@@ -94,8 +102,11 @@ def cmd_rerun(args) -> int:
 
 def cmd_ls(args) -> int:
     from core.runner import open_store
+    from core.store import safe_name
 
     bp = _blueprint(args)
+    if args.run is not None:
+        safe_name(args.run, "--run")  # before anything is printed
     store = open_store(bp)
     runs = [p.rsplit("/", 1)[-1] for p in store.ls("runs")]
     for run in runs if not args.run else [args.run]:
@@ -117,6 +128,42 @@ def cmd_show(args) -> int:
     if m is None:
         raise VerlflowError(f"{args.stage}: no committed stage there (try `verlflow ls --run RUN_ID`).")
     print(json.dumps(m, indent=1))
+    return 0
+
+
+def _run_flow(bp, run_id, from_step) -> int:
+    from flows.finetune import finetune
+
+    state = finetune(blueprint=bp, run_id=run_id, from_step=from_step, return_state=True)
+    if not state.is_completed():
+        raise VerlflowError(f"flow run {state.name}: {state.message}")
+    out = state.result()
+    print(f"\nrun {out['run_id']}: {len(out['iterations'])} iterations")
+    for row in out["iterations"]:
+        print(f"  {row['iteration']:>3} reward_mean={row['reward_mean']} kl={row['kl']} reused={row['reused'] or '-'}")
+    return 0
+
+
+def cmd_deploy(args) -> int:
+    from flows.deploy import deploy
+
+    bp = _blueprint(args)
+    dep_id = deploy(bp, name=args.name, cron=args.cron, pool=args.pool)
+    print(f"deployment finetune/{args.name or bp.name} ({dep_id}) on work pool '{args.pool}'"
+          f"{f', cron {args.cron or bp.schedule.cron!r}' if args.cron or bp.schedule.cron else ''}.\n"
+          f"Start a worker: prefect worker start --pool {args.pool}\n"
+          f"Run it now:     prefect deployment run 'finetune/{args.name or bp.name}'")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from core.blueprint import load_blueprint
+    from flows.deploy import serve
+
+    files = [b for b in args.blueprints if "=" not in b or Path(b).exists()]
+    overrides = [b for b in args.blueprints if b not in files]
+    bps = [load_blueprint(f, overrides) for f in files] or [load_blueprint(None, overrides)]
+    serve(bps, cron=args.cron, limit=args.limit)
     return 0
 
 
@@ -142,13 +189,28 @@ def parser() -> argparse.ArgumentParser:
     _add_blueprint(s)
     s.add_argument("--run-id", help="reuse a run id to resume it (default: <name>-<timestamp>)")
     s.add_argument("--from", dest="from_step", metavar="STAGE[ITER]", help="force a restart at this step")
+    s.add_argument("--prefect", action="store_true", help="run it as a Prefect flow run (see flows/README.md)")
     s.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("rerun", help="resume a run: committed stages with the same key are reused")
     s.add_argument("run", help="run id")
     _add_blueprint(s)
     s.add_argument("--from", dest="from_step", metavar="STAGE[ITER]", help="force a restart at this step")
+    s.add_argument("--prefect", action="store_true", help="run it as a Prefect flow run (see flows/README.md)")
     s.set_defaults(fn=cmd_rerun)
+
+    s = sub.add_parser("deploy", help="create a Prefect deployment of a blueprint on a process work pool")
+    _add_blueprint(s, required=True)
+    s.add_argument("--cron", help="cron schedule (default: the blueprint's schedule.cron)")
+    s.add_argument("--name", help="deployment name (default: the blueprint's name)")
+    s.add_argument("--pool", default="verlflow", help="process work pool, created if missing (default: verlflow)")
+    s.set_defaults(fn=cmd_deploy)
+
+    s = sub.add_parser("serve", help="serve finetune/validate deployments of blueprints from this process")
+    s.add_argument("blueprints", nargs="*", metavar="BLUEPRINT|KEY=VALUE", help="blueprint files and overrides")
+    s.add_argument("--cron", help="cron schedule for every blueprint (default: each blueprint's schedule.cron)")
+    s.add_argument("--limit", type=int, help="most flow runs executed at once")
+    s.set_defaults(fn=cmd_serve)
 
     s = sub.add_parser("ls", help="list runs, or one run's stages (--run)")
     _add_blueprint(s)

@@ -1,0 +1,43 @@
+"""The fine-tune flow, as the pipeline diagram:
+
+    validate -> build -> (rollout -> update -> checkpoint) x iterations
+
+Each step is one stage task (tasks/stages.py); a stage whose committed manifest matches its key is reused, so
+a rerun with the same run id, or the UI's Retry of a failed flow run, resumes at the first missing stage.
+"""
+# No `from __future__ import annotations`: served runs need the real Blueprint annotation for the run form.
+
+from prefect import flow, get_run_logger
+from prefect.states import Cancelled
+
+from core.blueprint import Blueprint
+from core.launcher import FailureKind, StageFailure
+from core.pipeline import parse_from, plan, warm_start_source
+from flows.common import default_run_id, name_flow_run, recomputed_here, resolve_blueprint
+from tasks.report import RunReport, iteration_row
+from tasks.stages import stage_task
+
+
+@flow(name="finetune", description="PPO/GRPO fine-tune of a blueprint: validate, build, then rollout -> update "
+      "-> checkpoint per iteration. Stages committed with the same key are reused.")
+def finetune(blueprint: Blueprint = Blueprint(), run_id: str | None = None, blueprint_file: str | None = None,
+             from_step: str | None = None) -> dict:
+    bp = resolve_blueprint(blueprint, blueprint_file)
+    run_id = run_id or default_run_id(bp)
+    name_flow_run(run_id)
+    steps = plan(bp, run_id, warm_start_source(bp, run_id))
+    first_forced = parse_from(from_step, steps)
+    get_run_logger().info("run %s: %d steps, artifact store %s", run_id, len(steps), bp.storage.uri)
+    report, done = RunReport(bp, run_id), {}
+    try:
+        for i, step in enumerate(steps):
+            force = first_forced is not None and i >= first_forced and not recomputed_here(bp, run_id, step)
+            task = stage_task(step.stage, step.iteration, bp)
+            done[step.stage] = task(step.stage, step.iteration, step.inputs, bp, run_id, force)
+            if step.stage == "checkpoint":
+                report.iteration_done(iteration_row(step.iteration, done["rollout"], done["update"], done["checkpoint"]))
+    except StageFailure as e:
+        if e.kind is FailureKind.CANCELLED:  # in-process runs; served/worker runs are stopped by SIGTERM
+            return Cancelled(message=f"{run_id}: cancelled; the running stage's job was killed")
+        raise
+    return {"run_id": run_id, "iterations": report.rows}

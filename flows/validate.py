@@ -1,0 +1,20 @@
+"""Validate-only flow: the `validate` stage (environment, devices, FSDP shard check, store, model, memory)."""
+# No `from __future__ import annotations`: served runs need the real Blueprint annotation for the run form.
+
+from prefect import flow
+
+from core.blueprint import Blueprint
+from core.pipeline import plan
+from flows.common import default_run_id, name_flow_run, resolve_blueprint
+from tasks.stages import stage_task
+
+
+@flow(name="validate", description="Check a blueprint against this machine (always runs; nothing is reused).")
+def validate(blueprint: Blueprint = Blueprint(), run_id: str | None = None,
+             blueprint_file: str | None = None) -> dict:
+    bp = resolve_blueprint(blueprint, blueprint_file)
+    run_id = run_id or default_run_id(bp)
+    name_flow_run(run_id)
+    step = plan(bp, run_id)[0]
+    res = stage_task(step.stage, step.iteration, bp)(step.stage, step.iteration, step.inputs, bp, run_id, True)
+    return {"run_id": run_id, **res.manifest["metrics"]}

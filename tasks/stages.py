@@ -1,0 +1,102 @@
+"""The stage task: one thin Prefect task per (stage, iteration) around core.runner.run_stage.
+
+Retries are declared here and decided by the launcher's failure class; the torchrun output streams into the
+task run's logs; a run holds device slots only while it launches a job; every stage leaves a markdown summary.
+"""
+
+import threading
+from contextlib import contextmanager
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import StateType
+from prefect.context import get_run_context
+
+from core.blueprint import Blueprint
+from core.launcher import StageFailure
+from core.runner import SINGLE_PROCESS, StageResult, compute_key, open_store, run_stage
+from core.store import stage_key
+from tasks.slots import device_slots
+
+
+def retryable(task, task_run, state) -> bool:
+    """Retry a collective timeout, a killed rank, our timeout; never a user error, an OOM or a NaN."""
+    exc = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
+    return isinstance(exc, StageFailure) and exc.retryable
+
+
+def is_committed(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[str, str]) -> bool:
+    """Whether run_stage will reuse this stage (same check, read-only): then it needs no device slots."""
+    store = open_store(bp)
+    manifests = {name: store.read_manifest(key) for name, key in inputs.items()}
+    if any(m is None for m in manifests.values()):
+        return False
+    existing = store.read_manifest(stage_key(run_id, iteration, stage))
+    key = compute_key(stage, bp, iteration, {n: m["key"] for n, m in manifests.items()})
+    return existing is not None and existing.get("key") == key
+
+
+@contextmanager
+def cancel_requested(every_s: float = 2.0):
+    """An Event set once this flow run is being cancelled. Served and worker runs also get SIGTERM, which
+    Prefect raises in this thread (launch's `finally` kills the job); an in-process run only has this."""
+    cancel, stop = threading.Event(), threading.Event()
+    flow_run_id = get_run_context().task_run.flow_run_id
+
+    def watch():
+        with get_client(sync_client=True) as client:
+            while not stop.wait(every_s):
+                try:
+                    state = client.read_flow_run(flow_run_id).state
+                except Exception:  # the API may blip; the next poll decides
+                    continue
+                if state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED):
+                    cancel.set()
+                    return
+
+    threading.Thread(target=watch, name="verlflow-cancel-watch", daemon=True).start()
+    try:
+        yield cancel
+    finally:
+        stop.set()
+
+
+@task(name="stage", cache_policy=NO_CACHE, persist_result=False, retries=1, retry_delay_seconds=5,
+      retry_condition_fn=retryable)
+def run_stage_task(stage: str, iteration, inputs: dict[str, str], bp: Blueprint, run_id: str,
+                   force: bool = False) -> StageResult:
+    log = get_run_logger()
+    ranks = 1 if stage in SINGLE_PROCESS else bp.resources.nproc_per_node
+    with cancel_requested() as cancel:
+        if not force and is_committed(stage, bp, run_id, iteration, inputs):
+            res = run_stage(stage, bp, run_id, iteration, inputs, on_line=log.info, cancel=cancel)
+        else:
+            with device_slots(bp.resources.device, ranks):
+                res = run_stage(stage, bp, run_id, iteration, inputs, on_line=log.info, cancel=cancel, force=force)
+    create_markdown_artifact(summary_markdown(f"{stage}[{iteration}]", res), description=f"{stage}[{iteration}]")
+    return res
+
+
+def stage_task(stage: str, iteration, bp: Blueprint):
+    """The task named for this step (`rollout[3]`), with the blueprint's retry count."""
+    return run_stage_task.with_options(name=stage, task_run_name=f"{stage}[{iteration}]",
+                                       retries=bp.resources.retries)
+
+
+def summary_markdown(name: str, res: StageResult) -> str:
+    m = res.manifest
+    how = "**reused**: committed with the same key" if res.skipped else f"ran in {res.seconds:.1f} s"
+    metrics = {k: v for k, v in m.get("metrics", {}).items() if isinstance(v, (int, float, str, bool))}
+    uri = m.get("stage_uri", "")
+    out = [f"### {name}: {how}", "", "| metric | value |", "|---|---|"]
+    out += [f"| {k} | {v} |" for k, v in sorted(metrics.items())]
+    out += ["", "| timing | seconds |", "|---|---|"]
+    out += [f"| {k} | {v} |" for k, v in sorted(m.get("timings", {}).items())]
+    out += ["", f"Artifacts: [{uri}]({uri}) ([manifest.json]({uri}/manifest.json))",
+            f"key `{m.get('key')}`, committed {m.get('committed_at')}, world size {m.get('world_size')}"]
+    if m.get("lineage"):
+        src = m["lineage"][-1]
+        out.append(f"warm-started from `{src['stage']}` (run {src['run_id']}, iteration {src['iteration']})")
+    return "\n".join(out)

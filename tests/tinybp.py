@@ -1,0 +1,21 @@
+"""The tiny CPU blueprint for tests, pointed at a kit and a store, with overrides as keyword arguments."""
+
+import json
+
+
+def tiny_blueprint(kit: dict, store, **overrides):
+    """`algorithm__lr=0.01` -> algorithm.lr=0.01; small sizes so a stage job is seconds on 2 cores."""
+    from core.blueprint import load_blueprint
+
+    base = {
+        "model.path": kit["model_dir"], "data.train_files": [kit["train_file"]], "storage.uri": str(store),
+        "data.batch_size": 4, "data.max_prompt_length": 64, "rollout.n": 4, "rollout.max_new_tokens": 8,
+        "algorithm.ppo_mini_batch_size": 2, "algorithm.ppo_micro_batch_size_per_gpu": 4, "algorithm.lr": 3e-3,
+        "resources.nproc_per_node": 2, "resources.stage_timeout_s": 300, "iterations": 1,
+    }
+    base.update({k.replace("__", "."): v for k, v in overrides.items()})
+    return load_blueprint(None, [f"{k}={_yaml(v)}" for k, v in base.items()])
+
+
+def _yaml(v) -> str:
+    return json.dumps(v) if isinstance(v, (list, dict, bool)) or v is None else str(v)
