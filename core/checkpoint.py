@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -23,11 +24,15 @@ from core.errors import InputError
 
 log = logging.getLogger("verlflow.checkpoint")
 
+# Flat optimizer keys ("optim.state.<fqn>.exp_avg") load across world sizes and FSDP1/FSDP2 alike; the nested
+# form failed to load an FSDP1 critic's param_groups.
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
 
 def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict) -> None:
     """Every rank writes its shards; rank 0 writes state.json."""
     if optimizer is not None:
-        msd, osd = get_state_dict(model, optimizer)
+        msd, osd = get_state_dict(model, optimizer, options=FLAT)
         sd = {"model": msd, "optim": osd}
     else:
         sd = {"model": get_model_state_dict(model)}
@@ -40,15 +45,15 @@ def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
     """Reshards on load: the saving world size does not matter."""
     try:
         if optimizer is not None:
-            msd, osd = get_state_dict(model, optimizer)
+            msd, osd = get_state_dict(model, optimizer, options=FLAT)
             sd = {"model": msd, "optim": osd}
             dcp.load(sd, checkpoint_id=str(folder / "dcp"))
-            set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+            set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=FLAT)
         else:
             sd = {"model": get_model_state_dict(model)}
             dcp.load(sd, checkpoint_id=str(folder / "dcp"))
             set_model_state_dict(model, sd["model"])
-    except (RuntimeError, KeyError, ValueError) as e:
+    except (RuntimeError, KeyError, ValueError, CheckpointException) as e:
         raise InputError(
             f"checkpoint {folder}: does not match the model being loaded ({str(e).splitlines()[0][:300]}). "
             "The blueprint's model must be the one this run was built from; rerun from build."
@@ -65,7 +70,7 @@ def load_full(folder: Path, model: nn.Module) -> None:
     sd = {"model": model.state_dict()}
     try:
         dcp.load(sd, checkpoint_id=str(folder / "dcp"), no_dist=True)
-    except (RuntimeError, KeyError, ValueError) as e:
+    except (RuntimeError, KeyError, ValueError, CheckpointException) as e:
         raise InputError(f"checkpoint {folder}: does not match the model ({str(e).splitlines()[0][:300]})") from None
     model.load_state_dict(sd["model"])
 

@@ -4,6 +4,7 @@ Retries are declared here and decided by the launcher's failure class; the torch
 task run's logs; a run holds device slots only while it launches a job; every stage leaves a markdown summary.
 """
 
+import contextvars
 import threading
 from contextlib import contextmanager
 
@@ -56,7 +57,8 @@ def cancel_requested(every_s: float = 2.0):
                     cancel.set()
                     return
 
-    threading.Thread(target=watch, name="verlflow-cancel-watch", daemon=True).start()
+    ctx = contextvars.copy_context()  # the caller's Prefect settings (API URL) and run context
+    threading.Thread(target=ctx.run, args=(watch,), name="verlflow-cancel-watch", daemon=True).start()
     try:
         yield cancel
     finally:

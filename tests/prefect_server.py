@@ -1,0 +1,183 @@
+"""A real local Prefect server for tests (a pytest plugin, listed in tests/conftest.py's `pytest_plugins`).
+
+Fixtures:
+  prefect_server  (session) -> PrefectServer(url, ui, home, env): `prefect server start` on 127.0.0.1 with a
+                               temporary PREFECT_HOME (SQLite there), telemetry and analytics off; this process
+                               and its children talk to it (os.environ and Prefect's settings context).
+  tiny_flow_run   (session) -> FinishedRun: the whole tiny pipeline (1 iteration, 1 rank) as a flow run.
+  serve           (session) -> start(blueprint_file, **env) -> Served: `verlflow serve` in a subprocess.
+
+Helpers: tiny_blueprint(kit, store, *overrides), wait_state(flow_run_id, done), manifest(bp, run_id, it, stage).
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFECT = str(Path(sys.executable).parent / "prefect")
+VERLFLOW = str(Path(sys.executable).parent / "verlflow")
+QUIET = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
+         "PREFECT_CLOUD_ENABLE_ORCHESTRATION_TELEMETRY": "false", "PREFECT_TELEMETRY_ENABLE_RESOURCE_METRICS": "false",
+         "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false", "HF_HUB_OFFLINE": "1"}
+# Small enough that a stage job is seconds on 2 cores; one rank unless ranks are the point.
+TINY = ["iterations=1", "data.batch_size=4", "data.max_prompt_length=64", "rollout.n=2", "rollout.max_new_tokens=4",
+        "algorithm.ppo_mini_batch_size=2", "algorithm.ppo_micro_batch_size_per_gpu=2", "resources.nproc_per_node=1",
+        "resources.stage_timeout_s=300", "algorithm.lr=0.003"]
+
+
+@dataclass
+class PrefectServer:
+    url: str  # the API, http://127.0.0.1:PORT/api
+    ui: str  # http://127.0.0.1:PORT
+    home: Path
+    env: dict  # what a subprocess needs to reach this server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = _free_port()
+    ui, url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}/api"
+    env = {**QUIET, "PREFECT_HOME": str(home), "PREFECT_API_URL": url}
+    server_env = {k: v for k, v in {**os.environ, **env}.items() if k != "PREFECT_API_URL"}
+    log = open(home / "server.log", "w")
+    proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                            env=server_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop(proc)
+            pytest.fail(f"prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
+        time.sleep(0.3)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # threads and subprocesses; the settings context below for this thread
+    try:
+        with temporary_settings({PREFECT_API_URL: url, PREFECT_HOME: str(home)}):
+            yield PrefectServer(url, ui, home, env)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        _stop(proc)
+        log.close()
+
+
+def tiny_blueprint(kit: dict, store, *overrides: str):
+    from core.blueprint import load_blueprint
+
+    return load_blueprint(None, [f"model.path={kit['model_dir']}", f"data.train_files=[{kit['train_file']}]",
+                                 f"storage.uri={store}", *TINY, *overrides])
+
+
+def manifest(bp, run_id: str, iteration, stage: str) -> dict | None:
+    from core.runner import open_store
+    from core.store import stage_key
+
+    return open_store(bp).read_manifest(stage_key(run_id, iteration, stage))
+
+
+def wait_state(flow_run_id, done=lambda s: s.is_final(), timeout_s: float = 240.0):
+    """Poll the flow run until `done(state)`; returns the state (fails the test on timeout)."""
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            state = client.read_flow_run(flow_run_id).state
+            if state is not None and done(state):
+                return state
+            if time.monotonic() > deadline:
+                pytest.fail(f"flow run {flow_run_id} still {state.type if state else None} after {timeout_s:.0f} s")
+            time.sleep(0.5)
+
+
+@dataclass
+class FinishedRun:
+    bp: object
+    run_id: str
+    flow_run_id: object
+    state: object
+    wall_s: float
+
+
+@pytest.fixture(scope="session")
+def tiny_flow_run(prefect_server, tiny_kit, tmp_path_factory) -> FinishedRun:
+    from flows.finetune import finetune
+
+    bp = tiny_blueprint(tiny_kit, tmp_path_factory.mktemp("store-inproc"), "name=tiny-flow")
+    t0 = time.perf_counter()
+    state = finetune(blueprint=bp, run_id="flow1", return_state=True)
+    return FinishedRun(bp, "flow1", state.state_details.flow_run_id, state, time.perf_counter() - t0)
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen
+    log: Path
+
+    def stop(self) -> None:
+        _stop(self.proc, 20.0)
+
+
+@pytest.fixture(scope="session")
+def serve(prefect_server):
+    """start(blueprint_file, *args, **env): `verlflow serve` polling every second; stopped at the end."""
+    started = []
+
+    def start(blueprint_file, *args: str, **env: str) -> Served:
+        log = Path(blueprint_file).with_suffix(f".serve{len(started)}.log")
+        out = open(log, "w")
+        proc = subprocess.Popen([VERLFLOW, "serve", str(blueprint_file), *args], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **prefect_server.env, "PREFECT_RUNNER_POLL_FREQUENCY": "1", **env})
+        served = Served(proc, log)
+        started.append(served)
+        deadline = time.monotonic() + 60
+        while "polling for scheduled runs" not in log.read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                served.stop()
+                pytest.fail(f"verlflow serve did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        return served
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+def write_blueprint(bp, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(bp.model_dump(mode="json"), sort_keys=False))
+    return path

@@ -1,0 +1,241 @@
+"""Prefect orchestration against a real local server (tests/prefect_server.py): the pipeline as a flow run with
+its artifacts, a changed field, retries by failure class, deployments with a cron schedule run by `verlflow
+serve`, a failure in update resumed by the UI's Retry, a warm start from the previous run, and cancellation."""
+
+import datetime as dt
+import time
+
+import httpx
+import psutil
+import pytest
+from prefect_server import manifest, tiny_blueprint, wait_state, write_blueprint
+
+from core.launcher import FailureKind, StageFailure
+
+CRON = "0 */12 * * *"  # two occurrences a day: each test run backfills one past occurrence at a time
+
+
+def api(server, path: str, body: dict | None = None):
+    r = httpx.post(f"{server.url}{path}", json=body or {}, timeout=30) if body is not None else \
+        httpx.get(f"{server.url}{path}", timeout=30)
+    r.raise_for_status()
+    return r.json()
+
+
+def task_runs(server, flow_run_id) -> dict:
+    runs = api(server, "/task_runs/filter", {"flow_runs": {"id": {"any_": [str(flow_run_id)]}}})
+    return {r["name"]: r for r in runs}
+
+
+def logs(server, flow_run_id, want: str, timeout_s: float = 20) -> list[str]:
+    """Log messages of the flow run, waiting until one contains `want` (the API log handler batches)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        msgs = [x["message"] for x in api(server, "/logs/filter", {"logs": {"flow_run_id": {"any_": [str(flow_run_id)]}},
+                                                                  "limit": 200, "sort": "TIMESTAMP_DESC"})]
+        if any(want in m for m in msgs) or time.monotonic() > deadline:
+            return msgs
+        time.sleep(0.5)
+
+
+def committed_at(bp, run_id, it, stage) -> str:
+    m = manifest(bp, run_id, it, stage)
+    assert m is not None, f"{run_id}/{it}/{stage} is not committed"
+    return m["committed_at"]
+
+
+# -- in-process flow runs -------------------------------------------------------------------------------------
+
+
+def test_retries_follow_the_failure_class(prefect_server, tiny_kit, tmp_path, monkeypatch):
+    """A collective timeout is retried; a NaN is not (the launcher's classification decides)."""
+    from prefect import flow
+
+    import tasks.stages as ts
+    from core.runner import StageResult
+
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store")
+    calls = []
+
+    def flaky(kind):
+        def run_stage(stage, bp, run_id, iteration, inputs, **kw):
+            calls.append(kind)
+            if len(calls) == 1:
+                raise StageFailure(kind, "injected")
+            return StageResult({"key": "k", "metrics": {}, "timings": {}}, False, 0.0)
+        return run_stage
+
+    @flow
+    def one(kind: str):
+        monkeypatch.setattr(ts, "run_stage", flaky(FailureKind(kind)))
+        return ts.stage_task("rollout", 1, bp).with_options(retry_delay_seconds=0)("rollout", 1, {}, bp, "r", True)
+
+    assert one("collective_timeout").key == "k" and calls == [FailureKind.COLLECTIVE_TIMEOUT] * 2
+    calls.clear()
+    with pytest.raises(StageFailure, match="NONFINITE"):
+        one("nonfinite")
+    assert calls == [FailureKind.NONFINITE]
+
+
+def test_pipeline_flow_run_with_artifacts(prefect_server, tiny_flow_run):
+    run = tiny_flow_run
+    assert run.state.is_completed(), run.state.message
+    names = task_runs(prefect_server, run.flow_run_id)
+    assert set(names) == {"validate[init]", "build[init]", "rollout[1]", "update[1]", "checkpoint[1]"}
+    assert all(r["state_type"] == "COMPLETED" for r in names.values())
+    arts = api(prefect_server, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [str(run.flow_run_id)]}}})
+    by_key = {a["key"]: a for a in arts if a["key"]}
+    table = by_key["flow1-metrics"]
+    assert table["type"] == "table" and '"reward_mean"' in table["data"] and '"grad_norm"' in table["data"]
+    assert by_key["flow1-progress"]["type"] == "progress" and by_key["flow1-progress"]["data"] == 100
+    assert "data:image/png;base64," in by_key["flow1-plot"]["data"]
+    assert "reports/flow1/curves.png" in by_key["flow1-curves"]["data"]
+    stage_md = [a for a in arts if a["type"] == "markdown" and not a["key"]]
+    assert sorted(a["description"] for a in stage_md) == sorted(names)
+    assert any("file://" in a["data"] and "committed" in a["data"] for a in stage_md)
+    png = (run.bp.storage.uri.removeprefix("file://") + "/reports/flow1/curves.png")
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    # torchrun output reached the task runs' logs, rank-prefixed
+    assert any(m.startswith("[rank0]") for m in logs(prefect_server, run.flow_run_id, "[rank0]"))
+    # Prefect's own cost: the flow's wall time against the stage jobs it ran
+    jobs = sum(r["total_run_time"] for r in names.values())
+    print(f"\nflow wall {run.wall_s:.1f} s, task run time {jobs:.1f} s, Prefect overhead {run.wall_s - jobs:.1f} s "
+          f"({(run.wall_s - jobs) / len(names):.2f} s per task)")
+
+
+def test_changed_field_reruns_its_stage_and_later_ones(prefect_server, tiny_flow_run, tmp_path, capsys):
+    """`verlflow rerun RUN --prefect` with rollout.temperature changed: build is reused, rollout on rerun."""
+    from core.cli import main
+
+    bp, before = tiny_flow_run.bp, {s: committed_at(tiny_flow_run.bp, "flow1", it, s)
+                                    for it, s in (("init", "build"), (1, "rollout"), (1, "update"), (1, "checkpoint"))}
+    f = write_blueprint(bp, tmp_path / "bp.yaml")
+    assert main(["rerun", "flow1", str(f), "rollout.temperature=0.7", "--prefect"]) == 0
+    assert "reused=-" in capsys.readouterr().out  # nothing of iteration 1 was reused
+    assert committed_at(bp, "flow1", "init", "build") == before["build"]
+    for s in ("rollout", "update", "checkpoint"):
+        assert committed_at(bp, "flow1", 1, s) != before[s], s
+
+
+@pytest.mark.xfail(reason="core.runner.SECTIONS: validate and build hash the whole `algorithm` section, so "
+                          "algorithm.lr reruns every stage (needs per-field dependencies in core)", strict=False)
+def test_lr_change_keeps_validate_build_and_rollout_keys(tiny_kit, tmp_path):
+    from core.runner import compute_key
+
+    a, b = tiny_blueprint(tiny_kit, tmp_path), tiny_blueprint(tiny_kit, tmp_path, "algorithm.lr=0.01")
+    assert compute_key("build", a, "init", {}) == compute_key("build", b, "init", {})
+    assert compute_key("validate", a, "init", {}) == compute_key("validate", b, "init", {})
+
+
+def test_deploy_creates_a_work_pool_deployment_with_the_blueprint(prefect_server, tiny_kit, tmp_path):
+    from core.cli import main
+
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", "name=nightly", "algorithm.lr=0.004")
+    assert main(["deploy", str(write_blueprint(bp, tmp_path / "bp.yaml")), "--cron", "0 4 * * *"]) == 0
+    dep = api(prefect_server, "/deployments/name/finetune/nightly")
+    assert dep["work_pool_name"] == "verlflow" and dep["entrypoint"] == "flows.finetune.finetune"
+    assert dep["parameters"]["blueprint"] == bp.model_dump(mode="json")  # the full object: the form shows it
+    assert [s["schedule"]["cron"] for s in dep["schedules"]] == ["0 4 * * *"]
+    assert api(prefect_server, "/work_pools/verlflow")["type"] == "process"
+    schema = dep["parameter_openapi_schema"]
+    assert "blueprint" in schema["properties"] and "AlgorithmSpec" in schema["definitions"]
+
+
+# -- served deployments: schedule, failure, the UI's Retry, warm start, cancel --------------------------------
+
+
+def backfill(server, deployment_id, start: dt.datetime, end: dt.datetime) -> dict:
+    """Have the server create the cron occurrences in [start, end) (the scheduler's own code path)."""
+    body = {"start_time": start.isoformat(), "end_time": end.isoformat(), "min_runs": 0, "max_runs": 5}
+    httpx.post(f"{server.url}/deployments/{deployment_id}/schedule", json=body, timeout=30).raise_for_status()
+    runs = api(server, "/flow_runs/filter", {"deployments": {"id": {"any_": [deployment_id]}},
+                                            "flow_runs": {"expected_start_time": {"before_": end.isoformat(),
+                                                                                  "after_": start.isoformat()}}})
+    assert len(runs) == 1 and runs[0]["auto_scheduled"], runs
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def sched(prefect_server, tiny_kit, tmp_path_factory):
+    d = tmp_path_factory.mktemp("sched")
+    bp = tiny_blueprint(tiny_kit, d / "store", "name=sched", "schedule.init_from=previous")
+    return {"bp": bp, "file": write_blueprint(bp, d / "sched.yaml"), "now": dt.datetime.now(dt.timezone.utc)}
+
+
+def test_scheduled_run_fails_in_update_and_the_ui_retry_resumes(prefect_server, serve, sched, request):
+    from prefect.client.orchestration import get_client
+    from prefect.states import AwaitingRetry
+
+    bp, now = sched["bp"], sched["now"]
+    served = serve(sched["file"], "--cron", CRON, VERLFLOW_FAULT="nan_loss")  # this server's jobs all hit a NaN
+    dep = api(prefect_server, "/deployments/name/finetune/sched")
+    assert [s["schedule"]["cron"] for s in dep["schedules"]] == [CRON]
+    run = backfill(prefect_server, dep["id"], now - dt.timedelta(hours=24), now - dt.timedelta(hours=12))
+    state = wait_state(run["id"])
+    assert state.is_failed() and "NONFINITE" in (state.message or "") + served.log.read_text()
+    run_id = f"sched-{run['id'][:8]}"
+    rollout_at = committed_at(bp, run_id, 1, "rollout")
+    assert manifest(bp, run_id, 1, "update") is None
+    served.stop()
+
+    request.getfixturevalue("sched_served")  # a fixed server (no fault) now serves the deployment
+    with get_client(sync_client=True) as client:  # what the UI's Retry button sends
+        client.set_flow_run_state(run["id"], AwaitingRetry(message="Retry from the UI"))
+    state = wait_state(run["id"], lambda s: s.is_final() and not s.is_failed(), timeout_s=180)
+    assert state.is_completed(), state.message
+    assert committed_at(bp, run_id, 1, "rollout") == rollout_at  # rollout was not run again
+    assert manifest(bp, run_id, 1, "checkpoint") is not None
+    assert any("rollout[1] is committed with the same key: reusing" in m
+               for m in logs(prefect_server, run["id"], "reusing"))
+    sched["first"] = run_id
+
+
+@pytest.fixture(scope="module")
+def sched_served(serve, sched):
+    return serve(sched["file"], "--cron", CRON)
+
+
+def _stage_job(root_pid: int, stage: str) -> list[psutil.Process]:
+    """The torchrun process running `core.stages.<stage>` below root_pid, with its workers."""
+    for p in psutil.Process(root_pid).children(recursive=True):
+        try:
+            if "torch.distributed.run" in " ".join(p.cmdline()) and f"core.stages.{stage}" in p.cmdline():
+                workers = p.children(recursive=True)
+                if workers:
+                    return [p, *workers]
+        except psutil.Error:
+            pass
+    return []
+
+
+def test_next_scheduled_run_warm_starts_and_cancel_kills_its_job(prefect_server, sched, sched_served):
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    bp, now = sched["bp"], sched["now"]
+    if "first" not in sched:
+        pytest.skip("needs the promoted first run of test_scheduled_run_fails_in_update_and_the_ui_retry_resumes")
+    dep = api(prefect_server, "/deployments/name/finetune/sched")
+    run = backfill(prefect_server, dep["id"], now - dt.timedelta(hours=12), now)
+    run_id = f"sched-{run['id'][:8]}"
+    assert run_id != sched["first"]  # a scheduled run is its own run: nothing is fully cached
+    deadline, job = time.monotonic() + 180, []
+    while not job:
+        assert time.monotonic() < deadline, "the rollout job never started"
+        job = _stage_job(sched_served.proc.pid, "rollout")
+        time.sleep(0.2)
+    build = manifest(bp, run_id, "init", "build")
+    assert build["inputs"]["warm_start"]["stage"] == f"runs/{sched['first']}/1/update"
+    assert build["lineage"][-1]["run_id"] == sched["first"]
+
+    t0 = time.monotonic()
+    with get_client(sync_client=True) as client:  # what the UI's Cancel button sends
+        client.set_flow_run_state(run["id"], Cancelling())
+    gone = psutil.wait_procs(job, timeout=30)[1] == []
+    took = time.monotonic() - t0
+    assert gone, f"still alive 30 s after cancel: {[p.pid for p in job if p.is_running()]}"
+    assert wait_state(run["id"], timeout_s=60).is_cancelled()
+    assert manifest(bp, run_id, 1, "rollout") is None  # nothing half-written was committed
+    limit = api(prefect_server, "/v2/concurrency_limits/verlflow-cpu-slots")
+    print(f"\ncancel -> job gone in {took:.1f} s; slots still held: {limit['active_slots']}")
+    assert took < 15
