@@ -64,9 +64,11 @@ def load_prompts(files: list[str], prompt_key: str = "prompt") -> Prompts:
 
 def select(n_rows: int, cursor: int, batch_size: int, seed: int, shuffle: bool) -> np.ndarray:
     """Indices of the `batch_size` prompts after `cursor` prompts were consumed; epochs reshuffle by seed."""
+    orders: dict[int, np.ndarray] = {}
     out = []
     for pos in range(cursor, cursor + batch_size):
         epoch, i = divmod(pos, n_rows)
-        order = np.random.default_rng([seed, epoch]).permutation(n_rows) if shuffle else np.arange(n_rows)
-        out.append(int(order[i]))
+        if epoch not in orders:
+            orders[epoch] = np.random.default_rng([seed, epoch]).permutation(n_rows) if shuffle else np.arange(n_rows)
+        out.append(int(orders[epoch][i]))
     return np.asarray(out)
