@@ -41,8 +41,27 @@ def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
         (folder / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
 
 
+def _check_same_model(folder: Path, target: dict) -> None:
+    """DCP loads whatever keys the target asks for and ignores the rest, so a checkpoint of another architecture
+    with overlapping names would load silently; compare the parameter sets and shapes first."""
+    meta = dcp.FileSystemReader(str(folder / "dcp")).read_metadata().state_dict_metadata
+    saved = {k[len("model."):]: tuple(v.size) for k, v in meta.items() if k.startswith("model.") and hasattr(v, "size")}
+    want = {k: tuple(v.shape) for k, v in target.items() if hasattr(v, "shape")}
+    extra, missing = sorted(set(saved) - set(want)), sorted(set(want) - set(saved))
+    shapes = sorted(k for k in set(saved) & set(want) if saved[k] != want[k])
+    if extra or missing or shapes:
+        detail = "; ".join(f"{name}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}" for name, keys in
+                           (("only in the checkpoint", extra), ("missing from it", missing), ("other shape", shapes))
+                           if keys)
+        raise InputError(
+            f"checkpoint {folder}: does not match the model being loaded ({detail}). The blueprint's model must be "
+            "the one this run was built from; rerun from build (verlflow rerun RUN_ID --from build)."
+        )
+
+
 def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Reshards on load: the saving world size does not matter."""
+    _check_same_model(folder, get_model_state_dict(model))
     try:
         if optimizer is not None:
             msd, osd = get_state_dict(model, optimizer, options=FLAT)
@@ -68,6 +87,7 @@ def read_state(folder: Path) -> dict:
 def load_full(folder: Path, model: nn.Module) -> None:
     """Fill an unsharded (non-FSDP) model from a DCP checkpoint without a process group."""
     sd = {"model": model.state_dict()}
+    _check_same_model(folder, sd["model"])
     try:
         dcp.load(sd, checkpoint_id=str(folder / "dcp"), no_dist=True)
     except (RuntimeError, KeyError, ValueError, CheckpointException) as e:
