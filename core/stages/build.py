@@ -9,7 +9,6 @@ import logging
 import shutil
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from core import checkpoint, model as M
@@ -42,6 +41,7 @@ def run(ctx: StageContext) -> dict:
     M.load_tokenizer(src)  # fails early on a tokenizer without chat template
 
     metrics: dict = {}
+    warm_policy = ctx.input("warm_start") / "policy" if warm else None
     roles = [("policy", False), ("ref", False)] + ([("critic", True)] if bp.algorithm.adv_estimator == "gae" else [])
     for role, critic in roles:
         with ctx.timed(f"{role}_load_s"):
@@ -56,28 +56,18 @@ def run(ctx: StageContext) -> dict:
         problems = M.check_shards(rep, bp)
         if problems:
             raise RuntimeError(f"{role}: " + "; ".join(problems))
-        metrics[f"{role}_fsdp_units"] = rep.units
-        metrics[f"{role}_params"] = rep.total_numel
-        metrics[f"{role}_shard_balance_rank{ctx.rank}"] = round(rep.balance, 4)
-        if role == "policy" and warm:
-            checkpoint.load(ctx.input("warm_start") / "policy", model)
-        if role == "ref" and warm:
-            checkpoint.load(ctx.input("warm_start") / "policy", model)
+        balances = [None] * ctx.world
+        dist.all_gather_object(balances, round(rep.balance, 4))
+        metrics.update({f"{role}_fsdp_units": rep.units, f"{role}_params": rep.total_numel,
+                        f"{role}_shard_balance": balances})
+        state = {"step": 0, "data_cursor": 0, "role": role, "warm_start": warm}
+        if warm_policy and role != "critic":  # warm start: the previous policy is both the new policy and ref
+            checkpoint.load(warm_policy, model)
+            state["data_cursor"] = checkpoint.read_state(warm_policy).get("data_cursor", 0)
         opt = make_optimizer(model, bp, critic=critic) if role != "ref" else None
-        state = {"step": 0, "data_cursor": 0, "role": role, "warm_start": warm,
-                 "lineage": ctx.input_manifest("warm_start").get("lineage", []) if warm else []}
-        if warm and role == "policy":
-            prev = checkpoint.read_state(ctx.input("warm_start") / "policy")
-            state["data_cursor"] = prev.get("data_cursor", 0)
         with ctx.timed(f"{role}_save_s"):
             checkpoint.save(ctx.out / role, model, opt, state)
         del model, opt
-    balances = [torch.tensor(metrics[f"policy_shard_balance_rank{ctx.rank}"])]
-    if ctx.world > 1:
-        gathered = [torch.zeros(()) for _ in range(ctx.world)]
-        dist.all_gather(gathered, balances[0])
-        balances = gathered
-    metrics["policy_shard_balance"] = [round(float(b), 4) for b in balances]
     log.info("build: %s", json.dumps(metrics))
     return metrics
 
