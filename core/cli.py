@@ -100,6 +100,12 @@ def cmd_rerun(args) -> int:
     return cmd_run(args)
 
 
+def _stage_order(stage: str) -> int:
+    from core.runner import STAGES
+
+    return STAGES.index(stage) if stage in STAGES else len(STAGES)
+
+
 def cmd_ls(args) -> int:
     from core.runner import open_store
     from core.store import safe_name
@@ -108,15 +114,19 @@ def cmd_ls(args) -> int:
     if args.run is not None:
         safe_name(args.run, "--run")  # before anything is printed
     store = open_store(bp)
-    runs = [p.rsplit("/", 1)[-1] for p in store.ls("runs")]
-    for run in runs if not args.run else [args.run]:
-        print(run)
-        if args.run:
-            for it in store.ls(f"runs/{run}"):
-                for st in store.ls(it):
-                    m = store.read_manifest(st)
-                    state = "committed" if m else "NOT committed"
-                    print(f"  {st.split('/', 2)[-1]:<24} {state}  {store.uri(st)}")
+    keys = [k.split("/") for k in store.ls("runs")]  # runs/<run>/<iteration>/<stage>/<file...>
+    if not args.run:
+        for run in sorted({k[1] for k in keys if len(k) > 1}):
+            print(run)
+        return 0
+    stages = sorted({tuple(k[1:4]) for k in keys if len(k) > 4 and k[1] == args.run},
+                    key=lambda s: (s[1] != "init", int(s[1]) if s[1].isdigit() else 0, _stage_order(s[2])))
+    if not stages:
+        raise VerlflowError(f"--run {args.run}: no such run in {store.root_uri} (`verlflow ls` lists the runs).")
+    for run, it, stage in stages:
+        m = store.read_manifest(f"runs/{run}/{it}/{stage}")
+        state = ("pruned" if m.get("pruned") else "committed") if m else "NOT committed"
+        print(f"  {stage}[{it}]".ljust(20) + f"{state:<14} {store.uri(f'runs/{run}/{it}/{stage}')}")
     return 0
 
 

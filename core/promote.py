@@ -26,14 +26,14 @@ def promote(store: ArtifactStore, bp: Blueprint, job: dict, manifest: dict) -> d
 def prune(store: ArtifactStore, bp: Blueprint, run_id: str) -> list[str]:
     """Keep the last `keep_last` exports and the best by `keep_best_metric`; the rest lose their files but keep
     a manifest marked pruned, so a rerun still sees the stage as done."""
+    # ls lists files: runs/<run>/<iteration>/checkpoint/manifest.json marks a committed export.
+    iterations = {int(parts[2]) for parts in (k.split("/") for k in store.ls(f"runs/{run_id}"))
+                  if len(parts) == 5 and parts[2].isdigit() and parts[3] == "checkpoint" and parts[4] == "manifest.json"}
     stages = []
-    for it_dir in store.ls(f"runs/{run_id}"):
-        it = it_dir.rsplit("/", 1)[-1]
-        if not it.isdigit():
-            continue
+    for it in iterations:
         m = store.read_manifest(f"runs/{run_id}/{it}/checkpoint")
         if m and not m.get("pruned"):
-            stages.append((int(it), m))
+            stages.append((it, m))
     stages.sort(key=lambda x: x[0])
     keep = {it for it, _ in stages[-bp.storage.keep_last:]}
     metric = bp.storage.keep_best_metric

@@ -467,3 +467,20 @@ def test_validate_blueprint_stays_cheap(tiny_kit):
             "print(rc, sorted(m for m in ('torch', 'verl', 'transformers', 'prefect') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert p.stdout.strip().endswith("0 []"), p.stdout + p.stderr
+
+
+def test_ls_lists_runs_and_stage_states(tmp_path, capsys):
+    from core.cli import main
+    from core.store import ArtifactStore
+
+    store = ArtifactStore(tmp_path / "s")
+    for it, stage in (("init", "build"), ("1", "rollout")):
+        store.put_bytes(f"runs/r1/{it}/{stage}/x.bin", b"x")
+        store.commit(f"runs/r1/{it}/{stage}", {"key": f"k-{stage}"}, {"x.bin": {"sha256": "0" * 64, "size": 1}})
+    store.put_bytes("runs/r1/1/update/partial.bin", b"half")  # data without a manifest
+    assert main(["ls", f"storage.uri={tmp_path / 's'}"]) == 0
+    assert capsys.readouterr().out.split() == ["r1"]
+    assert main(["ls", f"storage.uri={tmp_path / 's'}", "--run", "r1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in lines] == [["build[init]", "committed"], ["rollout[1]", "committed"],
+                                                   ["update[1]", "NOT"]]
