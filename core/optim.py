@@ -5,6 +5,14 @@ import torch
 from core.blueprint import Blueprint
 
 
+def apply_hparams(opt: torch.optim.Optimizer, bp: Blueprint, *, critic: bool = False) -> None:
+    """A loaded optimizer state carries the hyperparameters it was saved with; the blueprint wins, so changing
+    algorithm.lr between iterations (or on a rerun) takes effect."""
+    a = bp.algorithm
+    for group in opt.param_groups:
+        group.update(lr=a.critic_lr if critic else a.lr, betas=a.betas, weight_decay=a.weight_decay)
+
+
 def make_optimizer(model: torch.nn.Module, bp: Blueprint, *, critic: bool = False) -> torch.optim.Optimizer:
     a = bp.algorithm
     return torch.optim.AdamW(model.parameters(), lr=a.critic_lr if critic else a.lr, betas=a.betas,

@@ -1,7 +1,7 @@
 """The stage task: one thin Prefect task per (stage, iteration) around core.runner.run_stage.
 
 Retries are declared here and decided by the launcher's failure class; the torchrun output streams into the
-task run's logs; a run holds device slots only while it launches a job; every stage leaves a markdown summary.
+task run's logs; a local job holds this host's device slots while it runs; every stage leaves a markdown summary.
 """
 
 import contextvars
@@ -17,9 +17,9 @@ from prefect.context import get_run_context
 
 from core.blueprint import Blueprint
 from core.launcher import StageFailure
-from core.runner import SINGLE_PROCESS, StageResult, compute_key, open_store, run_stage
-from core.store import stage_key
-from tasks.slots import device_slots
+from core.runner import SINGLE_PROCESS, StageResult, run_stage, stage_status
+from core.errors import StoreError
+from tasks.slots import device_slots, limit_name
 
 
 def retryable(task, task_run, state) -> bool:
@@ -29,13 +29,11 @@ def retryable(task, task_run, state) -> bool:
 
 
 def is_committed(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[str, str]) -> bool:
-    """Whether run_stage will reuse this stage (same check, read-only): then it needs no device slots."""
-    store = open_store(bp)
-    manifests = {name: store.read_manifest(key) for name, key in inputs.items()}
-    if any(m is None for m in manifests.values()):
+    """Whether run_stage will reuse this stage (its own read-only check): then it needs no device slots."""
+    try:
+        key, _, existing, _ = stage_status(stage, bp, run_id, iteration, inputs)
+    except StoreError:  # an input is missing: run_stage will say so
         return False
-    existing = store.read_manifest(stage_key(run_id, iteration, stage))
-    key = compute_key(stage, bp, iteration, {n: m["key"] for n, m in manifests.items()})
     return existing is not None and existing.get("key") == key
 
 
@@ -72,9 +70,11 @@ def run_stage_task(stage: str, iteration, inputs: dict[str, str], bp: Blueprint,
     log = get_run_logger()
     ranks = 1 if stage in SINGLE_PROCESS else bp.resources.nproc_per_node
     with cancel_requested() as cancel:
-        if not force and is_committed(stage, bp, run_id, iteration, inputs):
-            res = run_stage(stage, bp, run_id, iteration, inputs, on_line=log.info, cancel=cancel)
+        # Slurm and Kubernetes allocate devices themselves; a reused stage needs none.
+        if bp.resources.backend != "local" or (not force and is_committed(stage, bp, run_id, iteration, inputs)):
+            res = run_stage(stage, bp, run_id, iteration, inputs, on_line=log.info, cancel=cancel, force=force)
         else:
+            log.info(f"[verlflow] {stage}[{iteration}] needs {ranks} slot(s) of {limit_name(bp.resources.device)}")
             with device_slots(bp.resources.device, ranks):
                 res = run_stage(stage, bp, run_id, iteration, inputs, on_line=log.info, cancel=cancel, force=force)
     create_markdown_artifact(summary_markdown(f"{stage}[{iteration}]", res), description=f"{stage}[{iteration}]")

@@ -209,3 +209,13 @@ def test_wrong_world_size_for_batch_is_refused_before_launch(tiny_kit, tmp_path)
     with pytest.raises(BlueprintError, match="divide across 3 ranks"):
         tiny_blueprint(tiny_kit, tmp_path, resources__nproc_per_node=3)
     assert not any(tmp_path.iterdir())
+
+
+def test_blueprint_lr_overrides_the_checkpointed_optimizer(staged):
+    """The optimizer state saved by build carries lr=3e-3; an update run with another lr must use it."""
+    bp, store, _ = staged
+    other = bp.model_copy(deep=True)
+    other.algorithm.lr = 1.5e-3
+    res = run_stage("update", other, "eq", 8, {"build": "runs/eq/init/build", "policy": "runs/eq/init/build",
+                                               "rollout": "runs/eq/1/rollout"}, **QUIET)
+    assert {row["lr"] for row in res.manifest["metrics"]["mini_batches"]} == {1.5e-3}

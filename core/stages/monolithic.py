@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from core import checkpoint, model as M, ppo
 from core.data import load_prompts, select
-from core.optim import make_optimizer
+from core.optim import apply_hparams, make_optimizer
 from core.rollout import generate_share, load_batch, save_batch
 from core.stages.common import StageContext, stage_main
 from core.stages.update import sharded
@@ -32,11 +32,13 @@ def run(ctx: StageContext) -> dict:
     policy = sharded(ctx, meta_dir)
     popt = make_optimizer(policy, bp)
     state = checkpoint.load(build / "policy", policy, popt)
+    apply_hparams(popt, bp)
     critic = copt = None
     if gae:
         critic = sharded(ctx, meta_dir, critic=True)
         copt = make_optimizer(critic, bp, critic=True)
         checkpoint.load(build / "critic", critic, copt)
+        apply_hparams(copt, bp, critic=True)
     infer = M.build_module(meta_dir, bp).to(ctx.device)
 
     per_iter = []

@@ -6,7 +6,7 @@ Inputs: `build` (hf_meta/, ref/), `policy` (policy/ [+ critic/]), `rollout` (bat
 import logging
 
 from core import checkpoint, model as M, ppo
-from core.optim import make_optimizer
+from core.optim import apply_hparams, make_optimizer
 from core.rollout import load_batch
 from core.stages.common import StageContext, stage_main
 
@@ -39,11 +39,13 @@ def run(ctx: StageContext) -> dict:
         policy = sharded(ctx, meta_dir)
         popt = make_optimizer(policy, bp)
         state = checkpoint.load(prev / "policy", policy, popt)
+        apply_hparams(popt, bp)
         critic = copt = values = None
         if gae:
             critic = sharded(ctx, meta_dir, critic=True)
             copt = make_optimizer(critic, bp, critic=True)
             checkpoint.load(prev / "critic", critic, copt)
+            apply_hparams(copt, bp, critic=True)
     with ctx.timed("old_logp_s"):
         old_logp = ppo.score_all(policy, batch, bp, *args)
         if gae:
