@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: demo test install install-dev clean
+.PHONY: demo test install install-dev clean chromium slurm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,10 +32,25 @@ install-dev: $(VENV)/.installed-dev
 tiny/qwen2/kit.json: $(VENV)/.installed
 	$(BIN)/verlflow make-tiny tiny/qwen2 --arch qwen2
 
+# The whole pipeline as a Prefect flow run (a temporary server unless PREFECT_API_URL is set); the history stays
+# in ~/.prefect, so `$(BIN)/prefect server start` shows it afterwards.
 demo: $(VENV)/.installed tiny/qwen2/kit.json
-	$(BIN)/verlflow run blueprints/tiny-cpu.yaml
+	$(BIN)/verlflow run blueprints/tiny-cpu.yaml --prefect
 
-test: $(VENV)/.installed-dev
+# tests/test_ui.py drives headless Chromium (Debian's package); installed here, never by the tests.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium; }; } || \
+		echo "chromium missing and not root: tests/test_ui.py will be skipped"
+
+# tests/test_slurm.py starts a real Slurm cluster (munged, slurmctld, two slurmd) from Debian's packages.
+slurm:
+	@command -v slurmctld >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		{ DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge; }; }; } || \
+		echo "Slurm missing and not root with apt-get: tests/test_slurm.py will be skipped"
+
+test: $(VENV)/.installed-dev chromium slurm
 	$(BIN)/python -m pytest -q tests
 
 clean:

@@ -43,6 +43,6 @@ def recomputed_here(bp: Blueprint, run_id: str, step: Step) -> bool:
     m = open_store(bp).read_manifest(stage_key(run_id, step.iteration, step.stage))
     if m is None or not m.get("committed_at"):
         return False
-    created = get_run_context().flow_run.created.replace(microsecond=0)
-    return dt.datetime.fromisoformat(m["committed_at"]) >= created
+    created = int(get_run_context().flow_run.created.timestamp())  # committed_at has whole seconds
+    return dt.datetime.fromisoformat(m["committed_at"]).timestamp() >= created
 

@@ -35,7 +35,8 @@ def finetune(blueprint: Blueprint = Blueprint(), run_id: str | None = None, blue
             task = stage_task(step.stage, step.iteration, bp)
             done[step.stage] = task(step.stage, step.iteration, step.inputs, bp, run_id, force)
             if step.stage == "checkpoint":
-                report.iteration_done(iteration_row(step.iteration, done["rollout"], done["update"], done["checkpoint"]))
+                it = step.iteration
+                report.iteration_done(iteration_row(it, done["rollout"], done["update"], done["checkpoint"]))
     except StageFailure as e:
         if e.kind is FailureKind.CANCELLED:  # in-process runs; served/worker runs are stopped by SIGTERM
             return Cancelled(message=f"{run_id}: cancelled; the running stage's job was killed")

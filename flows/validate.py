@@ -2,8 +2,10 @@
 # No `from __future__ import annotations`: served runs need the real Blueprint annotation for the run form.
 
 from prefect import flow
+from prefect.states import Cancelled
 
 from core.blueprint import Blueprint
+from core.launcher import FailureKind, StageFailure
 from core.pipeline import plan
 from flows.common import default_run_id, name_flow_run, resolve_blueprint
 from tasks.stages import stage_task
@@ -16,5 +18,10 @@ def validate(blueprint: Blueprint = Blueprint(), run_id: str | None = None,
     run_id = run_id or default_run_id(bp)
     name_flow_run(run_id)
     step = plan(bp, run_id)[0]
-    res = stage_task(step.stage, step.iteration, bp)(step.stage, step.iteration, step.inputs, bp, run_id, True)
+    try:
+        res = stage_task(step.stage, step.iteration, bp)(step.stage, step.iteration, step.inputs, bp, run_id, True)
+    except StageFailure as e:
+        if e.kind is FailureKind.CANCELLED:  # in-process runs; served/worker runs are stopped by SIGTERM
+            return Cancelled(message=f"{run_id}: cancelled; the validate job was killed")
+        raise
     return {"run_id": run_id, **res.manifest["metrics"]}

@@ -67,7 +67,12 @@ def prefect_server(tmp_path_factory):
     port = _free_port()
     ui, url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}/api"
     env = {**QUIET, "PREFECT_HOME": str(home), "PREFECT_API_URL": url}
-    server_env = {k: v for k, v in {**os.environ, **env}.items() if k != "PREFECT_API_URL"}
+    server_env = {**{k: v for k, v in {**os.environ, **env}.items() if k != "PREFECT_API_URL"},
+                  "PREFECT_UI_API_URL": url, "PREFECT_LOGGING_LEVEL": "WARNING",  # the UI's API: this port
+                  # services no test needs (cron runs are made through the schedule API): less SQLite contention
+                  **{f"PREFECT_SERVER_SERVICES_{s}_ENABLED": "false" for s in (
+                      "SCHEDULER", "LATE_RUNS", "FOREMAN", "TRIGGERS", "PAUSE_EXPIRATIONS", "CANCELLATION_CLEANUP",
+                      "DB_VACUUM")}}
     log = open(home / "server.log", "w")
     proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                             env=server_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
