@@ -93,6 +93,9 @@ class RolloutSpec(Section):
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     max_new_tokens: int = Field(16, ge=1)
     micro_batch_size: int = Field(32, ge=1, description="Sequences generated together on one rank.")
+    engine: Literal["hf", "static"] = Field(
+        "hf", description="hf: transformers generate (dynamic cache). static: core.fastgen, a static KV cache "
+        "with the decode step captured as a CUDA graph (Llama/Qwen2 models; eager on CPU).")
 
 
 class FSDPSpec(Section):
@@ -109,13 +112,101 @@ class FSDPSpec(Section):
     activation_checkpointing: bool = False
 
 
+class SlurmSpec(Section):
+    """backend: slurm. Each stage is one sbatch job: one srun task per node running torchrun (c10d)."""
+
+    partition: Optional[str] = Field(None, description="#SBATCH --partition (default: the cluster's default).")
+    account: Optional[str] = Field(None, description="#SBATCH --account.")
+    time_limit: Optional[str] = Field(
+        None, description="#SBATCH --time (e.g. '02:00:00'); default: resources.stage_timeout_s rounded up to minutes."
+    )
+    gpus_per_node: int = Field(0, ge=0, description="#SBATCH --gpus-per-node (0: none asked for).")
+    cpus_per_task: Optional[int] = Field(None, ge=1, description="#SBATCH --cpus-per-task (one task per node).")
+    extra_sbatch: list[str] = Field(
+        [], description="More #SBATCH options, one per entry, e.g. '--qos=high' or '--exclusive'."
+    )
+    setup: list[str] = Field(
+        [], description="Shell lines run on the head node before srun (module load, source a venv...)."
+    )
+    shared_dir: Optional[str] = Field(
+        None, description="A folder every node sees (job files, output, torchrun error files); "
+        "default: .verlflow/slurm under the submitting folder."
+    )
+    python: Optional[str] = Field(None, description="Python on the nodes; default: the submitting interpreter.")
+    rdzv_port_base: int = Field(20000, ge=1024, le=65000,
+                                description="Rendezvous port = base + job id mod rdzv_port_span (unique per job).")
+    rdzv_port_span: int = Field(10000, ge=1, le=40000)
+
+    @model_validator(mode="after")
+    def _port_range(self):
+        if self.rdzv_port_base + self.rdzv_port_span > 65536:
+            raise ValueError("rdzv_port_base + rdzv_port_span must stay below 65536")
+        return self
+
+
+class KubernetesSpec(Section):
+    """backend: kubernetes. Each stage is an indexed batch/v1 Job (one pod per node) plus a headless Service."""
+
+    namespace: str = Field("default", description="Namespace of the Job, Service and ConfigMap.")
+    image: Optional[str] = Field(None, description="Container image with verlflow installed (required).")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    service_account: Optional[str] = None
+    gpus_per_node: int = Field(0, ge=0, description="nvidia.com/gpu limit per pod.")
+    cpu: Optional[str] = Field(None, description="CPU request and limit per pod, e.g. '8'.")
+    memory: Optional[str] = Field(None, description="Memory request and limit per pod, e.g. '64Gi'.")
+    env_from_secret: Optional[str] = Field(
+        None, description="Secret whose keys become env vars (e.g. AWS_ACCESS_KEY_ID); secrets never go in a manifest."
+    )
+    pvc: Optional[str] = Field(None, description="PersistentVolumeClaim mounted at pvc_mount (file:// stores, models).")
+    pvc_mount: str = "/data"
+    node_selector: dict[str, str] = {}
+    tolerations: list[dict[str, Any]] = []
+    labels: dict[str, str] = Field({}, description="Extra labels on the Job and its pods.")
+    python: str = Field("python", description="Python in the image.")
+    rdzv_port: int = Field(29400, ge=1024, le=65535)
+    ttl_seconds_after_finished: int = Field(3600, ge=0)
+    context: Optional[str] = Field(None, description="kubeconfig context; default: in-cluster, else the current one.")
+
+
 class ResourcesSpec(Section):
-    backend: Literal["local"] = Field("local", description="Where stage jobs run.")
+    backend: Literal["local", "slurm", "kubernetes"] = Field(
+        "local", description="Where stage jobs run: local torchrun, sbatch on Slurm, or a Kubernetes Job."
+    )
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu runs gloo, cuda runs nccl.")
     nnodes: int = Field(1, ge=1)
     nproc_per_node: int = Field(2, ge=1, description="Ranks per node (one per GPU on cuda).")
+    node_rank: int = Field(
+        0, ge=0, description="backend local with nnodes > 1: this agent's node (0 runs the store and single-process "
+        "stages); start one verlflow per node with the same blueprint and its own node_rank."
+    )
+    rdzv_endpoint: Optional[str] = Field(
+        None, description="backend local with nnodes > 1: host:port of the c10d rendezvous (on node 0)."
+    )
     stage_timeout_s: int = Field(1800, ge=1, description="A stage job is killed after this many seconds.")
     retries: int = Field(1, ge=0, description="Retries of a stage whose failure is retryable (timeouts, kills).")
+    slurm: SlurmSpec = SlurmSpec()
+    kubernetes: KubernetesSpec = KubernetesSpec()
+
+    @model_validator(mode="after")
+    def _backend_settings(self):
+        problems = []
+        if self.node_rank >= self.nnodes:
+            problems.append(f"node_rank={self.node_rank} must be below nnodes={self.nnodes}")
+        if self.backend == "local" and self.nnodes > 1 and not self.rdzv_endpoint:
+            problems.append("backend local with nnodes > 1 needs rdzv_endpoint (host:port on node 0, e.g. "
+                            "node0.example:29400); or use backend slurm/kubernetes, which pick it themselves")
+        if self.backend != "local" and (self.node_rank or self.rdzv_endpoint):
+            problems.append(f"node_rank and rdzv_endpoint are for backend local; backend {self.backend} "
+                            "places the nodes and the rendezvous itself")
+        if self.rdzv_endpoint:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                problems.append(f"rdzv_endpoint '{self.rdzv_endpoint}' must be host:port")
+        if self.backend == "kubernetes" and not self.kubernetes.image:
+            problems.append("backend kubernetes needs kubernetes.image (an image with verlflow installed)")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
     @property
     def world_size(self) -> int:
@@ -187,11 +278,24 @@ class Blueprint(Section):
 
     # -- hashing: a stage key depends on the sections it reads, not on the whole file ---------------
     def section_hash(self, *names: str) -> str:
-        data = {n: _dump(getattr(self, n)) for n in names}
+        """Hash of the named sections or single fields ("algorithm.adv_estimator")."""
+        data = {}
+        for n in names:
+            obj = self
+            for part in n.split("."):
+                obj = getattr(obj, part)
+            data[n] = _dump(obj)
+        for n, fields in _PER_AGENT.items():  # the agents of one multi-node job must agree on every key
+            for f in fields if n in data else ():
+                data[n].pop(f, None)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def hash(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+# Fields that differ between the agents of one job (each node passes its own): not part of any stage key.
+_PER_AGENT = {"resources": ("node_rank",)}
 
 
 def _dump(v: Any) -> Any:

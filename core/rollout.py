@@ -37,7 +37,10 @@ def generate_share(model, tok, bp: Blueprint, prompts: Prompts, rows: list[int],
     enc = encode_prompts(tok, [prompts.messages[p] for p in p_idx], bp.data.max_prompt_length,
                          [rows[p] for p in p_idx])
     t0 = time.perf_counter()
-    responses = sample(model, tok, enc, bp.rollout, device, sample_seed(bp, iteration) + mine.start, progress)
+    sampler = sample
+    if bp.rollout.engine == "static":
+        from core.fastgen import sample as sampler
+    responses = sampler(model, tok, enc, bp.rollout, device, sample_seed(bp, iteration) + mine.start, progress)
     gen_s = time.perf_counter() - t0
     reward = load_reward(bp.reward.function, bp.reward.module)
     out = []

@@ -17,7 +17,8 @@ from typing import Callable
 
 from core.blueprint import Blueprint
 from core.errors import StoreError
-from core.launcher import LaunchSpec, launch
+from core.backends import launcher_for, scratch_root
+from core.launcher import LaunchSpec
 from core.store import ArtifactStore, stage_key
 
 log = logging.getLogger("verlflow.runner")
@@ -27,8 +28,11 @@ STAGES = ("validate", "build", "rollout", "update", "checkpoint")
 # The blueprint sections each stage's outputs depend on. resources is absent on purpose: a checkpoint
 # reshards, so a world-size change reuses what was committed and continues.
 SECTIONS = {
-    "validate": ("model", "data", "reward", "algorithm", "rollout", "fsdp", "resources", "storage"),
-    "build": ("model", "fsdp", "algorithm", "seed", "deterministic"),
+    "validate": ("model", "data", "reward", "rollout", "fsdp", "resources", "storage", "algorithm.adv_estimator",
+                 "algorithm.ppo_mini_batch_size", "algorithm.ppo_micro_batch_size_per_gpu"),
+    # build: optimizer hyperparameters are re-applied from the blueprint on every load, so only the
+    # estimator (whether a critic exists) matters here.
+    "build": ("model", "fsdp", "algorithm.adv_estimator", "seed", "deterministic"),
     "rollout": ("model", "data", "reward", "rollout", "seed"),
     "update": ("model", "data", "algorithm", "rollout", "fsdp", "seed", "deterministic"),
     "checkpoint": ("storage",),
@@ -78,12 +82,10 @@ class StageResult:
         return self.manifest["key"]
 
 
-def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[str, str], *,
-              on_line: Callable[[str], None] = print, cancel: threading.Event | None = None, force: bool = False,
-              store: ArtifactStore | None = None, extra_key: dict | None = None, env: dict | None = None) -> StageResult:
-    """Run `stage` for `iteration` unless a committed manifest with the same key exists. `inputs` maps an input
-    name to the stage key (store path) of a committed stage."""
-    t0 = time.time()
+def stage_status(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[str, str], *,
+                 store: ArtifactStore | None = None, extra_key: dict | None = None):
+    """Read-only: (key, output stage path, committed manifest there or None, input manifests). The stage is
+    reusable when the committed manifest's key equals `key`."""
     store = store or open_store(bp)
     manifests = {}
     for name, skey in inputs.items():
@@ -94,15 +96,35 @@ def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[st
         manifests[name] = m
     key = compute_key(stage, bp, iteration, {n: m["key"] for n, m in manifests.items()}, extra_key)
     out = stage_key(run_id, iteration, stage)
-    existing = store.read_manifest(out)
+    return key, out, store.read_manifest(out), manifests
+
+
+def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[str, str], *,
+              on_line: Callable[[str], None] = print, cancel: threading.Event | None = None, force: bool = False,
+              store: ArtifactStore | None = None, extra_key: dict | None = None, env: dict | None = None) -> StageResult:
+    """Run `stage` for `iteration` unless a committed manifest with the same key exists. `inputs` maps an input
+    name to the stage key (store path) of a committed stage."""
+    t0 = time.time()
+    store = store or open_store(bp)
+    key, out, existing, manifests = stage_status(stage, bp, run_id, iteration, inputs, store=store,
+                                                 extra_key=extra_key)
     if existing is not None and existing.get("key") == key and not force:
         on_line(f"[verlflow] {stage}[{iteration}] is committed with the same key: reusing {store.uri(out)}")
         return StageResult(existing, True, time.time() - t0)
-    if existing is not None:
+    res = bp.resources
+    single = stage in SINGLE_PROCESS
+    # Static multi-node local: every node's agent runs this same call; node 0 leads (clears the output, runs
+    # the single-process stages), the others join the torchrun job and leave the store to it.
+    multi_local = res.backend == "local" and res.nnodes > 1
+    follower = multi_local and res.node_rank > 0
+    if follower and single:
+        return _await_commit(stage, iteration, store, out, key, res.stage_timeout_s, on_line, cancel, t0)
+    if existing is not None and not follower:
         store.uncommit(out)  # invisible first, then replaced
-    store.rm(out)
+    if not follower:
+        store.rm(out)
 
-    scratch = Path(tempfile.mkdtemp(prefix=f"verlflow-{stage}-"))
+    scratch = Path(tempfile.mkdtemp(prefix=f"verlflow-{stage}-", dir=scratch_root(res)))
     job = {
         "stage": stage, "run_id": run_id, "iteration": iteration, "output": out, "scratch": str(scratch),
         "blueprint": bp.model_dump(mode="json"), "inputs": inputs,
@@ -118,17 +140,25 @@ def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[st
     }
     job_file = scratch / "job.json"
     job_file.write_text(json.dumps(job))
-    res = bp.resources
-    nproc = 1 if stage in SINGLE_PROCESS else res.nproc_per_node
+    nproc = 1 if single else res.nproc_per_node
+    multi = multi_local and not single
     spec = LaunchSpec(module=f"core.stages.{stage}", args=[str(job_file)], nproc_per_node=nproc,
-                      nnodes=1 if stage in SINGLE_PROCESS else res.nnodes, timeout_s=res.stage_timeout_s,
+                      nnodes=1 if single else res.nnodes, timeout_s=res.stage_timeout_s,
+                      node_rank=res.node_rank if multi else 0, rdzv_endpoint=res.rdzv_endpoint if multi else None,
+                      rdzv_id=f"vf-{key[:20]}" if multi else None,  # the same on every node's agent
                       env={**_worker_env(nproc), **(env or {})}, log_dir=str(scratch / "logs"))
-    on_line(f"[verlflow] {stage}[{iteration}] -> {store.uri(out)} ({nproc} x {spec.nnodes} ranks)")
+    where = f", node {res.node_rank} of {res.nnodes}" if multi else ""
+    on_line(f"[verlflow] {stage}[{iteration}] -> {store.uri(out)} ({nproc} x {spec.nnodes} ranks, "
+            f"{res.backend}{where})")
     try:
-        launch(spec, on_line=on_line, cancel=cancel)
+        launcher_for(res)(spec, on_line=on_line, cancel=cancel)
     except BaseException:
-        if store.read_manifest(out) is None:
-            store.rm(out)  # a failed stage leaves nothing behind, not even invisible partial data
+        try:
+            if not follower and store.read_manifest(out) is None:
+                store.rm(out)  # a failed stage leaves nothing behind, not even invisible partial data
+        except Exception as exc:  # e.g. the S3 endpoint is down: keep the job's own error, not this one
+            on_line(f"[verlflow] {stage}[{iteration}]: could not remove the partial output at {store.uri(out)} "
+                    f"({type(exc).__name__}); it has no manifest, so nothing reads it, and the rerun replaces it")
         raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -136,6 +166,24 @@ def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[st
     if manifest is None or manifest.get("key") != key:
         raise StoreError(f"{stage}[{iteration}]: the job exited cleanly but committed no manifest at {store.uri(out)}")
     return StageResult(manifest, False, time.time() - t0)
+
+
+def _await_commit(stage, iteration, store, out, key, timeout_s, on_line, cancel, t0) -> StageResult:
+    """A follower node (node_rank > 0) of a static multi-node run: node 0 runs a single-process stage alone."""
+    from core.launcher import FailureKind, StageFailure
+
+    on_line(f"[verlflow] {stage}[{iteration}] runs on node 0 only: waiting for its commit at {store.uri(out)}")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = store.read_manifest(out)
+        if m is not None and m.get("key") == key:
+            return StageResult(m, False, time.time() - t0)
+        if cancel is not None and cancel.is_set():
+            raise StageFailure(FailureKind.CANCELLED, f"{stage}[{iteration}]: cancelled while waiting for node 0")
+        if time.monotonic() > deadline:
+            raise StageFailure(FailureKind.TIMEOUT, f"{stage}[{iteration}]: node 0 did not commit it within "
+                               f"{timeout_s} s (resources.stage_timeout_s)")
+        time.sleep(0.5)
 
 
 def _worker_env(nproc: int) -> dict:

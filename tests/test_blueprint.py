@@ -182,7 +182,7 @@ def test_python_tags_are_refused_and_not_run(tmp_path):
     ("data:\n  train_files: []\n", "data.train_files: List should have at least 1 item"),
     ("name: 'a/b'\n", "name: String should match pattern"),
     ("storage:\n  keep_last: 0\n", "storage.keep_last: Input should be greater than or equal to 1"),
-    ("resources:\n  backend: slurm\n", "resources.backend: Input should be 'local' (got 'slurm')"),
+    ("resources:\n  backend: ray\n", "resources.backend: Input should be 'local', 'slurm' or 'kubernetes' (got 'ray')"),
     ("schedule:\n  init_from: last\n", "schedule.init_from: Input should be 'base' or 'previous'"),
 ])
 def test_odd_yaml_values_get_a_clear_validation_error(tmp_path, text, expect):

@@ -1,0 +1,558 @@
+"""Rollout benchmark: HF ``generate`` (dynamic cache) against ``core.fastgen`` (rollout.engine=static), in one
+process, at the same shape, with random weights (nothing is downloaded).
+
+    python benchmarks/rollout.py                         # GPU: Qwen2.5-1.5B shape, batch 256, prompt 128, 256 new
+    python benchmarks/rollout.py --shape 0.5b --shape 7b
+    python benchmarks/rollout.py --smoke                 # CPU-sized run (the test suite runs this)
+
+Prints, per shape, a table: measure | baseline | ours | ratio | floor. The floor of a decode step is the
+memory-bound one: bytes of weights read per step (everything but the embedding table) plus the KV cache bytes
+of the valid positions, over the HBM bandwidth (--hbm-tbs, 4.8 TB/s for an H200). The compute floor
+(2 x weights x batch + attention FLOPs over --peak-tflops) is printed beside it. ``--json`` writes every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from core.fastgen import FastGen, SamplingConfig  # noqa: E402
+
+SHAPES = {  # Qwen2.5 shapes (Qwen2Config); "tiny" is the CPU smoke
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=384, tie_word_embeddings=False),
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+               intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+}
+
+T_START = time.perf_counter()
+
+
+def say(*a):
+    print(f"[{time.perf_counter() - T_START:7.1f}s]", *a, flush=True)
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def build_model(shape: str, dtype: torch.dtype, dev: torch.device):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    v = SHAPES[shape]["vocab_size"]
+    eos, pad = v - 1, v - 2  # random prompts never contain them
+    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rms_norm_eps=1e-6, use_sliding_window=False,
+                      eos_token_id=eos, pad_token_id=pad, bos_token_id=v - 3)
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(dev):
+            model = Qwen2ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    model.to(dtype).eval()
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = eos, pad
+    return model, eos, pad
+
+
+def make_prompts(batch: int, plen: int, vocab: int, ragged: bool, dev, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, vocab - 10, (batch, plen), generator=g)
+    mask = torch.ones(batch, plen, dtype=torch.long)
+    if ragged:  # lengths in [plen/2, plen], left-padded
+        lens = torch.randint(plen // 2, plen + 1, (batch,), generator=g)
+        for i, n in enumerate(lens.tolist()):
+            mask[i, :plen - n] = 0
+    return ids.to(dev), mask.to(dev)
+
+
+def n_tokens(resp: torch.Tensor, eos: int, pad: int) -> int:
+    """Generated tokens: up to and including each row's first EOS."""
+    is_eos = resp == eos
+    has = is_eos.any(1)
+    first = torch.where(has, is_eos.float().argmax(1) + 1, torch.full_like(has, resp.shape[1], dtype=torch.long))
+    return int(first.sum())
+
+
+def floors(model, batch: int, lens: torch.Tensor, new: int, hbm_tbs: float, peak_tflops: float) -> dict:
+    """Per decode step: memory-bound floor (weights + valid KV bytes) and compute floor, in ms."""
+    c = model.config
+    el = next(model.parameters()).element_size()
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    if c.tie_word_embeddings:
+        params += model.lm_head.weight.numel()  # tied: read once per step as the head
+    w_bytes = params * el
+    per_pos = c.num_hidden_layers * 2 * c.num_key_value_heads * hd * el
+    avg_len = float(lens.float().mean()) + (new - 1) / 2 + 1  # mean attended length over the decode steps
+    kv_bytes = batch * avg_len * per_pos
+    mem_ms = (w_bytes + kv_bytes) / (hbm_tbs * 1e12) * 1e3
+    flops = 2 * params * batch + 4 * batch * c.num_hidden_layers * c.num_attention_heads * hd * avg_len
+    comp_ms = flops / (peak_tflops * 1e12) * 1e3
+    return {"weight_gb": w_bytes / 1e9, "kv_gb_avg": kv_bytes / 1e9, "mem_floor_ms": mem_ms,
+            "compute_floor_ms": comp_ms, "gflop_per_step": flops / 1e9}
+
+
+def run_hf(model, ids, mask, new, cfg: SamplingConfig, eos, pad, dev, seed=0):
+    kw = dict(max_new_tokens=new, pad_token_id=pad, eos_token_id=eos, use_cache=True)
+    if cfg.greedy:
+        kw.update(do_sample=False)
+    else:
+        kw.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+    with torch.no_grad():
+        sync(dev)
+        t0 = time.perf_counter()
+        model(input_ids=ids, attention_mask=mask, logits_to_keep=1)  # prefill alone, to split the time
+        sync(dev)
+        t_pre = time.perf_counter() - t0
+        torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        sync(dev)
+        dt = time.perf_counter() - t0
+    resp = out[:, ids.shape[1]:]
+    steps = resp.shape[1]
+    return resp, {"total_s": dt, "prefill_s": t_pre, "steps": steps, "tokens": n_tokens(resp, eos, pad),
+                  "ms_per_step": 1e3 * max(dt - t_pre, 0) / max(steps - 1, 1)}
+
+
+def run_ours(eng: FastGen, ids, mask, cfg, eos, pad, dev, seed=0, repeats=2):
+    """First call compiles and captures (setup); the timed call is the last one."""
+    setup = 0.0
+    for _ in range(repeats):
+        torch.manual_seed(seed)
+        sync(dev)
+        t0 = time.perf_counter()
+        resp = eng.generate(ids, mask, cfg, [eos], pad)
+        sync(dev)
+        dt = time.perf_counter() - t0
+        setup += eng.last_stats["setup_s"]
+    st = dict(eng.last_stats)
+    total = dt - st["setup_s"]
+    return resp, {"total_s": total, "prefill_s": st["prefill_s"], "steps": st["steps"],
+                  "tokens": n_tokens(resp, eos, pad), "ms_per_step": st["decode_ms_per_step"], "setup_s": setup}
+
+
+@torch.no_grad()
+def teacher_forced(model, ids, mask, resp, eos: int, cfg: SamplingConfig, rows: int = 16) -> dict:
+    """Score generated tokens under HF's full forward over prompt + response (teacher forcing)."""
+    ids, mask, resp = ids[:rows], mask[:rows], resp[:rows].to(ids.device)
+    P, n = ids.shape[1], resp.shape[1]
+    is_eos = resp == eos
+    first = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full_like(resp[:, 0], n - 1))
+    valid = torch.arange(n, device=ids.device)[None] <= first[:, None]
+    temp = cfg.temperature if cfg.temperature > 0 else 1.0
+    gaps, exact, in_nuc, logps = [], [], [], []
+    for r in range(ids.shape[0]):
+        full = torch.cat([ids[r:r + 1], resp[r:r + 1]], 1)
+        fm = torch.cat([mask[r:r + 1], valid[r:r + 1].long()], 1)
+        lg = model(input_ids=full, attention_mask=fm).logits[0, P - 1:P - 1 + n].float()  # (n, V)
+        tok = resp[r]
+        v = valid[r]
+        tl_ = lg.gather(1, tok[:, None]).squeeze(1)
+        gap = lg.max(1).values - tl_
+        x = lg / temp
+        p = x.softmax(-1)
+        mass_le = (p * (x <= (tl_ / temp)[:, None])).sum(-1)
+        gaps.append(gap[v])
+        exact.append((gap[v] == 0).float())
+        in_nuc.append((mass_le[v] > 1 - cfg.top_p - 1e-3).float())
+        logps.append(torch.log_softmax(x, -1).gather(1, tok[:, None]).squeeze(1)[v])
+    gaps, exact, in_nuc, logps = (torch.cat(t) for t in (gaps, exact, in_nuc, logps))
+    return {"tokens": int(gaps.numel()), "argmax_exact": float(exact.mean()), "mean_gap_to_max": float(gaps.mean()),
+            "gap_le_1_16": float((gaps <= 0.0625).float().mean()), "in_nucleus": float(in_nuc.mean()),
+            "mean_logp": float(logps.mean()), "logp_se": float(logps.std() / max(1, logps.numel()) ** 0.5)}
+
+
+def prefix_agreement(a: torch.Tensor, b: torch.Tensor) -> dict:
+    n = min(a.shape[1], b.shape[1])
+    eq = (a[:, :n] == b[:, :n]).long()
+    common = eq.cumprod(1).sum(1).float()
+    return {"first_token": float(eq[:, 0].float().mean()), "mean_common_prefix": float(common.mean()),
+            "rows_identical": float((common == n).float().mean()), "compared": n}
+
+
+# ------------------------------------------------------------------------------------------ micro-benches
+
+
+def bench_cuda(fn, iters=20, warm=3):
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(iters):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / iters
+
+
+def micro_attention(B, nh, nkv, hd, T, dtype, dev) -> dict:
+    import torch.nn.functional as F
+
+    q = torch.randn(B, nh, 1, hd, dtype=dtype, device=dev)
+    K = torch.randn(B, nkv, T, hd, dtype=dtype, device=dev)
+    V = torch.randn_like(K)
+    bias = torch.zeros(B, T, device=dev)
+    bias[:, T - 64:] = float("-inf")
+    sc = hd ** -0.5
+
+    def grouped():
+        s = torch.matmul(q.view(B, nkv, nh // nkv, hd), K.transpose(-1, -2)) * sc
+        p = (s.float() + bias[:, None, None]).softmax(-1).to(dtype)
+        return torch.matmul(p, V)
+
+    def sdpa_gqa():
+        return F.scaled_dot_product_attention(q, K, V, attn_mask=bias[:, None, None].to(dtype), scale=sc,
+                                              enable_gqa=True)
+
+    def expanded():  # what HF's sdpa path does with a static cache
+        g = nh // nkv
+        return F.scaled_dot_product_attention(q, K.repeat_interleave(g, 1), V.repeat_interleave(g, 1),
+                                              attn_mask=bias[:, None, None].to(dtype), scale=sc)
+
+    kv_gb = 2 * K.numel() * K.element_size() / 1e9
+    out = {"shape": f"B={B} heads={nh}/{nkv} T={T} hd={hd}", "kv_gb": kv_gb}
+    for name, fn in (("grouped_bmm", grouped), ("grouped_bmm_compiled", torch.compile(grouped)),
+                     ("sdpa_enable_gqa", sdpa_gqa), ("expand_then_sdpa", expanded)):
+        try:
+            ms = bench_cuda(fn)
+            out[name] = {"us": ms * 1e3, "tbs": kv_gb / ms}
+        except Exception as e:  # noqa: BLE001
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    return out
+
+
+def micro_sampler(B, V, dtype, dev, prof_path: Path | None = None) -> dict:
+    from core.fastgen import sample_logits
+
+    logits = (torch.randn(B, V, device=dev) * 0.8).to(dtype)
+    out = {}
+    cases = {"greedy": SamplingConfig(0.0), "temp1": SamplingConfig(1.0),
+             "top_p0.95": SamplingConfig(1.0, 0.95), "top_k50_top_p0.95": SamplingConfig(1.0, 0.95, 50)}
+    for name, cfg in cases.items():
+        for mode, fn in (("eager", sample_logits), ("compiled", torch.compile(sample_logits, dynamic=False))):
+            try:
+                out[f"{name}/{mode}"] = bench_cuda(lambda: fn(logits, cfg), iters=10) * 1e3
+            except Exception as e:  # noqa: BLE001
+                out[f"{name}/{mode}"] = f"{type(e).__name__}: {e}"[:200]
+
+    def hf_sort():  # HF's TopPLogitsWarper + multinomial
+        x = logits.float()
+        sl, si = torch.sort(x, descending=False)
+        cp = sl.softmax(-1).cumsum(-1)
+        rm = (cp <= 0.05).scatter(1, si, cp <= 0.05)
+        return torch.multinomial(x.masked_fill(rm, float("-inf")).softmax(-1), 1)
+
+    out["top_p0.95/hf_sort+multinomial"] = bench_cuda(hf_sort, iters=10) * 1e3
+    if prof_path is not None:  # kernels of the compiled top_p sampler
+        from torch.profiler import ProfilerActivity, profile
+
+        fn = torch.compile(sample_logits, dynamic=False)
+        cfg = cases["top_p0.95"]
+        fn(logits, cfg)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn(logits, cfg)
+            torch.cuda.synchronize()
+        prof_path.write_text(prof.key_averages().table(sort_by=_sort_key(prof), row_limit=20,
+                                                       max_name_column_width=100))
+    return {k: (round(v, 1) if isinstance(v, float) else v) for k, v in out.items()}  # microseconds
+
+
+def _sort_key(prof) -> str:
+    ev = prof.key_averages()
+    return "self_device_time_total" if ev and hasattr(ev[0], "self_device_time_total") else "self_cuda_time_total"
+
+
+def profile_step(eng: FastGen, ids, mask, cfg, eos, pad, path: Path, graphs: bool) -> str:
+    """torch.profiler over 5 decode steps; the kernel table sorted by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    eng.generate(ids, mask, cfg, [eos], pad)  # fills the cache; then rewind the state to decode step 60
+    P = ids.shape[1]
+    kv = eng._kv_len(P + 64)
+    eng.slot.fill_(P + 60)
+    eng.col.fill_(60)
+    eng.pos.fill_(P + 60)
+    eng.unfinished.fill_(True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            if graphs:
+                eng._graph(kv, cfg).replay()
+            else:
+                eng._step(kv, cfg)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by=_sort_key(prof), row_limit=25, max_name_column_width=90)
+    path.write_text(table)
+    return table
+
+
+# ---------------------------------------------------------------------------------------------------- main
+
+
+def fmt(v, unit=""):
+    if v is None:
+        return "-"
+    if isinstance(v, str):
+        return v
+    if abs(v) >= 1000:
+        return f"{v:,.0f}{unit}"
+    if abs(v) >= 10:
+        return f"{v:.1f}{unit}"
+    return f"{v:.3g}{unit}"
+
+
+def table(rows: list[tuple]) -> str:
+    head = ("measure", "baseline (HF generate)", "ours (fastgen)", "ratio", "floor")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt(x) if not isinstance(x, str) else x for x in r) + " |")
+    return "\n".join(lines)
+
+
+def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict, out_dir: Path | None):
+    cuda = dev.type == "cuda"
+    B, P, N = args.batch, args.prompt, args.new
+    say(f"== shape {shape}: batch {B}, prompt {P}, new {N}, {dtype}, {dev}")
+    model, eos, pad = build_model(shape, dtype, dev)
+    ids, mask = make_prompts(B, P, model.config.vocab_size, args.ragged, dev)
+    fl = floors(model, B, mask.sum(1).cpu(), N, args.hbm_tbs, args.peak_tflops)
+    r = res.setdefault(shape, {"config": {"batch": B, "prompt": P, "new": N, "dtype": str(dtype)}, "floor": fl})
+    say("floor", json.dumps(fl))
+    scfg = SamplingConfig(args.temperature, args.top_p, args.top_k)
+    gcfg = SamplingConfig(0.0)
+
+    def dump():
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+
+    def attempt(name, fn):
+        if args.budget_s and time.perf_counter() - T_START > args.budget_s:
+            say(f"skip {name}: over --budget-s")
+            r[name] = {"skipped": "budget"}
+            return None
+        try:
+            t0 = time.perf_counter()
+            v = fn()
+            say(f"{name} done in {time.perf_counter() - t0:.1f}s:", json.dumps(v[1] if isinstance(v, tuple) else v, default=str)[:600])
+            r[name] = v[1] if isinstance(v, tuple) else v
+            return v
+        except Exception as e:  # noqa: BLE001
+            say(f"{name} FAILED: {type(e).__name__}: {e}")
+            traceback.print_exc()
+            r[name] = {"error": f"{type(e).__name__}: {e}"[:1000]}
+            return None
+        finally:
+            dump()
+
+    c = model.config
+    hd = c.hidden_size // c.num_attention_heads
+    if cuda and not args.no_micro:
+        attempt("micro_attention", lambda: micro_attention(B, c.num_attention_heads, c.num_key_value_heads, hd,
+                                                           P + N, dtype, dev))
+        attempt("micro_sampler_us", lambda: micro_sampler(B, c.vocab_size, dtype, dev,
+                                                          out_dir / f"profile_{shape}_sampler.txt" if out_dir else None))
+
+    # ours, main variant: graphs + compile (on CUDA), bmm attention
+    eng = FastGen(model, B, P, N, attn=args.attn, sampler=args.sampler)
+    ours_s = attempt("ours_sampled", lambda: run_ours(eng, ids, mask, scfg, eos, pad, dev))
+    ours_g = attempt("ours_greedy", lambda: run_ours(eng, ids, mask, gcfg, eos, pad, dev))
+    r["ours_engine"] = {"graphs": eng.use_graphs, "compile": eng.compile, "bucket": eng.bucket, "attn": eng.attn,
+                        "sampler": eng.sampler, "attn_cfg": eng.attn_cfg, "attn_timings_us": eng.attn_timings}
+    say("ours engine:", r["ours_engine"])
+
+    # baseline
+    if not args.skip_baseline:
+        with torch.no_grad():  # HF warm-up (cuBLAS handles, allocator)
+            model.generate(input_ids=ids[:8], attention_mask=mask[:8], max_new_tokens=4, do_sample=False,
+                           pad_token_id=pad, eos_token_id=eos)
+        hf_s = attempt("hf_sampled", lambda: run_hf(model, ids, mask, N, scfg, eos, pad, dev))
+        if args.hf_greedy_full:
+            attempt("hf_greedy", lambda: run_hf(model, ids, mask, N, gcfg, eos, pad, dev))
+    else:
+        hf_s = None
+    # greedy agreement with HF on a slice (bf16 on GPU: expect divergence after a while; exact on CPU fp32)
+    nr, nn = min(B, 32), min(N, 32)
+    hfg = attempt("hf_greedy_slice", lambda: run_hf(model, ids[:nr], mask[:nr], nn, gcfg, eos, pad, dev))
+    if hfg and ours_g:
+        r["greedy_agreement_vs_hf"] = prefix_agreement(hfg[0].cpu(), ours_g[0][:nr, :nn].cpu())
+        say("greedy agreement vs HF", r["greedy_agreement_vs_hf"])
+
+    if cuda and not args.no_variants:
+        # graphs off (same compiled kernels): isolates the launch overhead; greedy should match the graph run
+        eng_ng = FastGen(model, B, P, N, use_graphs=False, compile=True, attn=eng.attn, sampler=eng.sampler)
+        eng_ng.attn_cfg = dict(eng.attn_cfg)  # the same kernels as the graph run
+        v = attempt("ours_nographs_greedy", lambda: run_ours(eng_ng, ids, mask, gcfg, eos, pad, dev, repeats=1))
+        if v and ours_g:
+            r["graph_vs_nograph_greedy"] = prefix_agreement(v[0].cpu(), ours_g[0].cpu())
+            say("graph vs no-graph (greedy):", r["graph_vs_nograph_greedy"])
+        del eng_ng
+        eng_nc = FastGen(model, B, P, N, use_graphs=True, compile=False, attn=eng.attn, sampler=eng.sampler)
+        eng_nc.attn_cfg = dict(eng.attn_cfg)
+        attempt("ours_graphs_nocompile_sampled", lambda: run_ours(eng_nc, ids, mask, scfg, eos, pad, dev))
+        del eng_nc
+        for attn, smp in (("sdpa", eng.sampler), ("bmm", eng.sampler), (eng.attn, "torch")):
+            if (attn, smp) == (eng.attn, eng.sampler):
+                continue
+            e = FastGen(model, B, P, N, attn=attn, sampler=smp)
+            name = f"ours_attn_{e.attn}_sampler_{e.sampler}_sampled"
+            attempt(name, lambda: run_ours(e, ids, mask, scfg, eos, pad, dev))
+            if args.profile and out_dir is not None and smp == eng.sampler and attn == "sdpa":
+                attempt(f"profile_attn_{attn}", lambda: profile_step(e, ids, mask, scfg, eos, pad,
+                                                                     out_dir / f"profile_{shape}_graph_{attn}.txt",
+                                                                     True)[:3000])
+            del e
+    if cuda and args.profile and out_dir is not None:
+        attempt("profile", lambda: {"graph_replay": profile_step(eng, ids, mask, scfg, eos, pad,
+                                                                 out_dir / f"profile_{shape}_graph.txt", True)[:4000],
+                                    "no_graph": profile_step(eng, ids, mask, scfg, eos, pad,
+                                                             out_dir / f"profile_{shape}_steps.txt", False)[:4000]})
+    # teacher-forced check under HF's own forward: greedy tokens should be (near) argmax, sampled tokens in
+    # HF's nucleus, and ours' mean log-prob should match HF's samples' (same distribution)
+    tf = {}
+    for name, o in (("ours_greedy", ours_g), ("ours_sampled", ours_s), ("hf_sampled", hf_s)):
+        if o:
+            tf[name] = attempt(f"teacher_forced_{name}", lambda: teacher_forced(model, ids, mask, o[0], eos,
+                                                                                  scfg, rows=args.tf_rows))
+    r["teacher_forced"] = tf
+    # the table
+    def g(d, k):
+        return None if not d or not isinstance(d, tuple) else d[1].get(k)
+
+    rows = []
+    floor_tps = B / fl["mem_floor_ms"] * 1e3
+    for label, o, h in (("sampled", ours_s, hf_s),):
+        t_o = g(o, "tokens") / g(o, "total_s") if o else None
+        t_h = g(h, "tokens") / g(h, "total_s") if h else None
+        rows.append((f"generated tok/s, {label} (T={scfg.temperature}, top_p={scfg.top_p}, top_k={scfg.top_k})",
+                     t_h, t_o, f"{t_o / t_h:.1f}x" if t_o and t_h else "-", floor_tps))
+        rows.append((f"decode ms/step, {label}", g(h, "ms_per_step"), g(o, "ms_per_step"),
+                     f"{g(h, 'ms_per_step') / g(o, 'ms_per_step'):.1f}x" if o and h else "-", fl["mem_floor_ms"]))
+        rows.append((f"prefill s, {label}", g(h, "prefill_s"), g(o, "prefill_s"), "-", "-"))
+        rows.append((f"wall s for {B}x{N} tokens, {label}", g(h, "total_s"), g(o, "total_s"), "-", "-"))
+    if ours_g:
+        t_o = g(ours_g, "tokens") / g(ours_g, "total_s")
+        hgf = r.get("hf_greedy")
+        t_h = hgf["tokens"] / hgf["total_s"] if isinstance(hgf, dict) and "tokens" in hgf else None
+        rows.append(("generated tok/s, greedy", t_h, t_o, f"{t_o / t_h:.1f}x" if t_h else "-", floor_tps))
+        rows.append(("decode ms/step, greedy", hgf.get("ms_per_step") if isinstance(hgf, dict) else None,
+                     g(ours_g, "ms_per_step"), "-", fl["mem_floor_ms"]))
+    if ours_s:
+        rows.append(("fraction of memory floor (floor ms / decode ms), sampled", "-",
+                     f"{fl['mem_floor_ms'] / g(ours_s, 'ms_per_step'):.0%}", "-", "100%"))
+        rows.append(("setup s (compile + graph capture, once per engine)", 0.0, g(ours_s, "setup_s"), "-", "-"))
+    agr = r.get("greedy_agreement_vs_hf")
+    if agr:
+        rows.append((f"greedy vs HF: rows identical over first {agr['compared']} tokens", "-",
+                     f"{agr['rows_identical']:.0%} (mean common prefix {agr['mean_common_prefix']:.1f})", "-", "-"))
+    tf = r.get("teacher_forced") or {}
+
+    def tfv(name, key, pct=True):
+        d = tf.get(name)
+        if not isinstance(d, dict) or key not in d:
+            return "-"
+        return f"{d[key]:.1%}" if pct else f"{d[key]:.3f} +- {d['logp_se']:.3f}"
+
+    if tf:
+        n = args.tf_rows
+        rows.append((f"teacher-forced ({n} rows): greedy token = HF argmax / within 1/16 of it", "-",
+                     f"{tfv('ours_greedy', 'argmax_exact')} / {tfv('ours_greedy', 'gap_le_1_16')}", "-", "-"))
+        rows.append((f"teacher-forced ({n} rows): sampled token inside HF's top-p set", tfv("hf_sampled", "in_nucleus"),
+                     tfv("ours_sampled", "in_nucleus"), "-", "-"))
+        rows.append((f"teacher-forced ({n} rows): mean log p(sampled token) under HF", tfv("hf_sampled", "mean_logp", False),
+                     tfv("ours_sampled", "mean_logp", False), "-", "-"))
+    txt = table(rows)
+    r["table"] = txt
+    note = (f"floor: {fl['weight_gb']:.2f} GB weights + {fl['kv_gb_avg']:.2f} GB KV (mean valid length) per step "
+            f"at {args.hbm_tbs} TB/s = {fl['mem_floor_ms']:.2f} ms; compute floor {fl['gflop_per_step']:.0f} GFLOP "
+            f"at {args.peak_tflops} TFLOP/s = {fl['compute_floor_ms']:.2f} ms")
+    print(f"\n### {shape}: batch {B}, prompt {P}, {N} new tokens, {dtype}, {torch.cuda.get_device_name(dev) if cuda else 'cpu'}\n")
+    print(txt)
+    print("\n" + note + "\n", flush=True)
+    dump()
+    del eng, model
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", action="append", choices=sorted(SHAPES), help="repeatable; default 1.5b")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--ragged", action="store_true", help="prompt lengths in [prompt/2, prompt], left-padded")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"])
+    ap.add_argument("--hbm-tbs", type=float, default=4.8)
+    ap.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak of the H200")
+    ap.add_argument("--attn", default="auto", choices=["auto", "bmm", "sdpa"], help="decode attention of ours")
+    ap.add_argument("--sampler", default="auto", choices=["auto", "torch", "triton"], help="sampler of ours")
+    ap.add_argument("--tf-rows", type=int, default=16, help="rows of the teacher-forced check")
+    ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--hf-greedy-full", action="store_true", help="also time HF greedy at the full shape")
+    ap.add_argument("--no-variants", action="store_true", help="skip the ablations (no graphs / no compile / sdpa)")
+    ap.add_argument("--no-micro", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--out", default=None, help="folder for profiles")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--budget-s", type=float, default=0, help="skip remaining parts after this many seconds")
+    ap.add_argument("--smoke", action="store_true", help="CPU-sized: tiny shape, batch 4, prompt 8, 8 new, fp32")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.shape = args.shape or ["tiny"]
+        args.batch, args.prompt, args.new = 4, 8, 8
+        args.device = args.device or "cpu"
+        args.dtype = args.dtype or "fp32"
+        args.ragged = True
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if dev.type == "cuda" else "fp32")]
+    try:
+        import torch._dynamo as dynamo
+
+        dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
+        if hasattr(dynamo.config, "recompile_limit"):
+            dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)
+    except Exception:  # noqa: BLE001
+        pass
+    out_dir = Path(args.out) if args.out else None
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    import transformers
+
+    say(f"torch {torch.__version__}, transformers {transformers.__version__}, device {dev}"
+        + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""))
+    res: dict = {"versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+                 "argv": sys.argv if argv is None else argv}
+    for shape in args.shape or ["1.5b"]:
+        run_shape(args, shape, dev, dtype, res, out_dir)
+    return res
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()

@@ -1,0 +1,275 @@
+"""core.fastgen (rollout.engine=static) on CPU, fp32: greedy decoding identical to HF generate, sampling
+that matches HF's warpers (directly and in distribution), EOS, top_k, the rollout dispatch, and the
+benchmark's smoke run (so benchmarks/rollout.py cannot rot)."""
+
+import importlib.util
+import io
+import os
+from contextlib import redirect_stdout
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from core.fastgen import (  # noqa: E402
+    FastGen, SamplingConfig, _Stats, nucleus_member, sample_logits, topk_filter, topk_values,
+)
+
+EOS, PAD = 3, 0  # core.tinykit's special-token ids
+
+
+@pytest.fixture(scope="module")
+def models(tiny_kit, tiny_llama_kit):
+    from transformers import AutoModelForCausalLM
+
+    return {arch: AutoModelForCausalLM.from_pretrained(kit["model_dir"]).eval()
+            for arch, kit in (("qwen2", tiny_kit), ("llama", tiny_llama_kit))}
+
+
+def left_padded(lens, seed=0, vocab=384):
+    g = torch.Generator().manual_seed(seed)
+    P = max(lens)
+    ids = torch.full((len(lens), P), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lens):
+        ids[i, P - n:] = torch.randint(7, vocab, (n,), generator=g)
+        mask[i, P - n:] = 1
+    return ids, mask
+
+
+def hf_generate(model, ids, mask, n, eos=EOS, **kw):
+    kw = kw or dict(do_sample=False)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, pad_token_id=PAD,
+                             eos_token_id=eos, **kw)[:, ids.shape[1]:]
+    return torch.nn.functional.pad(out, (0, n - out.shape[1]), value=PAD)
+
+
+def hf_warped_probs(x, cfg: SamplingConfig):
+    """The distribution HF's sampling draws from: its own warpers, in generate's order."""
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+    )
+
+    s = x.clone()
+    if cfg.temperature != 1.0:
+        s = TemperatureLogitsWarper(cfg.temperature)(None, s)
+    if cfg.top_k:
+        s = TopKLogitsWarper(cfg.top_k)(None, s)
+    if cfg.top_p < 1.0:
+        s = TopPLogitsWarper(cfg.top_p)(None, s)
+    return s.softmax(-1)
+
+
+# ------------------------------------------------------------------------------------------- greedy
+
+
+@pytest.mark.parametrize("arch,attn", [("qwen2", "bmm"), ("llama", "bmm"), ("qwen2", "sdpa")])
+def test_greedy_equals_hf_generate_left_padded(models, arch, attn):
+    model = models[arch]
+    eng = FastGen(model, batch_size=8, max_prompt_len=20, max_new_tokens=20, bucket=8, attn=attn)  # 8 > 6 rows
+    assert not eng.use_graphs and not eng.compile  # CPU: eager
+    for seed, lens in ((0, [5, 11, 3, 16, 8, 1]), (1, [20, 2, 9])):  # second call reuses the engine
+        ids, mask = left_padded(lens, seed)
+        ours = eng.generate(ids, mask, SamplingConfig(temperature=0.0), [EOS], PAD)
+        ref = hf_generate(model, ids, mask, 20)
+        assert torch.equal(ours, ref), f"{arch} seed {seed}:\n{ours}\n{ref}"
+
+
+def test_eos_rows_stop_and_all_finished_exits_early(models):
+    model = models["qwen2"]
+    ids, mask = left_padded([4, 9, 6, 12], seed=3)
+    eng = FastGen(model, batch_size=4, max_prompt_len=12, max_new_tokens=40, check_every=4)
+    free = eng.generate(ids, mask, SamplingConfig(0.0), [1], PAD)  # id 1 (<|unk|>) never comes up
+    assert eng.last_stats["steps"] == 40
+    # every row's token at step 2 becomes an EOS: rows stop there (or earlier) and emit pad after
+    stops = sorted(set(free[:, 2].tolist()))
+    ours = eng.generate(ids, mask, SamplingConfig(0.0), stops, PAD)
+    ref = hf_generate(model, ids, mask, 40, eos=stops)
+    assert torch.equal(ours, ref)
+    for row in ours:
+        hit = [i for i, t in enumerate(row.tolist()) if t in stops]
+        assert hit and hit[0] <= 2 and (row[hit[0] + 1:] == PAD).all()
+    assert eng.last_stats["steps"] <= 4 < 40  # all rows finished: stopped at the first check
+
+
+# ----------------------------------------------------------------------------------- sampling maths
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])
+@pytest.mark.parametrize("top_p", [0.3, 0.8, 0.95])
+def test_nucleus_membership_is_hf_top_p(scale, top_p):
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(int(scale * 100 + top_p * 10))
+    x = torch.randn(16, 300, generator=g) * scale  # 300: not a multiple of the 128-token block
+    kept = torch.isfinite(TopPLogitsWarper(top_p)(None, x.clone()))
+    every = torch.arange(300).expand(16, 300)
+    assert torch.equal(nucleus_member(_Stats(x), every, top_p), kept)
+
+
+@pytest.mark.parametrize("k,top_p", [(1, 1.0), (7, 1.0), (7, 0.6), (50, 0.9)])
+def test_topk_filter_is_hf_topk_then_top_p(k, top_p):
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(8, 5000, generator=g) * 2  # k * 128 < 5000: the block prefilter path
+    vals, idx = topk_values(x, k)
+    ref_v, ref_i = torch.topk(x, k)
+    assert torch.equal(vals, ref_v) and torch.equal(idx, ref_i)
+    fv, fi = topk_filter(x, k, top_p)
+    ours = torch.zeros_like(x).scatter(1, fi, fv.softmax(-1))
+    ref = hf_warped_probs(x, SamplingConfig(1.0, top_p, k))
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-7)
+
+
+CASES = {  # name: (config, method the sampler picks for V=384)
+    "temperature": (SamplingConfig(0.8), "reject"),
+    "top_p": (SamplingConfig(1.0, 0.9), "reject"),
+    "top_p_low": (SamplingConfig(1.3, 0.6), "reject"),  # 23 candidates
+    "top_p_sort": (SamplingConfig(1.0, 0.3), "sort"),
+    "top_k_top_p": (SamplingConfig(0.7, 0.9, 12), "topk"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_sampled_frequencies_match_hf_warpers(name):
+    cfg, method = CASES[name]
+    assert cfg.method(384) == method
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 384, generator=g) * 2.5
+    p = hf_warped_probs(x, cfg)[0].double()
+    n = 16384
+    torch.manual_seed(11)
+    draws = sample_logits(x.expand(n, 384).contiguous(), cfg)
+    freq = torch.bincount(draws, minlength=384).double() / n
+    assert (freq[p == 0] == 0).all(), "sampled a token HF's warpers remove"
+    sigma = (p * (1 - p) / n).sqrt()
+    assert ((freq - p).abs() <= 5 * sigma + 2 / n).all()
+    assert 0.5 * (freq - p).abs().sum() < 0.05
+
+
+def test_first_token_distribution_matches_hf_generate(models):
+    """End to end on the model: our first tokens vs HF's warped next-token distribution and HF's samples."""
+    model = models["llama"]
+    cfg = SamplingConfig(0.9, 0.85)
+    ids, mask = left_padded([7], seed=5)
+    n = 4096
+    ids, mask = ids.expand(n, -1).contiguous(), mask.expand(n, -1).contiguous()
+    eng = FastGen(model, batch_size=n, max_prompt_len=7, max_new_tokens=1)
+    torch.manual_seed(0)
+    ours = eng.generate(ids, mask, cfg, [EOS], PAD)[:, 0]
+    with torch.no_grad():
+        p = hf_warped_probs(model(ids[:1]).logits[:, -1].float(), cfg)[0].double()
+    torch.manual_seed(0)
+    hf = hf_generate(model, ids, mask, 1, do_sample=True, temperature=0.9, top_p=0.85, top_k=0)[:, 0]
+    f_ours = torch.bincount(ours, minlength=p.numel()).double() / n
+    f_hf = torch.bincount(hf, minlength=p.numel()).double() / n
+    assert (f_ours[p == 0] == 0).all() and (f_hf[p == 0] == 0).all()
+    sigma = (p * (1 - p) / n).sqrt()
+    assert ((f_ours - p).abs() <= 5 * sigma + 2 / n).all()
+    assert ((f_hf - p).abs() <= 5 * sigma + 2 / n).all()  # p is what HF samples from
+    # two-sample chi-square, ours against HF's own samples (equal sizes): ~ chi2(k - 1)
+    c1, c2 = f_ours * n, f_hf * n
+    seen = (c1 + c2) > 0
+    chi2 = ((c1 - c2)[seen] ** 2 / (c1 + c2)[seen]).sum().item()
+    dof = int(seen.sum()) - 1
+    assert chi2 < dof + 5 * (2 * dof) ** 0.5, (chi2, dof)
+
+
+def test_top_k_holds_at_every_step_and_seed_reproduces(models):
+    model = models["qwen2"]
+    ids, mask = left_padded([6, 10, 3, 8], seed=9)
+    cfg = SamplingConfig(1.5, 1.0, 3)
+    eng = FastGen(model, batch_size=4, max_prompt_len=10, max_new_tokens=12)
+    torch.manual_seed(1)
+    a = eng.generate(ids, mask, cfg, [EOS], PAD)
+    torch.manual_seed(1)
+    assert torch.equal(a, eng.generate(ids, mask, cfg, [EOS], PAD))
+    torch.manual_seed(2)
+    assert not torch.equal(a, eng.generate(ids, mask, cfg, [EOS], PAD))
+    greedy = eng.generate(ids, mask, SamplingConfig(0.0), [EOS], PAD)
+    assert not torch.equal(a, greedy)
+    with torch.no_grad():
+        for r in range(4):
+            prompt = ids[r][mask[r].bool()]
+            resp = a[r].tolist()
+            n = resp.index(EOS) + 1 if EOS in resp else len(resp)
+            logits = model(torch.cat([prompt, a[r, :n]])[None]).logits[0, len(prompt) - 1:len(prompt) - 1 + n]
+            top3 = logits.topk(3).indices
+            assert all(t in top3[i].tolist() for i, t in enumerate(resp[:n]))
+
+
+# ---------------------------------------------------------------------------------- rollout + bench
+
+
+def test_rollout_engine_static_matches_hf_path(tiny_kit):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from core import fastgen, generate
+    from core.blueprint import RolloutSpec
+
+    with pytest.raises(Exception):
+        RolloutSpec(engine="vllm")
+    assert RolloutSpec().engine == "hf"
+    tok = AutoTokenizer.from_pretrained(tiny_kit["model_dir"])
+    model = AutoModelForCausalLM.from_pretrained(tiny_kit["model_dir"]).eval()
+    msgs = [[{"role": "user", "content": f"Write the digit {d} twice."}] for d in range(5)]
+    enc = generate.encode_prompts(tok, msgs, 64, list(range(5)))
+    cfg = RolloutSpec(temperature=0.0, max_new_tokens=10, micro_batch_size=2, engine="static")
+    dev = torch.device("cpu")
+    assert fastgen.sample(model, tok, enc, cfg, dev, 0) == generate.sample(model, tok, enc, cfg, dev, 0)
+    cfg = RolloutSpec(temperature=1.0, top_p=0.9, max_new_tokens=10, micro_batch_size=2, engine="static")
+    a, b = (fastgen.sample(model, tok, enc, cfg, dev, 5) for _ in range(2))
+    assert a == b and all(0 < len(r) <= 10 for r in a)
+
+
+def test_generate_share_dispatches_on_engine(monkeypatch):
+    import core.fastgen
+    import core.rollout
+
+    called = []
+    monkeypatch.setattr(core.fastgen, "sample", lambda *a, **k: called.append("static") or [])
+    monkeypatch.setattr(core.rollout, "sample", lambda *a, **k: called.append("hf") or [])
+    monkeypatch.setattr(core.rollout, "encode_prompts", lambda *a, **k: [])
+    monkeypatch.setattr(core.rollout, "load_reward", lambda *a, **k: None)
+
+    class BP:
+        class rollout:
+            n, engine = 1, "static"
+
+        class data:
+            max_prompt_length = 8
+
+        class reward:
+            function, module = "x", None
+
+        seed = 0
+
+    class Prompts:
+        messages = []
+
+        def __len__(self):
+            return 0
+
+    core.rollout.generate_share(None, None, BP, Prompts(), [], 0, 0, 1, None)
+    BP.rollout.engine = "hf"
+    core.rollout.generate_share(None, None, BP, Prompts(), [], 0, 0, 1, None)
+    assert called == ["static", "hf"]
+
+
+def test_benchmark_smoke_prints_the_table():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "rollout.py"
+    spec = importlib.util.spec_from_file_location("bench_rollout", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        res = mod.main(["--smoke"])
+    out = buf.getvalue()
+    assert "| measure | baseline (HF generate) | ours (fastgen) | ratio | floor |" in out
+    for row in ("generated tok/s, sampled", "decode ms/step, sampled", "generated tok/s, greedy"):
+        assert row in out
+    r = res["tiny"]
+    assert r["ours_sampled"]["tokens"] > 0 and r["hf_sampled"]["tokens"] > 0
+    assert r["greedy_agreement_vs_hf"]["rows_identical"] == 1.0  # fp32 on CPU: exact
