@@ -1001,7 +1001,7 @@ def sample(model, tok, prompts: list[list[int]], cfg, device, seed: int, progres
     """Same contract as ``core.generate.sample`` (responses without padding, EOS kept), on the static engine.
 
     cfg: a RolloutSpec (temperature, top_p, top_k, max_new_tokens, micro_batch_size). top_k=0 means off."""
-    from core.generate import left_pad, response_lengths
+    from core.generate import in_micro_batches
 
     model.eval()
     eos = tok.eos_token_id
@@ -1010,18 +1010,5 @@ def sample(model, tok, prompts: list[list[int]], cfg, device, seed: int, progres
     mb = min(cfg.micro_batch_size, max(1, len(prompts)))
     width = max((len(p) for p in prompts), default=1)
     eng = engine_for(model, mb, width, cfg.max_new_tokens)
-    out: list[list[int]] = []
-    t0, n_tok = time.perf_counter(), 0
-    for start in range(0, len(prompts), cfg.micro_batch_size):
-        chunk = prompts[start:start + cfg.micro_batch_size]
-        ids, mask = left_pad(chunk, tok.pad_token_id)
-        torch.manual_seed(seed + start)  # a micro-batch's samples do not depend on the ones before it
-        resp = eng.generate(ids, mask, scfg, eos_ids, tok.pad_token_id).cpu()
-        lens = response_lengths(resp, set(eos_ids))
-        for row, n in zip(resp, lens.tolist()):
-            out.append(row[:n].tolist())
-            n_tok += n
-        if progress:
-            dt = time.perf_counter() - t0
-            progress(f"generated {len(out)}/{len(prompts)} sequences, {n_tok} tokens, {n_tok / max(dt, 1e-9):.0f} tok/s")
-    return out
+    return in_micro_batches(lambda ids, mask: eng.generate(ids, mask, scfg, eos_ids, tok.pad_token_id), tok,
+                            prompts, cfg.micro_batch_size, set(eos_ids), seed, progress)

@@ -60,16 +60,23 @@ def sample(model, tok, prompts: list[list[int]], cfg: RolloutSpec, device: torch
         gen_kw.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or None)
     else:
         gen_kw.update(do_sample=False)
+    def generate(ids, mask):
+        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **gen_kw)
+        return gen[:, ids.shape[1]:]
+
+    return in_micro_batches(generate, tok, prompts, cfg.micro_batch_size, eos_ids, seed, progress)
+
+
+def in_micro_batches(generate, tok, prompts: list[list[int]], micro_batch_size: int, eos_ids: set[int], seed: int,
+                     progress=None) -> list[list[int]]:
+    """Left-pad each micro-batch, call `generate(ids, mask) -> responses`, cut each row after its EOS."""
     out: list[list[int]] = []
     t0, n_tok = time.perf_counter(), 0
-    for start in range(0, len(prompts), cfg.micro_batch_size):
-        chunk = prompts[start:start + cfg.micro_batch_size]
-        ids, mask = left_pad(chunk, tok.pad_token_id)
+    for start in range(0, len(prompts), micro_batch_size):
+        ids, mask = left_pad(prompts[start:start + micro_batch_size], tok.pad_token_id)
         torch.manual_seed(seed + start)  # a micro-batch's samples do not depend on the ones before it
-        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **gen_kw)
-        resp = gen[:, ids.shape[1]:].cpu()
-        lens = response_lengths(resp, eos_ids)
-        for row, n in zip(resp, lens.tolist()):
+        resp = generate(ids, mask).cpu()
+        for row, n in zip(resp, response_lengths(resp, eos_ids).tolist()):
             out.append(row[:n].tolist())
             n_tok += n
         if progress:
