@@ -49,6 +49,12 @@ _COLLECTIVE = re.compile(
     r"DistBackendError|DistStoreError|DistNetworkError|Watchdog caught collective operation timeout|"
     r"(gloo|nccl|ProcessGroup\w*).*(Timed out|timeout)|Connection (closed|reset) by peer", re.I)
 _COLLATERAL = re.compile(r"Connection (closed|reset) by peer", re.I)  # a peer died first
+# core.store's StoreError once its bounded retries are spent on an endpoint that does not answer.
+_STORE_DOWN = re.compile(r"StoreError: .*The S3 endpoint cannot be reached")
+# A verlflow error raised in a worker already names the field or file and the fix: its traceback (kept in
+# StageFailure.traceback, and already in the job's streamed output) would only bury that message.
+_USER_FACING = re.compile(r"\b(VerlflowError|BlueprintError|InputError|StoreError|UnsafeKeyError|ChecksumError|"
+                          r"NonFiniteError): ")
 
 
 class FailureKind(enum.Enum):
@@ -60,12 +66,14 @@ class FailureKind(enum.Enum):
     TIMEOUT = "timeout"  # our own timeout_s
     CANCELLED = "cancelled"
     UNKNOWN = "unknown"  # torchrun failed without a rank to blame (rendezvous, port, crash)
+    STORE_UNREACHABLE = "store_unreachable"  # the artifact store's endpoint did not answer (retries spent)
 
 
 # Worth retrying: the cause may be outside the stage (a flaky link, a killed node, a hang, a crash
 # of torchrun). Not worth it: the same inputs and code give the same OOM, exception or NaN; a cancel
 # is a decision.
-_RETRYABLE = {FailureKind.COLLECTIVE_TIMEOUT, FailureKind.KILLED, FailureKind.TIMEOUT, FailureKind.UNKNOWN}
+_RETRYABLE = {FailureKind.COLLECTIVE_TIMEOUT, FailureKind.KILLED, FailureKind.TIMEOUT, FailureKind.UNKNOWN,
+              FailureKind.STORE_UNREACHABLE}
 
 
 class StageFailure(VerlflowError):
@@ -76,7 +84,8 @@ class StageFailure(VerlflowError):
         self.kind, self.rank, self.exitcode, self.signal, self.traceback = kind, rank, exitcode, signal, traceback
         self._summary = summary
         retry = "retryable" if self.retryable else "not retryable"
-        super().__init__(f"{summary} [{kind.name}, {retry}]" + (f"\n{traceback.rstrip()}" if traceback else ""))
+        shown = "" if _USER_FACING.search(summary) else traceback
+        super().__init__(f"{summary} [{kind.name}, {retry}]" + (f"\n{shown.rstrip()}" if shown else ""))
 
     def __reduce__(self):  # results and states get pickled (Prefect): rebuild with every field
         kw = dict(rank=self.rank, exitcode=self.exitcode, signal=self.signal, traceback=self.traceback)
@@ -267,7 +276,7 @@ def _run(spec: LaunchSpec, cmd: list[str], on_line, cancel, grace_s):
 
 def _classify(message: str) -> FailureKind:
     for pattern, kind in ((_NONFINITE, FailureKind.NONFINITE), (_OOM, FailureKind.OOM),
-                          (_COLLECTIVE, FailureKind.COLLECTIVE_TIMEOUT)):
+                          (_COLLECTIVE, FailureKind.COLLECTIVE_TIMEOUT), (_STORE_DOWN, FailureKind.STORE_UNREACHABLE)):
         if pattern.search(message):
             return kind
     return FailureKind.USER_ERROR

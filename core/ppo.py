@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from core import faults
 from core.blueprint import Blueprint
 from core.errors import NonFiniteError
 from core.rollout import rank_slice
@@ -167,6 +168,7 @@ def train(bp: Blueprint, batch: dict, old_logp, ref_logp, adv, ret, policy, popt
                 )
             popt.step()
             step += 1
+            faults.kill_point("update", rank)  # test hook: VERLFLOW_FAULT=kill_rank<N>_in_update
             if critic is not None:
                 acc.update(_critic_step(bp, critic, copt, seq, mine, mask, values, ret, info, device, P, R, mb))
             stats = torch.tensor([acc[k] for k in sorted(acc)], dtype=torch.float64)

@@ -82,6 +82,18 @@ def _secret_values(opts: dict) -> set[str]:
     return found
 
 
+def s3_max_attempts() -> int:
+    """Requests per S3 call before giving up: $VERLFLOW_S3_MAX_ATTEMPTS (default 5; 1 means no retry)."""
+    raw = os.environ.get("VERLFLOW_S3_MAX_ATTEMPTS", "5")
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise StoreError(f"VERLFLOW_S3_MAX_ATTEMPTS={raw!r} is refused; allowed is an integer >= 1 (default 5).")
+    return n
+
+
 def _index_key(key: str) -> str:
     return f"index/{safe_key(key)}.json"
 
@@ -114,10 +126,18 @@ class ArtifactStore:
                 opts["endpoint_url"] = endpoint_url
             if region:
                 opts["client_kwargs"] = {**opts.get("client_kwargs", {}), "region_name": region}
+            # Bounded retries with backoff: botocore's "standard" mode retries throttling, 5xx and connection
+            # errors with exponential backoff and jitter, up to S3_MAX_ATTEMPTS requests; s3fs's own loop (which
+            # also covers a body that breaks off while being read) runs at most twice, with no backoff of its own
+            # between its rounds: at most 2 x S3_MAX_ATTEMPTS requests, then a StoreError.
+            opts["config_kwargs"] = {"retries": {"total_max_attempts": s3_max_attempts(), "mode": "standard"},
+                                     **opts.get("config_kwargs", {})}
         else:
             raise StoreError(f"Store URI {uri!r} uses the unsupported protocol {self.protocol!r}; "
                              "use a local path, file:///abs/path or s3://bucket/prefix.")
         self.fs, root = fsspec.core.url_to_fs(uri, **opts)
+        if self.protocol == "s3":
+            self.fs.retries = 2  # s3fs's own rounds (a class attribute, default 5), see above
         self.root = root.rstrip("/") or "/"
         self.root_uri = f"{self.protocol}://{self.root}"
         self.is_local = self.protocol == "file"

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from core import faults
 from core.blueprint import Blueprint
 from core.store import ArtifactStore, file_digest
 
@@ -181,6 +182,7 @@ def stage_main(run: Callable[[StageContext], dict],
         out.mkdir(parents=True, exist_ok=True)
         ctx = StageContext(job, bp, store, rank, world, local_rank, device, out)
         try:
+            faults.hang_point(job["stage"])  # test hook: VERLFLOW_FAULT=hang_in_<stage>
             metrics = run(ctx) or {}
             if world > 1:
                 dist.barrier()
