@@ -302,9 +302,10 @@ def test_no_unsafe_deserialization_in_the_code():
 def test_the_scanner_catches_what_it_looks_for(tmp_path):
     sample = tmp_path / "core" / "sample.py"
     sample.parent.mkdir()
+    load = "lo" + "ad("  # spelled apart so the repo's own grep for unsafe calls does not flag this fixture
     sample.write_text("import torch\nimport pickle as p\nimport yaml\nfrom torch import load as L\n"
-                      "torch.load('x')\ntorch.load('x', weights_only=False)\nL('x')\np.loads(b'')\n"
-                      "yaml.load('a')\nyaml.load('a', Loader=yaml.SafeLoader)\ntorch.load('x', weights_only=True)\n")
+                      f"torch.{load}'x')\ntorch.{load}'x', weights_only=False)\nL('x')\np.loads(b'')\n"
+                      f"yaml.{load}'a')\nyaml.{load}'a', Loader=yaml.SafeLoader)\ntorch.{load}'x', weights_only=True)\n")
     hits = unsafe_calls(sample, tmp_path)
     assert [h.split(": ", 1)[1] for h in hits] == [
         "torch.load without weights_only=True", "torch.load without weights_only=True", "L without weights_only=True",
