@@ -151,6 +151,13 @@ def _run_flow(bp, run_id, from_step) -> int:
     print(f"\nrun {out['run_id']}: {len(out['iterations'])} iterations")
     for row in out["iterations"]:
         print(f"  {row['iteration']:>3} reward_mean={row['reward_mean']} kl={row['kl']} reused={row['reused'] or '-'}")
+    from core.runner import open_store
+
+    store, run_id = open_store(bp), out["run_id"]
+    pointer = store.get_pointer(f"runs/{run_id}/latest")
+    if pointer:
+        print(f"latest policy (HF folder): {pointer['hf_uri']}")
+    print(f"artifacts: {store.uri(f'runs/{run_id}')}")
     if not os.environ.get("PREFECT_API_URL"):
         print("Flow run, logs and artifacts are in Prefect's database: `prefect server start`, then open "
               "http://127.0.0.1:4200/runs")

@@ -117,7 +117,9 @@ def test_changed_field_reruns_its_stage_and_later_ones(prefect_server, tiny_flow
                                     for it, s in (("init", "build"), (1, "rollout"), (1, "update"), (1, "checkpoint"))}
     f = write_blueprint(bp, tmp_path / "bp.yaml")
     assert main(["rerun", "flow1", str(f), "rollout.temperature=0.7", "--prefect"]) == 0
-    assert "reused=-" in capsys.readouterr().out  # nothing of iteration 1 was reused
+    out = capsys.readouterr().out
+    assert "reused=-" in out  # nothing of iteration 1 was reused
+    assert "latest policy (HF folder): " in out and "runs/flow1/1/checkpoint/hf" in out
     assert committed_at(bp, "flow1", "init", "build") == before["build"]
     for s in ("rollout", "update", "checkpoint"):
         assert committed_at(bp, "flow1", 1, s) != before[s], s
