@@ -11,6 +11,7 @@ import shutil
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -151,7 +152,8 @@ def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[st
     on_line(f"[verlflow] {stage}[{iteration}] -> {store.uri(out)} ({nproc} x {spec.nnodes} ranks, "
             f"{res.backend}{where})")
     try:
-        launcher_for(res)(spec, on_line=on_line, cancel=cancel)
+        with _gpus(res, nproc, spec, on_line):
+            launcher_for(res)(spec, on_line=on_line, cancel=cancel)
     except BaseException:
         try:
             if not follower and store.read_manifest(out) is None:
@@ -184,6 +186,19 @@ def _await_commit(stage, iteration, store, out, key, timeout_s, on_line, cancel,
             raise StageFailure(FailureKind.TIMEOUT, f"{stage}[{iteration}]: node 0 did not commit it within "
                                f"{timeout_s} s (resources.stage_timeout_s)")
         time.sleep(0.5)
+
+
+@contextmanager
+def _gpus(res, nproc: int, spec: LaunchSpec, on_line):
+    """Local CUDA jobs get distinct GPUs of this host (held while the job runs) via CUDA_VISIBLE_DEVICES."""
+    if res.backend != "local" or res.device != "cuda":
+        yield
+        return
+    from core import devices
+
+    with devices.claim(nproc, devices.visible_devices(), on_wait=on_line) as ids:
+        spec.env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+        yield
 
 
 def _worker_env(nproc: int) -> dict:
