@@ -20,12 +20,14 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import tempfile
 import sys
 import time
 import urllib.error
 import urllib.request
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -64,15 +66,18 @@ def _free_port() -> int:
 def s3_endpoint():
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
+    # moto logs every request to stderr: an unread pipe fills after a few hundred requests and the server then
+    # blocks mid-response (seen as a hang in the suite). Log to a file instead.
+    log = tempfile.NamedTemporaryFile(prefix="moto-", suffix=".log", delete=False)
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL, stderr=log,
     )
     try:
         deadline = time.monotonic() + 30
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"moto server exited early: {proc.stderr.read().decode(errors='replace')[-2000:]}")
+                raise RuntimeError(f"moto server exited early: {Path(log.name).read_text(errors='replace')[-2000:]}")
             try:
                 urllib.request.urlopen(f"{url}/moto-api/", timeout=1).close()
                 break
@@ -88,6 +93,8 @@ def s3_endpoint():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        log.close()
+        os.unlink(log.name)
 
 
 @pytest.fixture
