@@ -476,17 +476,7 @@ def _decode_layer(x, ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wdown, bdown, kc, v
     """One decoder layer for one new token per row. x (B, H); kc/vc (B, nkv, T, hd) written at ``slot``
     (a (1,) long tensor); bias (B, kv_len) float: 0 where the slot is valid for the row, -inf elsewhere."""
     B = x.shape[0]
-    h = _rms(x, ln1, eps)
-    qkv = F.linear(h, wqkv, bqkv)
-    q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-    q = q.view(B, nh, hd)
-    k = k.view(B, nkv, hd)
-    v = v.view(B, nkv, hd)
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    q = q * c + _rot(q) * s
-    k = k * c + _rot(k) * s
-    kc.index_copy_(2, slot, k.unsqueeze(2))
-    vc.index_copy_(2, slot, v.unsqueeze(2))
+    q = _pre_attn(x, ln1, wqkv, bqkv, kc, vc, slot, cos, sin, eps, nh, nkv, hd)
     K = kc[:, :, :kv_len]
     V = vc[:, :, :kv_len]
     if attn == "sdpa":

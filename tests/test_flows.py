@@ -268,7 +268,8 @@ def test_next_scheduled_run_warm_starts_and_cancel_kills_its_job(prefect_server,
 
     bp, now = sched["bp"], sched["now"]
     if "first" not in sched:
-        pytest.skip("needs the promoted first run of test_scheduled_run_fails_in_update_and_the_ui_retry_resumes")
+        pytest.fail("needs the promoted first run of test_scheduled_run_fails_in_update_and_the_ui_retry_resumes, "
+                    "which did not complete (run the whole file)")
     dep = api(prefect_server, "/deployments/name/finetune/sched")
     run = backfill(prefect_server, dep["id"], now - dt.timedelta(hours=12), now)
     run_id = f"sched-{run['id'][:8]}"
