@@ -77,6 +77,13 @@ class AlgorithmSpec(Section):
     ppo_epochs: int = Field(1, ge=1)
     ppo_mini_batch_size: int = Field(4, ge=1, description="Prompts per optimizer step (x rollout.n samples).")
     ppo_micro_batch_size_per_gpu: int = Field(4, ge=1, description="Samples per forward/backward on one rank.")
+    use_remove_padding: bool = Field(
+        False, description="Padding-free update: each micro-batch's samples packed into one row with variable-length "
+        "causal attention (flash varlen on CUDA); micro-batches are filled to ppo_max_token_len_per_gpu tokens "
+        "and balanced across ranks by tokens. No FLOP goes to padding.")
+    ppo_max_token_len_per_gpu: Optional[int] = Field(
+        None, ge=1, description="With use_remove_padding: real tokens per micro-batch on one rank (default: "
+        "ppo_micro_batch_size_per_gpu x the longest sample of the batch).")
     lr: float = Field(1e-6, gt=0.0)
     weight_decay: float = Field(0.01, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -110,6 +117,11 @@ class FSDPSpec(Section):
     reshard_after_forward: bool = True
     wrap_class: Optional[str] = Field(None, description="Decoder-layer class to wrap; default: model._no_split_modules.")
     activation_checkpointing: bool = False
+    compile: bool = Field(False, description="torch.compile each decoder layer's forward (update stage; the first "
+                          "steps pay the compile, cached in TORCHINDUCTOR_CACHE_DIR).")
+    defer_grad_sync: bool = Field(
+        False, description="Reduce-scatter gradients once per mini-batch instead of after every micro-batch "
+        "(fewer collectives across GPUs; the unsharded gradients accumulate in the compute dtype meanwhile).")
 
 
 class SlurmSpec(Section):

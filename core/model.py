@@ -58,13 +58,19 @@ def decoder_layer_class(model: nn.Module, name: str | None = None) -> type:
     )
 
 
-def build_module(model_dir: str | Path, bp: Blueprint, *, critic: bool = False, meta: bool = False) -> nn.Module:
+def build_module(model_dir: str | Path, bp: Blueprint, *, critic: bool = False, meta: bool = False,
+                 packed: bool = False) -> nn.Module:
     """The HF model with the weights in `model_dir`; empty (meta) when `meta`, random when the folder has only a
-    config (both to be filled by a checkpoint load)."""
+    config (both to be filled by a checkpoint load). `packed`: attention over padding-free rows (core/packing.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     cls = AutoModelForTokenClassification if critic else AutoModelForCausalLM
-    kw = dict(dtype=DTYPES[bp.model.dtype], attn_implementation=bp.model.attn_implementation,
+    attn = bp.model.attn_implementation
+    if packed:
+        from core import packing
+
+        attn = packing.register()
+    kw = dict(dtype=DTYPES[bp.model.dtype], attn_implementation=attn,
               trust_remote_code=bp.model.trust_remote_code)
     if critic:
         kw["num_labels"] = 1
@@ -104,6 +110,11 @@ def wrap_fsdp(model: nn.Module, bp: Blueprint, device: torch.device) -> tuple[nn
     total = sum(p.numel() for p in model.parameters())
     if f.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if f.compile:
+        # The forward only: FSDP's hooks stay outside the graph and parameter names keep no _orig_mod prefix, so
+        # checkpoints are the same with compile on or off. dynamic: packed rows change length every micro-batch.
+        for layer in layers:
+            layer.forward = torch.compile(layer.forward, dynamic=True)
     if f.version == 2:
         model, units = _fsdp2(model, layers, f, device)
     else:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from core import faults
+from core import faults, packing
 from core.blueprint import Blueprint
 from core.errors import NonFiniteError
 from core.rollout import rank_slice
@@ -42,6 +42,41 @@ def _forward(model, seq: dict, idx, device, P: int, R: int, temperature: float, 
     return logprobs_from_logits(logits, labels), entropy_from_logits(logits)
 
 
+def _forward_packed(model, batch: dict, idx, device, R: int, temperature: float, critic: bool = False):
+    """_forward over one padding-free row; returns the same [len(idx), R] layout (zeros on response padding)."""
+    from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+
+    pk = packing.pack(batch, idx).to(device)
+    if critic:
+        values = model(**pk.model_kwargs()).logits[0, pk.logit_idx, 0].float()
+        return pk.unpack(values, len(idx), R), None
+    logits = model(**pk.model_kwargs(), use_cache=False, logits_to_keep=pk.logit_idx).logits[0].float()
+    logits = logits / (temperature if temperature > 0 else 1.0)
+    logp, ent = logprobs_from_logits(logits, pk.labels), entropy_from_logits(logits)
+    return pk.unpack(logp, len(idx), R), pk.unpack(ent, len(idx), R)
+
+
+def micro_batches(bp: Blueprint, batch: dict, ids, rank: int, world: int) -> list[list[int]]:
+    """This rank's micro-batches of the samples `ids`: fixed counts of ppo_micro_batch_size_per_gpu, or, packed,
+    token budgets balanced across ranks (the same number of micro-batches on every rank)."""
+    ids = [int(i) for i in ids]
+    a = bp.algorithm
+    if not a.use_remove_padding:
+        mine = ids[rank_slice(len(ids), rank, world)]
+        mb = a.ppo_micro_batch_size_per_gpu
+        return [mine[i:i + mb] for i in range(0, len(mine), mb)]
+    sizes = packing.lengths(batch)
+    budget = a.ppo_max_token_len_per_gpu or a.ppo_micro_batch_size_per_gpu * int(sizes.max())
+    return packing.plan(ids, {i: int(sizes[i]) for i in ids}, world, rank, budget)
+
+
+def _micro_forward(model, batch: dict, seq: dict, idx, bp: Blueprint, device, P: int, R: int, critic: bool = False):
+    t = 1.0 if critic else bp.rollout.temperature
+    if bp.algorithm.use_remove_padding:
+        return _forward_packed(model, batch, idx, device, R, t, critic)
+    return _forward(model, seq, idx, device, P, R, t, critic)
+
+
 @torch.no_grad()
 def score_all(model, batch: dict, bp: Blueprint, rank: int, world: int, device, critic: bool = False) -> torch.Tensor:
     """Per-token log-probs (or values) of every sample: each rank does its slice, then all ranks share."""
@@ -49,11 +84,15 @@ def score_all(model, batch: dict, bp: Blueprint, rank: int, world: int, device, 
     seq = sequences(batch)
     N, R = batch["responses"].shape
     P = batch["prompts"].shape[1]
-    mine = range(N)[rank_slice(N, rank, world)]
-    mb = bp.algorithm.ppo_micro_batch_size_per_gpu
-    parts = [_forward(model, seq, list(mine[i:i + mb]), device, P, R, bp.rollout.temperature, critic)[0]
-             for i in range(0, len(mine), mb)]
-    local = torch.cat(parts).to(device)
+    micro = micro_batches(bp, batch, range(N), rank, world)
+    if bp.algorithm.use_remove_padding:  # token-balanced: rows are not a contiguous slice, so sum disjoint rows
+        full = torch.zeros(N, R, device=device)
+        for idx in micro:
+            full[idx] = _micro_forward(model, batch, seq, idx, bp, device, P, R, critic)[0]
+        if world > 1:
+            dist.all_reduce(full)
+        return full.cpu()
+    local = torch.cat([_micro_forward(model, batch, seq, idx, bp, device, P, R, critic)[0] for idx in micro]).to(device)
     if world == 1:
         return local.cpu()
     full = [torch.empty_like(local) for _ in range(world)]
@@ -99,6 +138,13 @@ def actor_config(bp: Blueprint):
                        ppo_max_token_len_per_gpu=1 << 30)
 
 
+def _grad_sync(model, bp: Blueprint, world: int, *, last: bool) -> None:
+    """fsdp.defer_grad_sync: only the last micro-batch's backward reduce-scatters (FSDP2; FSDP1 has no per-call
+    switch outside its no_sync context, so it always syncs)."""
+    if bp.fsdp.defer_grad_sync and world > 1 and hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(last)
+
+
 def _clip(model, max_norm: float) -> torch.Tensor:
     if type(model).__name__ == "FullyShardedDataParallel":
         norm = model.clip_grad_norm_(max_norm)
@@ -120,7 +166,6 @@ def train(bp: Blueprint, batch: dict, old_logp, ref_logp, adv, ret, policy, popt
     P = batch["prompts"].shape[1]
     mask = batch["response_mask"].float()
     mini = a.ppo_mini_batch_size * bp.rollout.n
-    mb = a.ppo_micro_batch_size_per_gpu
     cfg = actor_config(bp)
     loss_fn = core_algos.get_policy_loss_fn(a.policy_loss)
     history = []
@@ -130,16 +175,17 @@ def train(bp: Blueprint, batch: dict, old_logp, ref_logp, adv, ret, policy, popt
         for m0 in range(0, N, mini):
             t0 = time.perf_counter()
             ids = order[m0:m0 + mini]
-            mine = ids[rank_slice(len(ids), rank, world)]
+            micro = micro_batches(bp, batch, ids, rank, world)
+            mine = [i for idx in micro for i in idx]
             info = {"dp_size": world, "batch_num_tokens": int(mask[ids].sum().item()), "global_batch_size": len(ids)}
             cfg.global_batch_info.update(info)
             policy.train()
             popt.zero_grad(set_to_none=True)
             acc = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "kl_loss": 0.0, "entropy": 0.0}
-            n_micro = math.ceil(len(mine) / mb)
-            for i in range(0, len(mine), mb):
-                idx = mine[i:i + mb]
-                logp, ent = _forward(policy, seq, idx, device, P, R, bp.rollout.temperature)
+            n_micro = len(micro)
+            for j, idx in enumerate(micro):
+                _grad_sync(policy, bp, world, last=j == n_micro - 1)
+                logp, ent = _micro_forward(policy, batch, seq, idx, bp, device, P, R)
                 m = mask[idx].to(device)
                 pg_loss, pg_metrics = loss_fn(old_log_prob=old_logp[idx].to(device), log_prob=logp,
                                               advantages=adv[idx].to(device), response_mask=m,
@@ -170,7 +216,7 @@ def train(bp: Blueprint, batch: dict, old_logp, ref_logp, adv, ret, policy, popt
             step += 1
             faults.kill_point("update", rank)  # test hook: VERLFLOW_FAULT=kill_rank<N>_in_update
             if critic is not None:
-                acc.update(_critic_step(bp, critic, copt, seq, mine, mask, values, ret, info, device, P, R, mb))
+                acc.update(_critic_step(bp, critic, copt, batch, seq, micro, mask, values, ret, info, device, P, R))
             stats = torch.tensor([acc[k] for k in sorted(acc)], dtype=torch.float64)
             if world > 1:
                 dist.all_reduce(stats)  # every entry was pre-divided by world: the sum is the mean over ranks
@@ -188,7 +234,7 @@ def train(bp: Blueprint, batch: dict, old_logp, ref_logp, adv, ret, policy, popt
     return history, step
 
 
-def _critic_step(bp, critic, copt, seq, mine, mask, values, ret, info, device, P, R, mb) -> dict:
+def _critic_step(bp, critic, copt, batch, seq, micro, mask, values, ret, info, device, P, R) -> dict:
     world = info["dp_size"]
     from verl.trainer.ppo import core_algos
 
@@ -196,10 +242,10 @@ def _critic_step(bp, critic, copt, seq, mine, mask, values, ret, info, device, P
     critic.train()
     copt.zero_grad(set_to_none=True)
     vf_loss_sum, clipfrac = 0.0, 0.0
-    n_micro = math.ceil(len(mine) / mb)
-    for i in range(0, len(mine), mb):
-        idx = mine[i:i + mb]
-        vpreds, _ = _forward(critic, seq, idx, device, P, R, 1.0, critic=True)
+    n_micro = len(micro)
+    for j, idx in enumerate(micro):
+        _grad_sync(critic, bp, world, last=j == n_micro - 1)
+        vpreds, _ = _micro_forward(critic, batch, seq, idx, bp, device, P, R, critic=True)
         vf_loss, vf_clipfrac = core_algos.compute_value_loss(
             vpreds=vpreds, returns=ret[idx].to(device), values=values[idx].to(device), response_mask=mask[idx].to(device),
             cliprange_value=a.cliprange_value, loss_agg_mode=a.loss_agg_mode, **info)

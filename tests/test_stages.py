@@ -119,11 +119,14 @@ def test_learning_beats_random_variation(tiny_kit, tmp_path, estimator, lr):
     assert sum(rewards[-2:]) / 2 - sum(rewards[:2]) / 2 > 0.1, rewards
 
 
-@pytest.mark.parametrize("arch,fsdp,estimator", [("llama", 2, "rloo"), ("qwen2", 1, "gae"),
-                                                 ("llama", 1, "reinforce_plus_plus")])
-def test_architectures_fsdp_versions_and_estimators(tiny_kit, tiny_llama_kit, tmp_path, arch, fsdp, estimator):
+@pytest.mark.parametrize("arch,fsdp,estimator,packed", [("llama", 2, "rloo", True), ("qwen2", 1, "gae", True),
+                                                        ("llama", 1, "reinforce_plus_plus", False)])
+def test_architectures_fsdp_versions_and_estimators(tiny_kit, tiny_llama_kit, tmp_path, arch, fsdp, estimator, packed):
+    """packed: the padding-free update (token-balanced micro-batches on 2 ranks; FSDP2 also defers grad sync)."""
     kit = tiny_llama_kit if arch == "llama" else tiny_kit
-    bp = tiny_blueprint(kit, tmp_path, fsdp__version=fsdp, algorithm__adv_estimator=estimator)
+    bp = tiny_blueprint(kit, tmp_path, fsdp__version=fsdp, algorithm__adv_estimator=estimator,
+                        algorithm__use_remove_padding=packed, algorithm__ppo_max_token_len_per_gpu=60 if packed else None,
+                        fsdp__defer_grad_sync=packed)
     results = run_pipeline(bp, "r", **QUIET)
     build, update = results[1].manifest["metrics"], results[3].manifest["metrics"]
     assert build["policy_fsdp_units"] == 3

@@ -15,7 +15,8 @@ log = logging.getLogger("verlflow.update")
 
 def sharded(ctx: StageContext, meta_dir, critic: bool = False):
     """An FSDP model whose weights come from a checkpoint load (meta init where FSDP2 allows)."""
-    module = M.build_module(meta_dir, ctx.bp, critic=critic, meta=ctx.bp.fsdp.version == 2)
+    module = M.build_module(meta_dir, ctx.bp, critic=critic, meta=ctx.bp.fsdp.version == 2,
+                            packed=ctx.bp.algorithm.use_remove_padding)
     model, rep = M.wrap_fsdp(module, ctx.bp, ctx.device)
     problems = M.check_shards(rep, ctx.bp)
     if problems:
