@@ -5,6 +5,7 @@ A checkpoint folder holds `model/` (DCP: model [+ optimizer]) and `state.json` (
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -36,7 +37,9 @@ def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
         sd = {"model": msd, "optim": osd}
     else:
         sd = {"model": get_model_state_dict(model)}
-    dcp.save(sd, checkpoint_id=str(folder / "dcp"))
+    # Several files per rank, written (and later hashed) by parallel threads.
+    threads = max(1, min(8, (os.cpu_count() or 1) // max(1, dist.get_world_size())))
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(folder / "dcp"), thread_count=threads))
     if dist.get_rank() == 0:
         (folder / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
 

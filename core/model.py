@@ -88,6 +88,12 @@ def build_module(model_dir: str | Path, bp: Blueprint, *, critic: bool = False, 
     return model
 
 
+def inference_dtype(bp: Blueprint) -> torch.dtype:
+    """Rollout samples in the dtype the policy computes in under FSDP (fsdp.mixed_precision), not the fp32
+    master weights: the distribution the update's log-probs are taken from."""
+    return DTYPES[bp.fsdp.mixed_precision]
+
+
 @dataclass
 class ShardReport:
     units: int

@@ -110,13 +110,13 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         raise ValueError("packed attention needs cu_seq_lens_q (the update stage passes it; see core/packing.py)")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        out = _flash_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu_seq_lens_q, int(max_length_q), scaling)
+        out = _flash_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu_seq_lens_q, max_length_q, scaling)
     else:
         out = _sdpa_per_sample(q, k, v, cu_seq_lens_q, scaling)
     return out[None], None
 
 
-def _flash_varlen(q, k, v, cu, max_len: int, scaling):
+def _flash_varlen(q, k, v, cu, max_len, scaling):  # max_len stays symbolic under compile
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters

@@ -34,7 +34,7 @@ SECTIONS = {
     # build: optimizer hyperparameters are re-applied from the blueprint on every load, so only the
     # estimator (whether a critic exists) matters here.
     "build": ("model", "fsdp", "algorithm.adv_estimator", "seed", "deterministic"),
-    "rollout": ("model", "data", "reward", "rollout", "seed"),
+    "rollout": ("model", "data", "reward", "rollout", "fsdp.mixed_precision", "seed"),
     "update": ("model", "data", "algorithm", "rollout", "fsdp", "seed", "deterministic"),
     "checkpoint": ("storage",),
     "monolithic": ("model", "data", "reward", "algorithm", "rollout", "fsdp", "seed", "deterministic", "iterations"),

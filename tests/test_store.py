@@ -306,3 +306,35 @@ def test_explicit_endpoint_and_region(s3_bucket, monkeypatch):
     store.probe()
     store.put_bytes("a.txt", b"x")
     assert store.ls() == ["a.txt"]
+
+
+def test_local_quick_check_skips_untouched_files_and_catches_changed_ones(tmp_path, monkeypatch):
+    """A local stage's files are hashed once, at commit (in parallel threads); a later read re-hashes only files
+    whose size or mtime changed, or every file under VERLFLOW_VERIFY=full."""
+    import core.store as S
+
+    store = ArtifactStore(tmp_path / "store")
+    folder = store.local_path(STAGE)
+    folder.mkdir(parents=True)
+    for i in range(3):
+        (folder / f"w{i}.bin").write_bytes(os.urandom(1 << 20))
+    files = S.digest_files(folder, ["w0.bin", "w1.bin", "w2.bin"], stamp=True)
+    assert files["w1.bin"]["sha256"] == hashlib.sha256((folder / "w1.bin").read_bytes()).hexdigest()
+    store.commit(STAGE, {"key": "quick"}, files)
+    assert "mtime_ns" in store.read_manifest(STAGE)["files"]["w0.bin"]
+
+    hashed = []
+    real = S.file_digest
+    monkeypatch.setattr(S, "file_digest", lambda p: hashed.append(Path(p).name) or real(p))
+    store.materialize(STAGE)
+    assert hashed == []  # untouched since commit
+    monkeypatch.setenv("VERLFLOW_VERIFY", "full")
+    store.materialize(STAGE)
+    assert sorted(hashed) == ["w0.bin", "w1.bin", "w2.bin"]
+    monkeypatch.delenv("VERLFLOW_VERIFY")
+    data = bytearray((folder / "w2.bin").read_bytes())
+    data[5] ^= 1
+    (folder / "w2.bin").write_bytes(bytes(data))  # same size, new mtime
+    os.utime(folder / "w2.bin", ns=(0, files["w2.bin"]["mtime_ns"] + 1))
+    with pytest.raises(ChecksumError, match="w2.bin"):
+        store.materialize(STAGE)

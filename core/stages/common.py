@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from core import faults
 from core.blueprint import Blueprint
-from core.store import ArtifactStore, file_digest
+from core.store import ArtifactStore, digest_files
 
 log = logging.getLogger("verlflow.stage")
 
@@ -132,9 +132,8 @@ def _commit(ctx: StageContext, metrics: dict, t_start: float) -> dict | None:
     files: dict = {}
     writer = ctx.rank == 0 if local_store else ctx.local_rank == 0
     if writer:
-        for f in sorted(p for p in ctx.out.rglob("*") if p.is_file()):
-            rel = f.relative_to(ctx.out).as_posix()
-            files[rel] = file_digest(f)
+        rels = sorted(p.relative_to(ctx.out).as_posix() for p in ctx.out.rglob("*") if p.is_file())
+        files = digest_files(ctx.out, rels, stamp=local_store)
         if not local_store:
             ctx.store.upload_dir(ctx.out, ctx.job["output"])
     if ctx.world > 1:

@@ -6,6 +6,7 @@ Input: `build` (hf_meta/, policy/, ref/ [, critic/]). Output: policy/ (DCP), met
 
 import logging
 
+import torch
 import torch.distributed as dist
 
 from core import checkpoint, model as M, ppo
@@ -39,7 +40,9 @@ def run(ctx: StageContext) -> dict:
         copt = make_optimizer(critic, bp, critic=True)
         checkpoint.load(build / "critic", critic, copt)
         apply_hparams(copt, bp, critic=True)
-    infer = M.build_module(meta_dir, bp).to(ctx.device)
+    with torch.device(ctx.device):
+        infer = M.build_module(meta_dir, bp)
+    infer.to(M.inference_dtype(bp))
 
     per_iter = []
     for it in range(1, bp.iterations + 1):
@@ -69,9 +72,18 @@ def run(ctx: StageContext) -> dict:
         state = {**state, "step": step, "data_cursor": state["data_cursor"] + bp.data.batch_size, "iteration": it}
         per_iter.append({"iteration": it, "reward_mean": stats["reward_mean"], "pg_loss": history[-1]["pg_loss"]})
         log.info("monolithic[%d]: reward mean %.4f", it, stats["reward_mean"])
-    checkpoint.save(ctx.out / "policy", policy, popt, state)
-    if gae:
-        checkpoint.save(ctx.out / "critic", critic, copt, state)
+    with ctx.timed("save_s"):
+        checkpoint.save(ctx.out / "policy", policy, popt, state)
+        if gae:
+            checkpoint.save(ctx.out / "critic", critic, copt, state)
+    with ctx.timed("export_s"):  # the same HF export the checkpoint stage writes
+        if ctx.is_main():
+            export = M.build_module(meta_dir, bp)
+            checkpoint.load_full(ctx.out / "policy", export)
+            export.config.use_cache = True
+            export.save_pretrained(ctx.out / "hf", safe_serialization=True)
+        if ctx.world > 1:
+            dist.barrier()
     return {"iterations": per_iter, "step": state["step"]}
 
 

@@ -5,6 +5,7 @@ Inputs: `build` (hf_meta/), `policy` (policy/ checkpoint). Outputs: batch.safete
 
 import logging
 
+import torch
 import torch.distributed as dist
 
 from core import checkpoint, model as M
@@ -24,9 +25,10 @@ def run(ctx: StageContext) -> dict:
     data = load_prompts(bp.data.train_files, bp.data.prompt_key)
     rows = select(len(data), state["data_cursor"], bp.data.batch_size, bp.seed, bp.data.shuffle).tolist()
     with ctx.timed("load_s"):
-        model = M.build_module(meta_dir, bp)
+        with torch.device(ctx.device):  # random init on the device is fast; the load overwrites it
+            model = M.build_module(meta_dir, bp)
         checkpoint.load_full(policy_dir, model)
-        model.to(ctx.device)
+        model.to(M.inference_dtype(bp))
     progress = log.info if ctx.is_main() else None
     with ctx.timed("generate_s"):
         mine = generate_share(model, tok, bp, data.take(rows), rows, ctx.iteration, ctx.rank, ctx.world,
