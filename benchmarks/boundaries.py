@@ -105,13 +105,21 @@ def main(argv=None) -> int:
     log = lines.append if not args.smoke else (lambda line: None)
 
     say("staged: validate, build, then rollout -> update -> checkpoint as separate jobs")
-    staged = run_pipeline(bp, "staged", on_line=log)
+    try:
+        staged = run_pipeline(bp, "staged", on_line=log)
+    except Exception:
+        print("\n".join(lines[-60:]), flush=True)  # the failing stage's own output
+        raise
     by = {r.manifest["stage"]: r for r in staged}
     iter_stages = ["rollout", "update", "checkpoint"]
     staged_s = sum(by[s].seconds for s in iter_stages)
 
     say("monolithic: the same iteration in one job")
-    mono = run_stage("monolithic", bp, "staged", "mono", {"build": "runs/staged/init/build"}, on_line=log)
+    try:
+        mono = run_stage("monolithic", bp, "staged", "mono", {"build": "runs/staged/init/build"}, on_line=log)
+    except Exception:
+        print("\n".join(lines[-60:]), flush=True)
+        raise
     mt = mono.manifest["timings"]
 
     store = root / "store"

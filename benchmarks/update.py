@@ -74,7 +74,7 @@ def init_dist(device_type: str) -> tuple[int, int, torch.device]:
     if device_type == "cuda":
         torch.cuda.set_device(local)
         dev = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=dev)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=dev)  # what the stages use (Resources.dist_backend)
     else:
         dev = torch.device("cpu")
         dist.init_process_group("gloo")
@@ -167,8 +167,28 @@ def run_config(name: str, args, mdir: Path, rank: int, world: int, dev: torch.de
                padded_tokens=int(batch["prompts"].numel() + batch["responses"].numel()))
     if dev.type == "cuda":
         out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 1)
+    if args.profile and rank == 0:
+        out["gpu_busy"] = profile_step(lambda: one(7, 1), dev)
+    elif args.profile:
+        one(7, 1)
     del model, opt, module
     return out
+
+
+def profile_step(fn, dev) -> float:
+    """One step under the profiler: prints the top kernels and returns kernel time / wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        fn()
+    wall = time.perf_counter() - t
+    key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    ev = prof.key_averages()
+    print(ev.table(sort_by=key, row_limit=22, max_name_column_width=60), flush=True)
+    busy = sum(getattr(e, key) for e in ev if dev.type != "cuda" or e.device_type.name == "CUDA") / 1e6
+    return round(busy / wall, 3) if dev.type == "cuda" else 0.0
 
 
 def sync(dev):
@@ -201,6 +221,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--peak-tflops", type=float, default=790.0)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--profile", action="store_true", help="print the top kernels of one more step per config")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape, a few steps")
     args = ap.parse_args(argv)
     if args.smoke:

@@ -184,7 +184,7 @@ class ResourcesSpec(Section):
     backend: Literal["local", "slurm", "kubernetes"] = Field(
         "local", description="Where stage jobs run: local torchrun, sbatch on Slurm, or a Kubernetes Job."
     )
-    device: Literal["cpu", "cuda"] = Field("cpu", description="cpu runs gloo, cuda runs nccl.")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="cpu runs gloo; cuda runs nccl for CUDA tensors and gloo for CPU ones.")
     nnodes: int = Field(1, ge=1)
     nproc_per_node: int = Field(2, ge=1, description="Ranks per node (one per GPU on cuda).")
     node_rank: int = Field(
@@ -226,7 +226,8 @@ class ResourcesSpec(Section):
 
     @property
     def dist_backend(self) -> str:
-        return "nccl" if self.device == "cuda" else "gloo"
+        # NCCL for CUDA tensors, gloo for the CPU ones (metric all-reduces, DCP's and all_gather_object's bytes).
+        return "cpu:gloo,cuda:nccl" if self.device == "cuda" else "gloo"
 
 
 class StorageSpec(Section):

@@ -52,7 +52,8 @@ def _forward_packed(model, batch: dict, idx, device, R: int, temperature: float,
         return pk.unpack(values, len(idx), R), None
     logits = model(**pk.model_kwargs(), use_cache=False, logits_to_keep=pk.logit_idx).logits[0].float()
     logits = logits / (temperature if temperature > 0 else 1.0)
-    logp, ent = logprobs_from_logits(logits, pk.labels), entropy_from_logits(logits)
+    # [1, K, V]: verl's fp32 log-prob loops over the leading dimension, which must not be the K tokens.
+    logp, ent = logprobs_from_logits(logits[None], pk.labels[None])[0], entropy_from_logits(logits)
     return pk.unpack(logp, len(idx), R), pk.unpack(ent, len(idx), R)
 
 

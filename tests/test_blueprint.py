@@ -44,7 +44,7 @@ def test_gpu_blueprint_passes_schema_validation():
     assert bp.data.train_files[0].endswith("gsm8k/train.parquet")
     assert bp.reward.function == "verl_default"
     assert (bp.resources.device, bp.resources.nproc_per_node, bp.resources.world_size) == ("cuda", 8, 8)
-    assert bp.resources.dist_backend == "nccl"
+    assert bp.resources.dist_backend == "cpu:gloo,cuda:nccl"  # CPU-tensor collectives (metrics) need gloo
     assert bp.fsdp.mixed_precision == "bf16" and bp.fsdp.activation_checkpointing and bp.fsdp.version == 2
     a, r = bp.algorithm, bp.rollout
     assert (a.adv_estimator, a.lr, r.n) == ("grpo", 1e-6, 5)
