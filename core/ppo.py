@@ -33,10 +33,10 @@ def _forward(model, seq: dict, idx, device, P: int, R: int, temperature: float, 
     from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
     inputs = {k: v[idx].to(device) for k, v in seq.items()}
-    out = model(**inputs, use_cache=False) if not critic else model(**inputs)
-    logits = out.logits[:, P - 1:P - 1 + R].float()
     if critic:
-        return logits.squeeze(-1), None
+        return model(**inputs).logits[:, P - 1:P - 1 + R].float().squeeze(-1), None
+    # Only the R positions that predict response tokens: the last R + 1 logits, minus the final one.
+    logits = model(**inputs, use_cache=False, logits_to_keep=R + 1).logits[:, :-1].float()
     logits = logits / (temperature if temperature > 0 else 1.0)
     labels = inputs["input_ids"][:, P:P + R]
     return logprobs_from_logits(logits, labels), entropy_from_logits(logits)
