@@ -84,6 +84,9 @@ class AlgorithmSpec(Section):
     ppo_max_token_len_per_gpu: Optional[int] = Field(
         None, ge=1, description="With use_remove_padding: real tokens per micro-batch on one rank (default: "
         "ppo_micro_batch_size_per_gpu x the longest sample of the batch).")
+    log_prob_max_token_len_per_gpu: Optional[int] = Field(
+        None, ge=1, description="With use_remove_padding: tokens per forward-only micro-batch (old and reference "
+        "log-probs, values); default twice ppo_max_token_len_per_gpu, since no activations are kept.")
     lr: float = Field(1e-6, gt=0.0)
     weight_decay: float = Field(0.01, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)

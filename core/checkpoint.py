@@ -5,7 +5,6 @@ A checkpoint folder holds `model/` (DCP: model [+ optimizer]) and `state.json` (
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -37,9 +36,9 @@ def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
         sd = {"model": msd, "optim": osd}
     else:
         sd = {"model": get_model_state_dict(model)}
-    # Several files per rank, written (and later hashed) by parallel threads.
-    threads = max(1, min(8, (os.cpu_count() or 1) // max(1, dist.get_world_size())))
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(folder / "dcp"), thread_count=threads))
+    # One writer thread per rank: with thread_count > 1 a failing writer thread is swallowed and the save reports
+    # success (pytorch/pytorch#191391); on an H200 such a checkpoint then failed to load.
+    dcp.save(sd, checkpoint_id=str(folder / "dcp"))
     if dist.get_rank() == 0:
         (folder / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
 
@@ -76,6 +75,7 @@ def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
             dcp.load(sd, checkpoint_id=str(folder / "dcp"))
             set_model_state_dict(model, sd["model"])
     except (RuntimeError, KeyError, ValueError, CheckpointException) as e:
+        log.error("loading %s failed: %s", folder, e)  # the whole per-rank report; the error below is one line
         raise InputError(
             f"checkpoint {folder}: does not match the model being loaded ({str(e).splitlines()[0][:300]}). "
             "The blueprint's model must be the one this run was built from; rerun from build."

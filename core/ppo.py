@@ -57,7 +57,8 @@ def _forward_packed(model, batch: dict, idx, device, R: int, temperature: float,
     return pk.unpack(logp, len(idx), R), pk.unpack(ent, len(idx), R)
 
 
-def micro_batches(bp: Blueprint, batch: dict, ids, rank: int, world: int) -> list[list[int]]:
+def micro_batches(bp: Blueprint, batch: dict, ids, rank: int, world: int, *, forward_only: bool = False
+                  ) -> list[list[int]]:
     """This rank's micro-batches of the samples `ids`: fixed counts of ppo_micro_batch_size_per_gpu, or, packed,
     token budgets balanced across ranks (the same number of micro-batches on every rank)."""
     ids = [int(i) for i in ids]
@@ -68,6 +69,8 @@ def micro_batches(bp: Blueprint, batch: dict, ids, rank: int, world: int) -> lis
         return [mine[i:i + mb] for i in range(0, len(mine), mb)]
     sizes = packing.lengths(batch)
     budget = a.ppo_max_token_len_per_gpu or a.ppo_micro_batch_size_per_gpu * int(sizes.max())
+    if forward_only:
+        budget = a.log_prob_max_token_len_per_gpu or 2 * budget
     return packing.plan(ids, {i: int(sizes[i]) for i in ids}, world, rank, budget)
 
 
@@ -85,7 +88,7 @@ def score_all(model, batch: dict, bp: Blueprint, rank: int, world: int, device, 
     seq = sequences(batch)
     N, R = batch["responses"].shape
     P = batch["prompts"].shape[1]
-    micro = micro_batches(bp, batch, range(N), rank, world)
+    micro = micro_batches(bp, batch, range(N), rank, world, forward_only=True)
     if bp.algorithm.use_remove_padding:  # token-balanced: rows are not a contiguous slice, so sum disjoint rows
         full = torch.zeros(N, R, device=device)
         for idx in micro:
