@@ -199,6 +199,10 @@ class ResourcesSpec(Section):
     )
     stage_timeout_s: int = Field(1800, ge=1, description="A stage job is killed after this many seconds.")
     retries: int = Field(1, ge=0, description="Retries of a stage whose failure is retryable (timeouts, kills).")
+    warm_workers: bool = Field(
+        False, description="backend local, one node: keep one torchrun job alive for a whole pipeline and run each "
+        "stage in it (no spawn or imports per stage; each stage still commits its own artifact). A failed stage "
+        "ends the pool and the next stage starts a fresh one.")
     slurm: SlurmSpec = SlurmSpec()
     kubernetes: KubernetesSpec = KubernetesSpec()
 

@@ -11,6 +11,7 @@ from typing import Callable
 
 from core.blueprint import Blueprint
 from core.errors import BlueprintError
+from core.pool import warm_pools
 from core.runner import StageResult, open_store, run_stage
 from core.store import stage_key
 
@@ -72,10 +73,11 @@ def run_pipeline(bp: Blueprint, run_id: str, *, on_line: Callable[[str], None] =
     steps = plan(bp, run_id, warm_start_source(bp, run_id))
     first_forced = parse_from(force_from, steps)
     results = []
-    for i, step in enumerate(steps):
-        res = run_stage(step.stage, bp, run_id, step.iteration, step.inputs, on_line=on_line, cancel=cancel,
-                        force=first_forced is not None and i >= first_forced)
-        results.append(res)
-        if on_step:
-            on_step(step, res)
+    with warm_pools():  # used by stages whose blueprint sets resources.warm_workers
+        for i, step in enumerate(steps):
+            res = run_stage(step.stage, bp, run_id, step.iteration, step.inputs, on_line=on_line, cancel=cancel,
+                            force=first_forced is not None and i >= first_forced)
+            results.append(res)
+            if on_step:
+                on_step(step, res)
     return results

@@ -141,7 +141,8 @@ def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[st
     }
     job_file = scratch / "job.json"
     job_file.write_text(json.dumps(job))
-    nproc = 1 if single else res.nproc_per_node
+    pool = _warm_pool(res, on_line) if res.warm_workers and not multi_local and not env else None
+    nproc = res.nproc_per_node if pool else 1 if single else res.nproc_per_node
     multi = multi_local and not single
     spec = LaunchSpec(module=f"core.stages.{stage}", args=[str(job_file)], nproc_per_node=nproc,
                       nnodes=1 if single else res.nnodes, timeout_s=res.stage_timeout_s,
@@ -150,10 +151,16 @@ def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[st
                       env={**_worker_env(nproc), **(env or {})}, log_dir=str(scratch / "logs"))
     where = f", node {res.node_rank} of {res.nnodes}" if multi else ""
     on_line(f"[verlflow] {stage}[{iteration}] -> {store.uri(out)} ({nproc} x {spec.nnodes} ranks, "
-            f"{res.backend}{where})")
+            f"{res.backend}{where}{', warm pool' if pool else ''})")
     try:
-        with _gpus(res, nproc, spec, on_line):
-            launcher_for(res)(spec, on_line=on_line, cancel=cancel)
+        if pool is not None:
+            try:
+                pool.run(stage, job_file, on_line=on_line, cancel=cancel, timeout_s=res.stage_timeout_s)
+            finally:
+                pool.busy.release()
+        else:
+            with _gpus(res, nproc, spec, on_line):
+                launcher_for(res)(spec, on_line=on_line, cancel=cancel)
     except BaseException:
         try:
             if not follower and store.read_manifest(out) is None:
@@ -186,6 +193,24 @@ def _await_commit(stage, iteration, store, out, key, timeout_s, on_line, cancel,
             raise StageFailure(FailureKind.TIMEOUT, f"{stage}[{iteration}]: node 0 did not commit it within "
                                f"{timeout_s} s (resources.stage_timeout_s)")
         time.sleep(0.5)
+
+
+def _warm_pool(res, on_line):
+    """This node's warm pool for these resources (core.pool), or None (outside warm_pools(), or busy)."""
+    from core import pool as P
+
+    nproc = res.nproc_per_node
+
+    def make() -> "P.WarmPool":
+        pool = P.WarmPool(nproc, _worker_env(nproc), scratch_root(res), on_line)
+        if res.device == "cuda":
+            from core import devices
+
+            ids = pool.resources.enter_context(devices.claim(nproc, devices.visible_devices(), on_wait=on_line))
+            pool.spec.env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+        return pool
+
+    return P.acquire((nproc, res.device, str(scratch_root(res))), make)
 
 
 @contextmanager

@@ -12,6 +12,7 @@ from prefect.states import Cancelled
 
 from core.blueprint import Blueprint
 from core.launcher import FailureKind, StageFailure
+from core.pool import warm_pools
 from core.pipeline import parse_from, plan, warm_start_source
 from flows.common import default_run_id, name_flow_run, recomputed_here, resolve_blueprint
 from tasks.report import RunReport, iteration_row
@@ -30,13 +31,14 @@ def finetune(blueprint: Blueprint = Blueprint(), run_id: str | None = None, blue
     get_run_logger().info("run %s: %d steps, artifact store %s", run_id, len(steps), bp.storage.uri)
     report, done = RunReport(bp, run_id), {}
     try:
-        for i, step in enumerate(steps):
-            force = first_forced is not None and i >= first_forced and not recomputed_here(bp, run_id, step)
-            task = stage_task(step.stage, step.iteration, bp)
-            done[step.stage] = task(step.stage, step.iteration, step.inputs, bp, run_id, force)
-            if step.stage == "checkpoint":
-                it = step.iteration
-                report.iteration_done(iteration_row(it, done["rollout"], done["update"], done["checkpoint"]))
+        with warm_pools():  # resources.warm_workers: the stage tasks share one torchrun job
+            for i, step in enumerate(steps):
+                force = first_forced is not None and i >= first_forced and not recomputed_here(bp, run_id, step)
+                task = stage_task(step.stage, step.iteration, bp)
+                done[step.stage] = task(step.stage, step.iteration, step.inputs, bp, run_id, force)
+                if step.stage == "checkpoint":
+                    it = step.iteration
+                    report.iteration_done(iteration_row(it, done["rollout"], done["update"], done["checkpoint"]))
     except StageFailure as e:
         if e.kind is FailureKind.CANCELLED:  # in-process runs; served/worker runs are stopped by SIGTERM
             return Cancelled(message=f"{run_id}: cancelled; the running stage's job was killed")

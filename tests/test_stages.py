@@ -72,6 +72,31 @@ def test_staged_equals_monolithic(staged):
     assert [it["reward_mean"] for it in mono.manifest["metrics"]["iterations"]] == rewards
 
 
+def test_warm_pool_gives_the_same_weights_without_a_spawn_per_stage(staged, tmp_path):
+    """resources.warm_workers: every stage runs in one torchrun job; the weights are bit-identical to fresh jobs',
+    each stage still commits its own manifest, and no process outlives the pipeline."""
+    import psutil
+
+    bp, store, results = staged
+    from core.blueprint import load_blueprint
+
+    warm_bp = load_blueprint(None, ["resources.warm_workers=true", f"storage.uri={tmp_path}"],
+                             data=bp.model_dump(mode="json"))
+    warm = run_pipeline(warm_bp, "eq", **QUIET)
+    assert [r.manifest["stage"] for r in warm] == [r.manifest["stage"] for r in results]
+    assert all(not r.skipped for r in warm)
+    got, want = full_weights(tmp_path, "eq/2/update", warm_bp), full_weights(store, "eq/2/update", bp)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    # A fresh job spends ~3 s between launch and the worker's main (spawn + imports); the pool's jobs after the
+    # first start within a fraction of a second.
+    waits = [r.manifest["timings"]["launch_to_worker_s"] for r in warm[1:]]
+    fresh = [r.manifest["timings"]["launch_to_worker_s"] for r in results[1:]]
+    assert max(waits) < 0.5 < min(fresh), (waits, fresh)
+    assert warm[4].manifest["world_size"] == 2  # checkpoint ran on the pool's 2 ranks, rank 0 exporting
+    assert (tmp_path / "runs/eq/2/checkpoint/hf/model.safetensors").is_file()
+    assert not psutil.Process().children(recursive=True)
+
+
 def test_rerun_reuses_and_resumes_at_another_world_size(staged):
     """Same run id, one more iteration, 1 rank: the 2-rank stages are reused, the checkpoint reshards."""
     bp, store, _ = staged

@@ -15,10 +15,10 @@ log = logging.getLogger("verlflow.checkpoint")
 
 
 def run(ctx: StageContext) -> dict:
-    if not ctx.is_main():
-        return {}
-    meta_dir = ctx.input("build") / "hf_meta"
+    meta_dir = ctx.input("build") / "hf_meta"  # on every rank: input() is collective in a multi-rank job
     policy_dir = ctx.input("update") / "policy"
+    if not ctx.is_main():  # one rank exports (this stage gets several only in a warm pool)
+        return {}
     with ctx.timed("export_s"):
         model = M.build_module(meta_dir, ctx.bp)
         checkpoint.load_full(policy_dir, model)

@@ -122,8 +122,8 @@ def _seed(bp: Blueprint, iteration, rank: int) -> None:
     random.seed(s)
     np.random.seed(s % 2**32)
     torch.manual_seed(s)
-    if bp.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    # Set either way: a warm pool's next job must not inherit the last one's setting.
+    torch.use_deterministic_algorithms(bp.deterministic, warn_only=True)
 
 
 def _commit(ctx: StageContext, metrics: dict, t_start: float) -> dict | None:
@@ -157,44 +157,53 @@ def _commit(ctx: StageContext, metrics: dict, t_start: float) -> dict | None:
 
 def stage_main(run: Callable[[StageContext], dict],
                after_commit: Callable[[StageContext, dict], None] | None = None) -> Callable[[], None]:
+    """The torchrun entry point of a stage module: one job (sys.argv[1]) in a fresh process group."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from core.launcher import worker_guard
 
     @record
     def main() -> None:
-        t_start = time.time()
         worker_guard()
-        job = json.loads(Path(sys.argv[1]).read_text())
-        bp = Blueprint.model_validate(job["blueprint"])
-        rank, world, local_rank, device = _init_process_group(bp)
-        setup_logging(rank)
-        _seed(bp, job["iteration"], rank)
-        store = ArtifactStore(bp.storage.uri, endpoint_url=bp.storage.endpoint_url, region=bp.storage.region)
-        out = store.local_path(job["output"])
-        if out is None:  # remote store: write on local disk, upload at commit
-            out = Path(job["scratch"]) / "out"
-            if local_rank == 0:
-                shutil.rmtree(out, ignore_errors=True)
-        if world > 1:
-            dist.barrier()
-        out.mkdir(parents=True, exist_ok=True)
-        ctx = StageContext(job, bp, store, rank, world, local_rank, device, out)
         try:
-            faults.hang_point(job["stage"])  # test hook: VERLFLOW_FAULT=hang_in_<stage>
-            metrics = run(ctx) or {}
-            if world > 1:
-                dist.barrier()
-            manifest = _commit(ctx, metrics, t_start)
-            if after_commit is not None and ctx.rank == 0:
-                after_commit(ctx, manifest)
-            if world > 1:
-                dist.barrier()
+            run_job(Path(sys.argv[1]), run, after_commit)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
 
+    main.run, main.after_commit = run, after_commit  # what the warm pool (core.stages.pool) calls per job
     return main
+
+
+def run_job(job_file: Path, run: Callable[[StageContext], dict],
+            after_commit: Callable[[StageContext, dict], None] | None = None) -> None:
+    """One stage job on every rank: its outputs, then (rank 0) the manifest. The process group is made on the
+    first job and kept, so a warm pool runs job after job in the same processes."""
+    t_start = time.time()
+    job = json.loads(job_file.read_text())
+    bp = Blueprint.model_validate(job["blueprint"])
+    rank, world, local_rank, device = _init_process_group(bp)
+    setup_logging(rank)
+    _seed(bp, job["iteration"], rank)
+    store = ArtifactStore(bp.storage.uri, endpoint_url=bp.storage.endpoint_url, region=bp.storage.region)
+    out = store.local_path(job["output"])
+    if out is None:  # remote store: write on local disk, upload at commit
+        out = Path(job["scratch"]) / "out"
+        if local_rank == 0:
+            shutil.rmtree(out, ignore_errors=True)
+    if world > 1:
+        dist.barrier()
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = StageContext(job, bp, store, rank, world, local_rank, device, out)
+    faults.hang_point(job["stage"])  # test hook: VERLFLOW_FAULT=hang_in_<stage>
+    metrics = run(ctx) or {}
+    if world > 1:
+        dist.barrier()
+    manifest = _commit(ctx, metrics, t_start)
+    if after_commit is not None and ctx.rank == 0:
+        after_commit(ctx, manifest)
+    if world > 1:
+        dist.barrier()
 
 
 def scratch_dir() -> Path:

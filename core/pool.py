@@ -1,0 +1,131 @@
+"""Warm worker pools (resources.warm_workers): one torchrun job per (node, ranks, device) kept alive across the
+stages of a pipeline, so a stage costs its work, not a spawn plus torch/transformers/verl imports.
+
+Stages still run one at a time, each still commits its own artifact with a manifest, and a failed stage still
+fails exactly as a fresh job would: any exception ends the pool (torchrun's diagnosis reaches the caller) and
+the next stage starts a new one. A cancel or a stage timeout kills the pool's whole process tree.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from core.launcher import FailureKind, LaunchSpec, StageFailure, launch
+
+_LOCK = threading.Lock()
+_POOLS: dict[tuple, "WarmPool"] = {}
+_DEPTH = 0
+
+
+class WarmPool:
+    def __init__(self, nproc: int, env: dict, scratch: str | None, on_line: Callable[[str], None]):
+        self.dir = Path(tempfile.mkdtemp(prefix="verlflow-pool-", dir=scratch))
+        self.nproc, self.n = nproc, 0
+        self.busy = threading.Lock()
+        self._sink = on_line
+        self._kill = threading.Event()
+        self._gone = threading.Event()
+        self.error: BaseException | None = None
+        self.resources = contextlib.ExitStack()  # GPU claims held for the pool's life
+        self.spec = LaunchSpec(module="core.stages.pool", args=[str(self.dir)], nproc_per_node=nproc, nnodes=1,
+                               timeout_s=None, env=env, log_dir=str(self.dir / "logs"))
+        self.started_at = time.time()
+
+    def start(self) -> "WarmPool":
+        threading.Thread(target=self._serve, name=f"verlflow-pool-{self.nproc}", daemon=True).start()
+        return self
+
+    def _serve(self) -> None:
+        try:
+            launch(self.spec, on_line=lambda line: self._sink(line), cancel=self._kill)
+        except BaseException as e:  # noqa: BLE001 - handed to the stage that was running
+            self.error = e
+        finally:
+            self._gone.set()
+
+    @property
+    def alive(self) -> bool:
+        return not self._gone.is_set()
+
+    def run(self, stage: str, job_file: Path, *, on_line: Callable[[str], None], cancel: threading.Event | None,
+            timeout_s: float | None) -> None:
+        """Run one stage job in the pool; raises what a fresh launch would (StageFailure)."""
+        self._sink = on_line
+        self.n += 1
+        self._send({"stage": stage, "job": str(job_file)})
+        done = self.dir / f"done-{self.n}.json"
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not done.exists():
+            if self._gone.wait(0.02):
+                if done.exists():
+                    break
+                if isinstance(self.error, StageFailure):
+                    raise self.error
+                raise StageFailure(FailureKind.UNKNOWN, f"{stage}: the warm worker pool exited without finishing it"
+                                   + (f" ({self.error})" if self.error else ""))
+            if cancel is not None and cancel.is_set():
+                self.kill()
+                raise StageFailure(FailureKind.CANCELLED, f"{stage} was cancelled; its warm worker pool was killed")
+            if deadline is not None and time.monotonic() > deadline:
+                self.kill()
+                raise StageFailure(FailureKind.TIMEOUT, f"{stage} ran past its timeout of {timeout_s:g} s "
+                                   "(resources.stage_timeout_s); its warm worker pool was killed")
+
+    def _send(self, msg: dict) -> None:
+        tmp = self.dir / f".job-{self.n}.json"
+        tmp.write_text(json.dumps(msg))
+        os.replace(tmp, self.dir / f"job-{self.n}.json")  # ranks see the whole message or none of it
+
+    def kill(self) -> None:
+        self._kill.set()
+        self._gone.wait(60)
+
+    def close(self, grace_s: float = 30.0) -> None:
+        if self.alive:
+            self.n += 1
+            self._send({"stop": True})
+            if not self._gone.wait(grace_s):
+                self.kill()
+        self.resources.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def warm_pools():
+    """Within this block, stages whose blueprint sets resources.warm_workers share pools; all close at exit."""
+    global _DEPTH
+    with _LOCK:
+        _DEPTH += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _DEPTH -= 1
+            closing = list(_POOLS.values()) if _DEPTH == 0 else []
+            if _DEPTH == 0:
+                _POOLS.clear()
+        for pool in closing:
+            pool.close()
+
+
+def acquire(key: tuple, make: Callable[[], WarmPool]) -> WarmPool | None:
+    """The live, idle pool for `key` (started with `make` if none), locked for one job; None outside
+    warm_pools() or while the pool is busy with another job (the caller then launches a fresh job)."""
+    with _LOCK:
+        if _DEPTH == 0:
+            return None
+        pool = _POOLS.get(key)
+        if pool is not None and not pool.alive:
+            pool.close()
+            pool = None
+        if pool is None:
+            pool = _POOLS[key] = make().start()
+        if not pool.busy.acquire(blocking=False):
+            return None
+        return pool

@@ -1,0 +1,68 @@
+"""pool: one torchrun job that runs stage jobs one after another (resources.warm_workers).
+
+The runner (core.pool.WarmPool) writes `job-<n>.json` into the pool folder (argv[1]); every rank picks it up,
+runs the named stage's `run` through the same `run_job` a fresh stage process uses, and rank 0 answers with
+`done-<n>.json`. Imports, the CUDA context, the process group and compile caches stay warm between stages. Any
+exception ends the whole pool (torchrun reports it exactly as for a one-job stage); the runner starts a fresh
+pool for the next stage.
+"""
+
+import gc
+import importlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+POLL_S = 0.01
+
+
+def next_message(pool_dir: Path, n: int) -> dict:
+    path = pool_dir / f"job-{n}.json"
+    while not path.exists():
+        if os.getppid() == 1:  # torchrun is gone (PDEATHSIG covers most cases; this the rest)
+            os._exit(1)
+        time.sleep(POLL_S)
+    return json.loads(path.read_text())
+
+
+def main() -> None:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from core.launcher import worker_guard
+
+    @record
+    def serve() -> None:
+        import torch
+        import torch.distributed as dist
+
+        from core.stages.common import run_job
+
+        worker_guard()
+        pool_dir = Path(sys.argv[1])
+        n = 0
+        try:
+            while True:
+                n += 1
+                msg = next_message(pool_dir, n)
+                if msg.get("stop"):
+                    return
+                stage = importlib.import_module(f"core.stages.{msg['stage']}")
+                run_job(Path(msg["job"]), stage.main.run, stage.main.after_commit)
+                gc.collect()  # the stage's models are garbage now; give their memory back before the next
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                if int(os.environ.get("RANK", 0)) == 0:
+                    tmp = pool_dir / f".done-{n}.json"
+                    tmp.write_text(json.dumps({"job": msg["job"]}))
+                    os.replace(tmp, pool_dir / f"done-{n}.json")
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    serve()
+
+
+if __name__ == "__main__":
+    main()

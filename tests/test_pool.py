@@ -1,0 +1,69 @@
+"""Warm worker pools (resources.warm_workers): a failed or cancelled stage ends the pool like a fresh job would,
+commits nothing, leaves no process, and the next run starts a fresh pool. (Bit-identical weights with and without
+the pool: tests/test_stages.py.)"""
+
+import threading
+import time
+
+import psutil
+import pytest
+from tinybp import tiny_blueprint
+
+from core.launcher import FailureKind, StageFailure
+from core.pipeline import run_pipeline
+
+
+def _no_children():
+    deadline = time.monotonic() + 10
+    while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not psutil.Process().children(recursive=True)
+
+
+def test_failure_ends_the_pool_and_a_rerun_starts_fresh(tiny_kit, tmp_path, monkeypatch):
+    bp = tiny_blueprint(tiny_kit, tmp_path, resources__warm_workers=True)
+    monkeypatch.setenv("VERLFLOW_FAULT", "nan_loss")
+    lines = []
+    with pytest.raises(StageFailure) as err:
+        run_pipeline(bp, "p", on_line=lines.append)
+    assert err.value.kind is FailureKind.NONFINITE and not err.value.retryable
+    assert "update[1]" in "\n".join(lines) and "warm pool" in "\n".join(lines)
+    assert (tmp_path / "runs/p/1/rollout/manifest.json").is_file()
+    assert not (tmp_path / "runs/p/1/update").exists()  # nothing of the failed stage is left
+    assert _no_children()
+
+    monkeypatch.delenv("VERLFLOW_FAULT")
+    results = run_pipeline(bp, "p", on_line=lambda line: None)
+    assert [(r.manifest["stage"], r.skipped) for r in results] == [
+        ("validate", True), ("build", True), ("rollout", True), ("update", False), ("checkpoint", False)]
+    assert results[3].manifest["timings"]["launch_to_worker_s"] > 1  # the fresh pool's first job pays the start
+    assert results[4].manifest["timings"]["launch_to_worker_s"] < 0.5
+    assert _no_children()
+
+
+def test_cancel_kills_the_pool(tiny_kit, tmp_path, monkeypatch):
+    bp = tiny_blueprint(tiny_kit, tmp_path, resources__warm_workers=True)
+    monkeypatch.setenv("VERLFLOW_FAULT", "hang_in_rollout")
+    cancel, hanging, outcome = threading.Event(), threading.Event(), {}
+
+    def on_line(line):
+        if "hanging in rollout" in line:
+            hanging.set()
+
+    def go():
+        try:
+            run_pipeline(bp, "c", on_line=on_line, cancel=cancel)
+        except StageFailure as e:
+            outcome["error"] = e
+
+    t = threading.Thread(target=go)
+    t.start()
+    assert hanging.wait(120), "the rollout never started"
+    t0 = time.monotonic()
+    cancel.set()
+    t.join(60)
+    assert not t.is_alive()
+    assert outcome["error"].kind is FailureKind.CANCELLED
+    assert time.monotonic() - t0 < 15
+    assert _no_children()
+    assert not (tmp_path / "runs/c/1/rollout").exists()
