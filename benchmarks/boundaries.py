@@ -5,7 +5,7 @@ the real runner and store, at a real model shape with random weights.
     python benchmarks/boundaries.py                      # GPU: Qwen2.5-1.5B shape, 64 prompts x 8, 512 new tokens
     python benchmarks/boundaries.py --smoke              # CPU, tiny kit (the test suite runs this)
 
-Prints the staged and monolithic wall times, their ratio, and where the staged path's extra time goes: per stage,
+Prints the staged (fresh jobs, and a warm pool: resources.warm_workers) and monolithic wall times, their ratios, and where the staged path's extra time goes: per stage,
 launch -> worker main (spawn + imports), loads (GB/s), saves (GB/s) and commit (checksums); plus sha256 GB/s
 and DCP save/load GB/s of the policy measured directly.
 """
@@ -104,15 +104,27 @@ def main(argv=None) -> int:
     lines = []
     log = lines.append if not args.smoke else (lambda line: None)
 
-    say("staged: validate, build, then rollout -> update -> checkpoint as separate jobs")
-    try:
-        staged = run_pipeline(bp, "staged", on_line=log)
-    except Exception:
-        print("\n".join(lines[-60:]), flush=True)  # the failing stage's own output
-        raise
-    by = {r.manifest["stage"]: r for r in staged}
+    def progress(step, res):  # a line per stage, so a run cut short still shows what it measured
+        t = res.manifest["timings"]
+        say(f"  {step.stage}[{step.iteration}] {res.seconds:.1f} s (launch->main {t.get('launch_to_worker_s', 0):.1f} "
+            f"s) " + json.dumps({k: v for k, v in t.items() if k not in ("launch_to_worker_s",)}))
+
+    def pipeline(run_id, blueprint):
+        try:
+            return run_pipeline(blueprint, run_id, on_line=log, on_step=progress)
+        except Exception:
+            print("\n".join(lines[-60:]), flush=True)  # the failing stage's own output
+            raise
+
     iter_stages = ["rollout", "update", "checkpoint"]
+    say("staged: validate, build, then rollout -> update -> checkpoint as separate jobs")
+    staged = pipeline("staged", bp)
+    by = {r.manifest["stage"]: r for r in staged}
     staged_s = sum(by[s].seconds for s in iter_stages)
+    say("staged in a warm pool (resources.warm_workers): the same stages in one torchrun job")
+    warm = pipeline("warm", load_blueprint(None, ["resources.warm_workers=true"], data=bp.model_dump(mode="json")))
+    warm_by = {r.manifest["stage"]: r for r in warm}
+    warm_s = sum(warm_by[s].seconds for s in iter_stages)
 
     say("monolithic: the same iteration in one job")
     try:
@@ -131,6 +143,11 @@ def main(argv=None) -> int:
            "policy_checkpoint_gb": round(ckpt_gb, 2), "stages": {}}
     res["ratio_vs_job"] = round(staged_s / mono.seconds, 3)
     res["ratio_vs_work"] = round(staged_s / max(res["monolithic_work_s"], 1e-9), 3)
+    res["warm_staged_s"] = round(warm_s, 2)
+    res["warm_ratio_vs_job"] = round(warm_s / mono.seconds, 3)
+    res["warm_ratio_vs_work"] = round(warm_s / max(res["monolithic_work_s"], 1e-9), 3)
+    res["warm_stages"] = {s: {"wall_s": round(warm_by[s].seconds, 2), **warm_by[s].manifest["timings"]}
+                          for s in iter_stages}
     for s in iter_stages + ["monolithic"]:
         r = mono if s == "monolithic" else by[s]
         t = r.manifest["timings"]
@@ -146,6 +163,9 @@ def main(argv=None) -> int:
             ("  of which the iteration's work", f"{res['monolithic_work_s']:.1f} s"),
             ("ratio staged / monolithic job", f"{res['ratio_vs_job']:.3f}x"),
             ("ratio staged / monolithic work", f"{res['ratio_vs_work']:.3f}x"),
+            ("one iteration, staged in a warm pool", f"{warm_s:.1f} s"),
+            ("ratio warm staged / monolithic job", f"{res['warm_ratio_vs_job']:.3f}x"),
+            ("ratio warm staged / monolithic work", f"{res['warm_ratio_vs_work']:.3f}x"),
             ("policy checkpoint (params + Adam)", f"{ckpt_gb:.2f} GB"),
             ("DCP save", f"{res.get('dcp_save_gb_per_s', '-')} GB/s"),
             ("sha256", f"{res['sha256_gb_per_s']} GB/s")]

@@ -32,6 +32,7 @@ def test_boundaries_benchmark_smoke(tmp_path):
     assert "| ratio staged / monolithic job |" in proc.stdout
     res = json.loads(out.read_text())
     assert res["staged_s"] > 0 and res["monolithic_job_s"] > 0
+    assert res["warm_staged_s"] < res["staged_s"]  # no spawn and imports per stage
     st = res["stages"]
     for s in ("rollout", "update", "checkpoint"):
         assert st[s]["launch_to_worker_s"] > 0 and st[s]["wall_s"] >= st[s]["stage_s"]

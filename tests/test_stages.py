@@ -93,6 +93,13 @@ def test_warm_pool_gives_the_same_weights_without_a_spawn_per_stage(staged, tmp_
     fresh = [r.manifest["timings"]["launch_to_worker_s"] for r in results[1:]]
     assert max(waits) < 0.5 < min(fresh), (waits, fresh)
     assert warm[4].manifest["world_size"] == 2  # checkpoint ran on the pool's 2 ranks, rank 0 exporting
+    # Models the pool's last update left in memory replace reading its checkpoint back (core/modelcache.py).
+    hits = {(r.manifest["stage"], r.manifest["iteration"]): r.manifest["metrics"].get("warm_cache_hits", [])
+            for r in warm}
+    assert hits[("update", 1)] == [] and hits[("update", 2)] == ["policy", "ref"]
+    assert hits[("rollout", 1)] == [] and hits[("rollout", 2)] == ["policy"]
+    assert hits[("checkpoint", 1)] == hits[("checkpoint", 2)] == ["policy"]
+    assert all("warm_cache_hits" not in r.manifest["metrics"] for r in results)  # fresh jobs: none
     assert (tmp_path / "runs/eq/2/checkpoint/hf/model.safetensors").is_file()
     assert not psutil.Process().children(recursive=True)
 

@@ -6,7 +6,7 @@ Promotion happens after this stage's manifest is committed: `latest` never point
 
 import logging
 
-from core import checkpoint, model as M
+from core import checkpoint, model as M, modelcache
 from core.promote import promote
 from core.stages.build import copy_meta
 from core.stages.common import StageContext, stage_main
@@ -17,11 +17,16 @@ log = logging.getLogger("verlflow.checkpoint")
 def run(ctx: StageContext) -> dict:
     meta_dir = ctx.input("build") / "hf_meta"  # on every rank: input() is collective in a multi-rank job
     policy_dir = ctx.input("update") / "policy"
+    cached = modelcache.get("policy", ctx.identity("update"))  # a warm pool's update, still in memory
+    full = checkpoint.full_state_dict(cached[0]) if cached is not None else None  # collective: every rank
     if not ctx.is_main():  # one rank exports (this stage gets several only in a warm pool)
         return {}
     with ctx.timed("export_s"):
         model = M.build_module(meta_dir, ctx.bp)
-        checkpoint.load_full(policy_dir, model)
+        if full is not None:
+            model.load_state_dict(full)
+        else:
+            checkpoint.load_full(policy_dir, model)
         model.config.use_cache = True
         model.save_pretrained(ctx.out / "hf", safe_serialization=True)
         copy_meta(meta_dir, ctx.out / "hf")

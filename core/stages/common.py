@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from core import faults
+from core import faults, modelcache
 from core.blueprint import Blueprint
 from core.store import ArtifactStore, digest_files
 
@@ -53,6 +53,14 @@ class StageContext:
         if self.world > 1:
             dist.barrier()
         return path if path is not None else self.store.local_path(key) or cache
+
+    def identity(self, name: str | None = None) -> tuple:
+        """Which committed checkpoint an input (or, with no name, this stage's output) is, plus the blueprint
+        sections that shape its modules: the key of core.modelcache."""
+        shape = self.bp.section_hash("model", "fsdp", "algorithm.use_remove_padding", "algorithm.adv_estimator")
+        if name is None:
+            return self.job["output"], self.job["manifest"]["key"], shape
+        return self.job["inputs"][name], self.job["input_manifests"][name]["key"], shape
 
     def input_manifest(self, name: str) -> dict:
         return self.job["input_manifests"][name]
@@ -196,7 +204,10 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
     out.mkdir(parents=True, exist_ok=True)
     ctx = StageContext(job, bp, store, rank, world, local_rank, device, out)
     faults.hang_point(job["stage"])  # test hook: VERLFLOW_FAULT=hang_in_<stage>
+    modelcache.hits.clear()
     metrics = run(ctx) or {}
+    if modelcache.hits:
+        metrics["warm_cache_hits"] = sorted(set(modelcache.hits))
     if world > 1:
         dist.barrier()
     manifest = _commit(ctx, metrics, t_start)

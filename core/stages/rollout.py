@@ -8,7 +8,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from core import checkpoint, model as M
+from core import checkpoint, model as M, modelcache
 from core.data import load_prompts, select
 from core.rollout import generate_share, save_batch
 from core.stages.common import StageContext, stage_main
@@ -27,7 +27,11 @@ def run(ctx: StageContext) -> dict:
     with ctx.timed("load_s"):
         with torch.device(ctx.device):  # random init on the device is fast; the load overwrites it
             model = M.build_module(meta_dir, bp)
-        checkpoint.load_full(policy_dir, model)
+        cached = modelcache.get("policy", ctx.identity("policy"))  # a warm pool's last update, still in memory
+        if cached is not None:
+            model.load_state_dict(checkpoint.full_state_dict(cached[0]))
+        else:
+            checkpoint.load_full(policy_dir, model)
         model.to(M.inference_dtype(bp))
     progress = log.info if ctx.is_main() else None
     with ctx.timed("generate_s"):

@@ -5,7 +5,7 @@ Inputs: `build` (hf_meta/, ref/), `policy` (policy/ [+ critic/]), `rollout` (bat
 
 import logging
 
-from core import checkpoint, model as M, ppo
+from core import checkpoint, model as M, modelcache, ppo
 from core.optim import apply_hparams, make_optimizer
 from core.rollout import load_batch
 from core.stages.common import StageContext, stage_main
@@ -24,6 +24,15 @@ def sharded(ctx: StageContext, meta_dir, critic: bool = False):
     return model
 
 
+def _load(ctx: StageContext, meta_dir, prev, role: str):
+    """A role's FSDP model and optimizer from the previous checkpoint."""
+    critic = role == "critic"
+    model = sharded(ctx, meta_dir, critic=critic)
+    opt = make_optimizer(model, ctx.bp, critic=critic)
+    checkpoint.load(prev / role, model, opt)
+    return model, opt
+
+
 def run(ctx: StageContext) -> dict:
     bp, it = ctx.bp, ctx.iteration
     build, prev = ctx.input("build"), ctx.input("policy")
@@ -32,20 +41,21 @@ def run(ctx: StageContext) -> dict:
     gae = bp.algorithm.adv_estimator == "gae"
     args = (ctx.rank, ctx.world, ctx.device)
     with ctx.timed("ref_s"):
-        ref = sharded(ctx, meta_dir)
-        checkpoint.load(build / "ref", ref)
+        ref = modelcache.get("ref", ctx.identity("build"))
+        if ref is None:
+            ref = sharded(ctx, meta_dir)
+            checkpoint.load(build / "ref", ref)
+            modelcache.put("ref", ctx.identity("build"), ref)
         ref_logp = ppo.score_all(ref, batch, bp, *args)
         del ref
     with ctx.timed("load_s"):
-        policy = sharded(ctx, meta_dir)
-        popt = make_optimizer(policy, bp)
-        state = checkpoint.load(prev / "policy", policy, popt)
+        # In a warm pool the previous update's models are still in memory (core/modelcache.py).
+        policy, popt = modelcache.get("policy", ctx.identity("policy")) or _load(ctx, meta_dir, prev, "policy")
+        state = checkpoint.read_state(prev / "policy")
         apply_hparams(popt, bp)
         critic = copt = values = None
         if gae:
-            critic = sharded(ctx, meta_dir, critic=True)
-            copt = make_optimizer(critic, bp, critic=True)
-            checkpoint.load(prev / "critic", critic, copt)
+            critic, copt = modelcache.get("critic", ctx.identity("policy")) or _load(ctx, meta_dir, prev, "critic")
             apply_hparams(copt, bp, critic=True)
     with ctx.timed("old_logp_s"):
         old_logp = ppo.score_all(policy, batch, bp, *args)
@@ -59,8 +69,10 @@ def run(ctx: StageContext) -> dict:
     new_state = {**state, "step": step, "data_cursor": state["data_cursor"] + bp.data.batch_size, "iteration": it}
     with ctx.timed("save_s"):
         checkpoint.save(ctx.out / "policy", policy, popt, new_state)
+        modelcache.put("policy", ctx.identity(), (policy, popt))
         if gae:
             checkpoint.save(ctx.out / "critic", critic, copt, new_state)
+            modelcache.put("critic", ctx.identity(), (critic, copt))
     last = history[-1]
     return {**adv_metrics, "step": step, "mini_batches": history, "pg_loss": last["pg_loss"],
             "kl_loss": last["kl_loss"], "entropy": last["entropy"], "pg_clipfrac": last["pg_clipfrac"],
