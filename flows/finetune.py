@@ -16,7 +16,7 @@ from core.pool import warm_pools
 from core.pipeline import parse_from, plan, warm_start_source
 from flows.common import default_run_id, name_flow_run, recomputed_here, resolve_blueprint
 from tasks.report import RunReport, iteration_row
-from tasks.stages import stage_task
+from tasks.stages import pipeline_slots, stage_task
 
 
 @flow(name="finetune", description="PPO/GRPO fine-tune of a blueprint: validate, build, then rollout -> update "
@@ -31,7 +31,9 @@ def finetune(blueprint: Blueprint = Blueprint(), run_id: str | None = None, blue
     get_run_logger().info("run %s: %d steps, artifact store %s", run_id, len(steps), bp.storage.uri)
     report, done = RunReport(bp, run_id), {}
     try:
-        with warm_pools():  # resources.warm_workers: the stage tasks share one torchrun job
+        # resources.warm_workers: the stage tasks share one torchrun job, which keeps its devices between stages,
+        # so the flow holds their slots for as long (a task holding slots must never wait on an idle pool's GPUs).
+        with warm_pools(), pipeline_slots(bp):
             for i, step in enumerate(steps):
                 force = first_forced is not None and i >= first_forced and not recomputed_here(bp, run_id, step)
                 task = stage_task(step.stage, step.iteration, bp)

@@ -70,8 +70,10 @@ def run_stage_task(stage: str, iteration, inputs: dict[str, str], bp: Blueprint,
     log = get_run_logger()
     ranks = 1 if stage in SINGLE_PROCESS else bp.resources.nproc_per_node
     with cancel_requested() as cancel:
-        # Slurm and Kubernetes allocate devices themselves; a reused stage needs none.
-        if bp.resources.backend != "local" or (not force and is_committed(stage, bp, run_id, iteration, inputs)):
+        # Slurm and Kubernetes allocate devices themselves; a reused stage needs none; a warm pool's slots are
+        # held by its flow (pipeline_slots).
+        if bp.resources.backend != "local" or warm_pool(bp) or (
+                not force and is_committed(stage, bp, run_id, iteration, inputs)):
             res = run_stage(stage, bp, run_id, iteration, inputs, on_line=log.info, cancel=cancel, force=force)
         else:
             log.info(f"[verlflow] {stage}[{iteration}] needs {ranks} slot(s) of {limit_name(bp.resources.device)}")
@@ -79,6 +81,25 @@ def run_stage_task(stage: str, iteration, inputs: dict[str, str], bp: Blueprint,
                 res = run_stage(stage, bp, run_id, iteration, inputs, on_line=log.info, cancel=cancel, force=force)
     create_markdown_artifact(summary_markdown(f"{stage}[{iteration}]", res), description=f"{stage}[{iteration}]")
     return res
+
+
+def warm_pool(bp: Blueprint) -> bool:
+    res = bp.resources
+    return res.warm_workers and res.backend == "local" and res.nnodes == 1
+
+
+@contextmanager
+def pipeline_slots(bp: Blueprint):
+    """With warm workers, this host's device slots for the pool, held for the whole flow; otherwise nothing (each
+    stage task takes its own)."""
+    if not warm_pool(bp):
+        yield
+        return
+    n = bp.resources.nproc_per_node
+    get_run_logger().info(f"[verlflow] warm workers: the flow holds {n} slot(s) of "
+                          f"{limit_name(bp.resources.device)} for its stages")
+    with device_slots(bp.resources.device, n):
+        yield
 
 
 def stage_task(stage: str, iteration, bp: Blueprint):

@@ -109,6 +109,25 @@ def test_pipeline_flow_run_with_artifacts(prefect_server, tiny_flow_run):
           f"({(run.wall_s - jobs) / len(names):.2f} s per task)")
 
 
+def test_warm_workers_flow_holds_the_slots_and_runs_the_stages_in_one_job(prefect_server, tiny_kit, tmp_path):
+    """resources.warm_workers in a flow: the flow takes the device slots once for its pool (a stage task never
+    waits for slots while an idle pool holds the devices), the stages run warm, and all is given back at the end."""
+    from flows.finetune import finetune
+    from tasks.slots import limit_name
+
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", "name=tiny-warm", "resources.warm_workers=true")
+    state = finetune(blueprint=bp, run_id="warm1", return_state=True)
+    assert state.is_completed(), state.message
+    msgs = logs(prefect_server, state.state_details.flow_run_id, "warm pool")
+    assert any("warm workers: the flow holds 1 slot(s)" in m for m in msgs)  # TINY has 1 rank
+    assert not any("needs 1 slot(s)" in m for m in msgs)  # no per-task slot requests
+    waits = [manifest(bp, "warm1", 1, st)["timings"]["launch_to_worker_s"] for st in ("rollout", "update", "checkpoint")]
+    assert max(waits) < 0.5, waits
+    assert api(prefect_server, f"/v2/concurrency_limits/{limit_name('cpu')}")["active_slots"] == 0
+    left = [p for p in psutil.Process().children(recursive=True) if "core.stages" in " ".join(p.cmdline())]
+    assert not left, "the warm pool outlived its flow"
+
+
 def test_changed_field_reruns_its_stage_and_later_ones(prefect_server, tiny_flow_run, tmp_path, capsys):
     """`verlflow rerun RUN --prefect` with rollout.temperature changed: build is reused, rollout on rerun."""
     from core.cli import main

@@ -13,11 +13,24 @@ from core.launcher import FailureKind, StageFailure
 from core.pipeline import run_pipeline
 
 
+def _stage_processes() -> list:
+    """torchrun and stage workers under this process (a session's Prefect server may be a child too)."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if "core.stages" in cmd or "torch.distributed.run" in cmd:
+            out.append(p)
+    return out
+
+
 def _no_children():
     deadline = time.monotonic() + 10
-    while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
+    while _stage_processes() and time.monotonic() < deadline:
         time.sleep(0.2)
-    return not psutil.Process().children(recursive=True)
+    return not _stage_processes()
 
 
 def test_failure_ends_the_pool_and_a_rerun_starts_fresh(tiny_kit, tmp_path, monkeypatch):
