@@ -230,8 +230,11 @@ def _worker_env(nproc: int) -> dict:
     """Quiet, offline workers; threads split between the ranks of this node (torchrun would pick 1)."""
     import os
 
+    cache = Path(os.environ.get("VERLFLOW_CACHE_DIR") or Path.home() / ".cache" / "verlflow")
     env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)), "HF_HUB_OFFLINE": "1",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false",
+           # fsdp.compile's kernels survive the job (and /tmp cleaning): the next stage job loads them
+           "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
     return {k: v for k, v in env.items() if k not in os.environ}
 
 
