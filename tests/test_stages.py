@@ -154,11 +154,12 @@ def test_learning_beats_random_variation(tiny_kit, tmp_path, estimator, lr):
 @pytest.mark.parametrize("arch,fsdp,estimator,packed", [("llama", 2, "rloo", True), ("qwen2", 1, "gae", True),
                                                         ("llama", 1, "reinforce_plus_plus", False)])
 def test_architectures_fsdp_versions_and_estimators(tiny_kit, tiny_llama_kit, tmp_path, arch, fsdp, estimator, packed):
-    """packed: the padding-free update (token-balanced micro-batches on 2 ranks; FSDP2 also defers grad sync)."""
+    """packed: the padding-free update (token-balanced micro-batches on 2 ranks; FSDP2 also defers grad sync).
+    In a warm pool (fresh jobs: the `staged` fixture), so the critic and FSDP1 also go through the model cache."""
     kit = tiny_llama_kit if arch == "llama" else tiny_kit
     bp = tiny_blueprint(kit, tmp_path, fsdp__version=fsdp, algorithm__adv_estimator=estimator,
                         algorithm__use_remove_padding=packed, algorithm__ppo_max_token_len_per_gpu=60 if packed else None,
-                        fsdp__defer_grad_sync=packed)
+                        fsdp__defer_grad_sync=packed, resources__warm_workers=True, iterations=2)
     results = run_pipeline(bp, "r", **QUIET)
     build, update = results[1].manifest["metrics"], results[3].manifest["metrics"]
     assert build["policy_fsdp_units"] == 3
@@ -166,7 +167,9 @@ def test_architectures_fsdp_versions_and_estimators(tiny_kit, tiny_llama_kit, tm
     assert all(row["grad_norm"] > 0 for row in update["mini_batches"])
     if estimator == "gae":
         assert "critic_params" in build and "vf_loss" in update["mini_batches"][0]
-    assert (tmp_path / "runs/r/1/checkpoint/hf/model.safetensors").is_file()
+    assert (tmp_path / "runs/r/2/checkpoint/hf/model.safetensors").is_file()
+    want = ["critic", "policy", "ref"] if estimator == "gae" else ["policy", "ref"]
+    assert results[6].manifest["metrics"]["warm_cache_hits"] == want  # update[2] started from memory
 
 
 # ---- bad input: a clear error naming the field, nothing committed -------------------------------------

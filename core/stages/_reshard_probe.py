@@ -24,6 +24,7 @@ def main() -> None:
     full = checkpoint.full_state_dict(model)
     if dist.get_rank() == 0:
         save_file({k: v.contiguous() for k, v in full.items()}, job["out"])
+    dist.barrier()  # no rank tears gloo down while another still uses it (seen once: SIGABRT at exit)
     dist.destroy_process_group()
 
 
