@@ -52,6 +52,8 @@ CONFIGS = {  # name -> blueprint overrides on top of BASE (the baseline is BASE 
     "best": {"algorithm.use_remove_padding": True, "fsdp.activation_checkpointing": False, "fsdp.compile": True},
     "best_16k": {"algorithm.use_remove_padding": True, "fsdp.activation_checkpointing": False, "fsdp.compile": True,
                  "algorithm.ppo_max_token_len_per_gpu": 16384},
+    "best_32k": {"algorithm.use_remove_padding": True, "fsdp.activation_checkpointing": False, "fsdp.compile": True,
+                 "algorithm.ppo_max_token_len_per_gpu": 32768},
     "best_defer": {"algorithm.use_remove_padding": True, "fsdp.activation_checkpointing": False, "fsdp.compile": True,
                    "fsdp.defer_grad_sync": True},
     "best_ac": {"algorithm.use_remove_padding": True, "fsdp.compile": True},
