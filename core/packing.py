@@ -6,6 +6,7 @@ CUDA), so no FLOP is spent on padding and no sample attends into its neighbour. 
 response tokens are computed (HF's `logits_to_keep` with an index tensor).
 """
 
+import functools
 import inspect
 import logging
 import math
@@ -76,12 +77,13 @@ def token_balanced(sizes: list[int], parts: int, *, equal_size: bool) -> list[li
     return get_seqlen_balanced_partitions(list(sizes), parts, equal_size=equal_size)
 
 
-def micro_batches(ids: list[int], sizes: dict[int, int], max_tokens: int) -> int:
+def micro_batches(ids: list[int], sizes: dict[int, int], max_tokens: int,
+                  field: str = "algorithm.ppo_max_token_len_per_gpu") -> int:
     """How many micro-batches of at most `max_tokens` real tokens the samples `ids` need (at least 1)."""
     biggest = max(sizes[i] for i in ids)
     if biggest > max_tokens:
         raise ValueError(
-            f"algorithm.ppo_max_token_len_per_gpu={max_tokens} is below the longest sample ({biggest} tokens); "
+            f"{field}={max_tokens} is below the longest sample ({biggest} tokens); "
             "raise it to at least the longest prompt + response."
         )
     n = max(1, math.ceil(sum(sizes[i] for i in ids) / max_tokens))
@@ -92,12 +94,13 @@ def micro_batches(ids: list[int], sizes: dict[int, int], max_tokens: int) -> int
         n += 1
 
 
-def plan(ids: list[int], sizes: dict[int, int], world: int, rank: int, max_tokens: int) -> list[list[int]]:
+def plan(ids: list[int], sizes: dict[int, int], world: int, rank: int, max_tokens: int,
+         field: str = "algorithm.ppo_max_token_len_per_gpu") -> list[list[int]]:
     """This rank's micro-batches (lists of sample ids) of a mini-batch, token-balanced across ranks and within a
     rank. Every rank computes every rank's split, so all ranks run the same number of micro-batches (FSDP's
     collectives pair up) without communicating."""
     per_rank = [[ids[j] for j in p] for p in token_balanced([sizes[i] for i in ids], world, equal_size=True)]
-    n = max(micro_batches(r, sizes, max_tokens) for r in per_rank)
+    n = max(micro_batches(r, sizes, max_tokens, field) for r in per_rank)
     mine = per_rank[rank]
     n = min(n, len(mine))
     return [[mine[j] for j in p] for p in token_balanced([sizes[i] for i in mine], n, equal_size=False)]
@@ -116,10 +119,17 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out[None], None
 
 
-def _flash_varlen(q, k, v, cu, max_len, scaling):  # max_len stays symbolic under compile
+@functools.cache
+def _varlen():
+    """torch's varlen_attn and its keyword names (they changed between torch 2.9 and 2.13); looked up once, not
+    per layer call."""
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _flash_varlen(q, k, v, cu, max_len, scaling):  # max_len stays symbolic under compile
+    varlen_attn, params = _varlen()
     kw = {"scale": scaling}
     if "is_causal" in params:  # torch 2.9-2.11
         kw["is_causal"] = True

@@ -35,7 +35,6 @@ class WarmPool:
         self.resources = contextlib.ExitStack()  # GPU claims held for the pool's life
         self.spec = LaunchSpec(module="core.stages.pool", args=[str(self.dir)], nproc_per_node=nproc, nnodes=1,
                                timeout_s=None, env={**env, "VERLFLOW_WARM_POOL": "1"}, log_dir=str(self.dir / "logs"))
-        self.started_at = time.time()
 
     def start(self) -> "WarmPool":
         threading.Thread(target=self._serve, name=f"verlflow-pool-{self.nproc}", daemon=True).start()

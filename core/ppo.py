@@ -68,10 +68,11 @@ def micro_batches(bp: Blueprint, batch: dict, ids, rank: int, world: int, *, for
         mb = a.ppo_micro_batch_size_per_gpu
         return [mine[i:i + mb] for i in range(0, len(mine), mb)]
     sizes = packing.lengths(batch)
-    budget = a.ppo_max_token_len_per_gpu or a.ppo_micro_batch_size_per_gpu * int(sizes.max())
+    budget, field = a.ppo_max_token_len_per_gpu or a.ppo_micro_batch_size_per_gpu * int(sizes.max()), \
+        "algorithm.ppo_max_token_len_per_gpu"
     if forward_only:
-        budget = a.log_prob_max_token_len_per_gpu or 2 * budget
-    return packing.plan(ids, {i: int(sizes[i]) for i in ids}, world, rank, budget)
+        budget, field = a.log_prob_max_token_len_per_gpu or 2 * budget, "algorithm.log_prob_max_token_len_per_gpu"
+    return packing.plan(ids, {i: int(sizes[i]) for i in ids}, world, rank, budget, field)
 
 
 def _micro_forward(model, batch: dict, seq: dict, idx, bp: Blueprint, device, P: int, R: int, critic: bool = False):
@@ -180,7 +181,6 @@ def train(bp: Blueprint, batch: dict, old_logp, ref_logp, adv, ret, policy, popt
             t0 = time.perf_counter()
             ids = order[m0:m0 + mini]
             micro = micro_batches(bp, batch, ids, rank, world)
-            mine = [i for idx in micro for i in idx]
             info = {"dp_size": world, "batch_num_tokens": int(mask[ids].sum().item()), "global_batch_size": len(ids)}
             cfg.global_batch_info.update(info)
             policy.train()

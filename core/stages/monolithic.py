@@ -76,10 +76,11 @@ def run(ctx: StageContext) -> dict:
         checkpoint.save(ctx.out / "policy", policy, popt, state)
         if gae:
             checkpoint.save(ctx.out / "critic", critic, copt, state)
-    with ctx.timed("export_s"):  # the same HF export the checkpoint stage writes
+    with ctx.timed("export_s"):  # the HF export the checkpoint stage writes, from the weights in memory
+        full = checkpoint.full_state_dict(policy)  # collective: every rank
         if ctx.is_main():
             export = M.build_module(meta_dir, bp)
-            checkpoint.load_full(ctx.out / "policy", export)
+            export.load_state_dict(full)
             export.config.use_cache = True
             export.save_pretrained(ctx.out / "hf", safe_serialization=True)
         if ctx.world > 1:
