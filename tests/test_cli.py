@@ -26,6 +26,7 @@ import yaml
 from core import rewards
 from core.cli import main, parser
 from s3server import FAKE_SECRET
+from tinybp import prompt_rows
 
 REPO = Path(__file__).resolve().parents[1]
 VERLFLOW = str(Path(sys.executable).with_name("verlflow"))
@@ -60,15 +61,6 @@ SECRET = "wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY"
 
 # ---------------------------------------------------------------------------------------------------
 # Inputs the cases point at.
-
-def prompt_rows(n: int = 3) -> dict:
-    return {
-        "prompt": [[{"role": "user", "content": f"Write the digit {i} twice."}] for i in range(n)],
-        "data_source": ["tiny_digits"] * n,
-        "reward_model": [{"style": "rule", "ground_truth": f"{i}{i}"} for i in range(n)],
-        "extra_info": [{"split": "train", "index": i} for i in range(n)],
-    }
-
 
 def write_parquet(path: Path, columns: dict, schema: Optional[pa.Schema] = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ import httpx
 import psutil
 import pytest
 import torch
-from tinybp import tiny_blueprint
+from tinybp import prompt_rows, tiny_blueprint
 
 from core import checkpoint, model as M
 from core.errors import ChecksumError, StoreError
@@ -781,20 +781,11 @@ def test_stage_timeout_is_killed_classified_and_retried(prefect_server, ref, tmp
 # ------------------------------------------------------------------------------- bad input the CLI table lacks
 
 
-def _rows(n: int = 3) -> dict:
-    return {
-        "prompt": [[{"role": "user", "content": f"Write the digit {i} twice."}] for i in range(n)],
-        "data_source": ["tiny_digits"] * n,
-        "reward_model": [{"style": "rule", "ground_truth": f"{i}{i}"} for i in range(n)],
-        "extra_info": [{"split": "train", "index": i} for i in range(n)],
-    }
-
-
 def _parquet(path: Path, **columns) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({**_rows(), **columns}), path)
+    pq.write_table(pa.table({**prompt_rows(), **columns}), path)
     return str(path)
 
 

@@ -19,3 +19,13 @@ def tiny_blueprint(kit: dict, store, **overrides):
 
 def _yaml(v) -> str:
     return json.dumps(v) if isinstance(v, (list, dict, bool)) or v is None else str(v)
+
+
+def prompt_rows(n: int = 3) -> dict:
+    """Columns of an n-row RL parquet in verl's schema (the tiny task), for tests that write their own data."""
+    return {
+        "prompt": [[{"role": "user", "content": f"Write the digit {i} twice."}] for i in range(n)],
+        "data_source": ["tiny_digits"] * n,
+        "reward_model": [{"style": "rule", "ground_truth": f"{i}{i}"} for i in range(n)],
+        "extra_info": [{"split": "train", "index": i} for i in range(n)],
+    }
