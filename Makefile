@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: demo test install install-dev clean chromium slurm
+.PHONY: postgres demo test install install-dev clean chromium slurm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -50,7 +50,15 @@ slurm:
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge; }; }; } || \
 		echo "Slurm missing and not root with apt-get: tests/test_slurm.py will be skipped"
 
-test: $(VENV)/.installed-dev chromium slurm
+# tests/test_postgres.py runs Prefect's server on a real PostgreSQL cluster (Debian's package, run as `postgres`).
+postgres:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1 || \
+		{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		{ DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends postgresql || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends postgresql; }; }; } || \
+		echo "PostgreSQL missing and not root with apt-get: tests/test_postgres.py will be skipped"
+
+test: $(VENV)/.installed-dev chromium slurm postgres
 	$(BIN)/python -m pytest -q tests
 
 clean:
