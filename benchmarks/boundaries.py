@@ -1,13 +1,14 @@
-"""Stage-boundary benchmark: one GRPO iteration as separate stage jobs (rollout -> update -> checkpoint, each a
-torchrun job with artifacts between) against the same iteration in one process (the monolithic stage), through
-the real runner and store, at a real model shape with random weights.
+"""Stage-boundary benchmark: GRPO iterations as separate stage jobs (rollout -> update -> checkpoint, each a
+torchrun job with artifacts between), as the same stages in a warm pool (resources.warm_workers), and as one
+process (the monolithic stage), through the real runner and store, at a real model shape with random weights.
 
     python benchmarks/boundaries.py                      # GPU: Qwen2.5-1.5B shape, 64 prompts x 8, 512 new tokens
     python benchmarks/boundaries.py --smoke              # CPU, tiny kit (the test suite runs this)
 
-Prints the staged (fresh jobs, and a warm pool: resources.warm_workers) and monolithic wall times, their ratios, and where the staged path's extra time goes: per stage,
-launch -> worker main (spawn + imports), loads (GB/s), saves (GB/s) and commit (checksums); plus sha256 GB/s
-and DCP save/load GB/s of the policy measured directly.
+The comparison is the last iteration (the steady state: a pool's first iteration still reads the build from disk)
+against that iteration's work in one process: its rollout and update plus one checkpoint save and HF export.
+Also printed, per stage: wall, launch -> worker main (spawn + imports), loads, saves, and DCP save/load GB/s and
+the commit digest's GB/s for the policy checkpoint.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--iterations", type=int, default=2, help="the last one is compared (steady state)")
     ap.add_argument("--set", action="append", default=[], help="more blueprint overrides, a.b=value")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true")
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
     gpu = not args.smoke
     over = {
         "model.path": kit["model_dir"], "data.train_files": json.dumps([kit["train_file"]]),
-        "storage.uri": str(root / "store"), "reward.function": "tiny_digits", "iterations": 1,
+        "storage.uri": str(root / "store"), "reward.function": "tiny_digits", "iterations": args.iterations,
         "data.batch_size": args.prompts, "data.max_prompt_length": 128, "rollout.n": args.n,
         "rollout.max_new_tokens": args.new_tokens, "rollout.micro_batch_size": args.prompts * args.n // args.nproc,
         "algorithm.ppo_mini_batch_size": max(1, args.prompts // 4), "algorithm.ppo_micro_batch_size_per_gpu": 8,
@@ -94,7 +96,10 @@ def main(argv=None) -> int:
     }
     if gpu:
         over.update({"resources.device": "cuda", "fsdp.mixed_precision": "bf16", "rollout.engine": "static",
-                     "algorithm.use_remove_padding": "true", "fsdp.activation_checkpointing": "false"})
+                     "algorithm.use_remove_padding": "true", "fsdp.activation_checkpointing": "false",
+                     # blueprints/gpu-qwen2.5-1.5b.yaml's update settings
+                     "algorithm.ppo_max_token_len_per_gpu": 16384, "algorithm.use_fused_kernels": "true",
+                     "fsdp.compile": "true"})
     else:
         over.update({"algorithm.ppo_micro_batch_size_per_gpu": 4, "algorithm.ppo_mini_batch_size": 2})
     for kv in args.set:
@@ -109,72 +114,83 @@ def main(argv=None) -> int:
         say(f"  {step.stage}[{step.iteration}] {res.seconds:.1f} s (launch->main {t.get('launch_to_worker_s', 0):.1f} "
             f"s) " + json.dumps({k: v for k, v in t.items() if k not in ("launch_to_worker_s",)}))
 
-    def pipeline(run_id, blueprint):
+    def pipeline(run_id, blueprint, force_from=None):
         try:
-            return run_pipeline(blueprint, run_id, on_line=log, on_step=progress)
+            return run_pipeline(blueprint, run_id, on_line=log, on_step=progress, force_from=force_from)
         except Exception:
             print("\n".join(lines[-60:]), flush=True)  # the failing stage's own output
             raise
 
     iter_stages = ["rollout", "update", "checkpoint"]
-    say("staged: validate, build, then rollout -> update -> checkpoint as separate jobs")
-    staged = pipeline("staged", bp)
-    by = {r.manifest["stage"]: r for r in staged}
-    staged_s = sum(by[s].seconds for s in iter_stages)
-    say("staged in a warm pool (resources.warm_workers): the same stages in one torchrun job")
-    warm = pipeline("warm", load_blueprint(None, ["resources.warm_workers=true"], data=bp.model_dump(mode="json")))
-    warm_by = {r.manifest["stage"]: r for r in warm}
-    warm_s = sum(warm_by[s].seconds for s in iter_stages)
+    k = bp.iterations  # the steady state: the last iteration (a pool's first iteration still loads from disk)
+    say(f"staged: validate, build, then {k} x (rollout -> update -> checkpoint) as separate jobs")
+    staged = {(r.manifest["stage"], r.manifest["iteration"]): r for r in pipeline("staged", bp)}
+    store = root / "store"
+    policy_dir = store / f"runs/staged/{k}/update/policy"
+    ckpt_gb = size_gb(policy_dir)
+    hash_rate = _hash_rate(policy_dir)  # before the warm run rewrites these folders
 
-    say("monolithic: the same iteration in one job")
+    say("staged in a warm pool (resources.warm_workers): the same stages in one torchrun job")
+    # Same run id, forced from rollout[1]: build is reused and the iterations' folders are rewritten, so the
+    # disk holds one run's checkpoints (18 GB each at 1.5B), not two.
+    warm_bp = load_blueprint(None, ["resources.warm_workers=true"], data=bp.model_dump(mode="json"))
+    warm = {(r.manifest["stage"], r.manifest["iteration"]): r
+            for r in pipeline("staged", warm_bp, force_from="rollout[1]")}
+
+    say(f"monolithic: the same {k} iterations in one job")
     try:
         mono = run_stage("monolithic", bp, "staged", "mono", {"build": "runs/staged/init/build"}, on_line=log)
     except Exception:
         print("\n".join(lines[-60:]), flush=True)
         raise
     mt = mono.manifest["timings"]
+    last = mono.manifest["metrics"]["iterations"][-1]
+    # The same work in one process: iteration k's rollout and update, plus one checkpoint save and HF export.
+    mono_work = last["rollout_s"] + last["update_s"] + mt.get("save_s", 0) + mt.get("export_s", 0)
 
-    store = root / "store"
-    policy_dir = store / "runs/staged/1/update/policy"
-    ckpt_gb = size_gb(policy_dir)
+    def per_iter(runs: dict, it) -> float:
+        return sum(runs[(s, it)].seconds for s in iter_stages)
+
     res = {"shape": args.shape, "prompts": args.prompts, "n": args.n, "new_tokens": args.new_tokens,
-           "nproc": args.nproc, "staged_s": round(staged_s, 2), "monolithic_job_s": round(mono.seconds, 2),
-           "monolithic_work_s": round(sum(mt.get(k, 0) for k in ("rollout_s", "update_s", "save_s", "export_s")), 2),
-           "policy_checkpoint_gb": round(ckpt_gb, 2), "stages": {}}
-    res["ratio_vs_job"] = round(staged_s / mono.seconds, 3)
-    res["ratio_vs_work"] = round(staged_s / max(res["monolithic_work_s"], 1e-9), 3)
-    res["warm_staged_s"] = round(warm_s, 2)
-    res["warm_ratio_vs_job"] = round(warm_s / mono.seconds, 3)
-    res["warm_ratio_vs_work"] = round(warm_s / max(res["monolithic_work_s"], 1e-9), 3)
-    res["warm_stages"] = {s: {"wall_s": round(warm_by[s].seconds, 2), **warm_by[s].manifest["timings"]}
-                          for s in iter_stages}
-    for s in iter_stages + ["monolithic"]:
-        r = mono if s == "monolithic" else by[s]
-        t = r.manifest["timings"]
-        res["stages"][s] = {"wall_s": round(r.seconds, 2), **{k: v for k, v in t.items() if isinstance(v, (int, float))}}
+           "nproc": args.nproc, "iterations": k, "steady_iteration": k,
+           "staged_s": round(per_iter(staged, k), 2), "staged_first_s": round(per_iter(staged, 1), 2),
+           "warm_staged_s": round(per_iter(warm, k), 2), "warm_first_s": round(per_iter(warm, 1), 2),
+           "monolithic_job_s": round(mono.seconds, 2), "monolithic_work_s": round(mono_work, 2),
+           "monolithic_per_iteration": mono.manifest["metrics"]["iterations"],
+           "monolithic_timings": {k_: v for k_, v in mt.items() if isinstance(v, (int, float))},
+           "policy_checkpoint_gb": round(ckpt_gb, 2), "sha256_gb_per_s": hash_rate, "stages": {}, "warm_stages": {}}
+    for name, base in (("ratio", "staged_s"), ("warm_ratio", "warm_staged_s")):
+        res[f"{name}_vs_work"] = round(res[base] / max(mono_work, 1e-9), 3)
+    for s in iter_stages:
+        for key, runs in (("stages", staged), ("warm_stages", warm)):
+            r = runs[(s, k)]
+            res[key][s] = {"wall_s": round(r.seconds, 2), **{k_: v for k_, v in r.manifest["timings"].items()
+                                                             if isinstance(v, (int, float))}}
+    res["stages"]["monolithic"] = {"wall_s": round(mono.seconds, 2), **res["monolithic_timings"]}
     up = res["stages"]["update"]
     if up.get("save_s"):
         res["dcp_save_gb_per_s"] = round(ckpt_gb / up["save_s"], 2)
-    res["sha256_gb_per_s"] = _hash_rate(policy_dir)
+    if up.get("load_s"):
+        res["dcp_load_gb_per_s"] = round(ckpt_gb / up["load_s"], 2)  # policy + optimizer, fresh job
 
     say(json.dumps(res, indent=1))
-    rows = [("one iteration, staged (3 jobs)", f"{staged_s:.1f} s"),
-            ("same iteration, monolithic job", f"{mono.seconds:.1f} s"),
-            ("  of which the iteration's work", f"{res['monolithic_work_s']:.1f} s"),
-            ("ratio staged / monolithic job", f"{res['ratio_vs_job']:.3f}x"),
-            ("ratio staged / monolithic work", f"{res['ratio_vs_work']:.3f}x"),
-            ("one iteration, staged in a warm pool", f"{warm_s:.1f} s"),
-            ("ratio warm staged / monolithic job", f"{res['warm_ratio_vs_job']:.3f}x"),
-            ("ratio warm staged / monolithic work", f"{res['warm_ratio_vs_work']:.3f}x"),
+    rows = [(f"iteration {k} as 3 fresh stage jobs", f"{res['staged_s']:.1f} s (iteration 1: {res['staged_first_s']:.1f} s)"),
+            (f"iteration {k} as 3 stages in a warm pool", f"{res['warm_staged_s']:.1f} s (iteration 1: {res['warm_first_s']:.1f} s)"),
+            (f"iteration {k}'s work in one process (rollout + update + save + export)", f"{mono_work:.1f} s"),
+            ("ratio fresh jobs / one process", f"{res['ratio_vs_work']:.3f}x"),
+            ("ratio warm pool / one process", f"{res['warm_ratio_vs_work']:.3f}x"),
+            (f"monolithic job, all {k} iterations", f"{mono.seconds:.1f} s"),
             ("policy checkpoint (params + Adam)", f"{ckpt_gb:.2f} GB"),
-            ("DCP save", f"{res.get('dcp_save_gb_per_s', '-')} GB/s"),
-            ("sha256", f"{res['sha256_gb_per_s']} GB/s")]
-    for s in iter_stages:
-        st = res["stages"][s]
-        rows.append((f"{s}: wall / launch->main / stage", f"{st['wall_s']:.1f} / {st.get('launch_to_worker_s', 0):.1f} / "
-                     f"{st.get('stage_s', 0):.1f} s; " + ", ".join(f"{k} {v:.1f}" for k, v in st.items()
-                                                            if k.endswith("_s") and k not in
-                                                            ("wall_s", "launch_to_worker_s", "stage_s"))))
+            ("DCP save / load (update, fresh job)", f"{res.get('dcp_save_gb_per_s', '-')} / "
+                                                    f"{res.get('dcp_load_gb_per_s', '-')} GB/s"),
+            ("commit digest (sha256 of 64 MiB pieces, 8 threads)", f"{hash_rate} GB/s")]
+    for key, label in (("stages", "fresh"), ("warm_stages", "warm")):
+        for s in iter_stages:
+            st = res[key][s]
+            rows.append((f"{label} {s}[{k}]: wall / launch->main / stage", f"{st['wall_s']:.1f} / "
+                         f"{st.get('launch_to_worker_s', 0):.2f} / {st.get('stage_s', 0):.1f} s; " + ", ".join(
+                             f"{k_} {v:.1f}" for k_, v in st.items() if k_.endswith("_s") and k_ not in
+                             ("wall_s", "launch_to_worker_s", "stage_s"))))
     print("| measure | value |\n| --- | --- |\n" + "\n".join(f"| {a} | {b} |" for a, b in rows), flush=True)
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))

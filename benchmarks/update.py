@@ -37,6 +37,7 @@ from rollout import SHAPES  # noqa: E402  (one table of model shapes for both be
 
 from core import model as M, ppo  # noqa: E402
 from core.blueprint import load_blueprint  # noqa: E402
+from core.optim import make_optimizer  # noqa: E402
 
 BASE = {"model.dtype": "float32", "fsdp.mixed_precision": "bf16", "fsdp.reduce_dtype": "fp32",
         "fsdp.version": 2, "fsdp.activation_checkpointing": True, "algorithm.ppo_micro_batch_size_per_gpu": 8,
@@ -54,6 +55,16 @@ CONFIGS = {  # name -> blueprint overrides on top of BASE (the baseline is BASE 
                  "algorithm.ppo_max_token_len_per_gpu": 16384},
     "best_32k": {"algorithm.use_remove_padding": True, "fsdp.activation_checkpointing": False, "fsdp.compile": True,
                  "algorithm.ppo_max_token_len_per_gpu": 32768},
+    "fused_16k": {"algorithm.use_remove_padding": True, "fsdp.activation_checkpointing": False, "fsdp.compile": True,
+                  "algorithm.ppo_max_token_len_per_gpu": 16384, "algorithm.use_fused_kernels": True},
+    "fused_32k": {"algorithm.use_remove_padding": True, "fsdp.activation_checkpointing": False, "fsdp.compile": True,
+                  "algorithm.ppo_max_token_len_per_gpu": 32768, "algorithm.use_fused_kernels": True},
+    "fused_32k_keep": {"algorithm.use_remove_padding": True, "fsdp.activation_checkpointing": False,
+                       "fsdp.compile": True, "algorithm.ppo_max_token_len_per_gpu": 32768,
+                       "algorithm.use_fused_kernels": True, "fsdp.reshard_after_forward": False},
+    "fused_32k_foreach": {"algorithm.use_remove_padding": True, "fsdp.activation_checkpointing": False,
+                          "fsdp.compile": True, "algorithm.ppo_max_token_len_per_gpu": 32768,
+                          "algorithm.use_fused_kernels": True, "_foreach_adamw": True},  # the optimizer's share
     "best_defer": {"algorithm.use_remove_padding": True, "fsdp.activation_checkpointing": False, "fsdp.compile": True,
                    "fsdp.defer_grad_sync": True},
     "best_ac": {"algorithm.use_remove_padding": True, "fsdp.compile": True},
@@ -117,7 +128,9 @@ def flops(cfg, batch: dict) -> tuple[float, float]:
 
 
 def run_config(name: str, args, mdir: Path, rank: int, world: int, dev: torch.device) -> dict:
-    over = {**BASE, **CONFIGS[name], "model.path": str(mdir), "data.train_files": [str(mdir / "none.parquet")],
+    over = {**BASE, **CONFIGS[name]}
+    foreach = over.pop("_foreach_adamw", False)
+    over = {**over, "model.path": str(mdir), "data.train_files": [str(mdir / "none.parquet")],
             "storage.uri": str(mdir / "store"), "resources.nproc_per_node": world,
             "resources.device": "cuda" if dev.type == "cuda" else "cpu",
             "algorithm.ppo_mini_batch_size": args.samples_per_gpu * world // 8,
@@ -136,7 +149,8 @@ def run_config(name: str, args, mdir: Path, rank: int, world: int, dev: torch.de
     with torch.device(dev):
         module = M.build_module(mdir, bp, packed=bp.algorithm.use_remove_padding)
     model, rep = M.wrap_fsdp(module, bp, dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    # The stages' optimizer (fused AdamW on CUDA), or the for-each implementation the previous session measured.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True) if foreach else make_optimizer(model, bp)
     setup_s = time.perf_counter() - t
     cfg = M.unwrap_config(model)
     n = args.samples_per_gpu * world

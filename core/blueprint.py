@@ -87,6 +87,10 @@ class AlgorithmSpec(Section):
     log_prob_max_token_len_per_gpu: Optional[int] = Field(
         None, ge=1, description="With use_remove_padding: tokens per forward-only micro-batch (old and reference "
         "log-probs, values); default twice ppo_max_token_len_per_gpu, since no activations are kept.")
+    use_fused_kernels: bool = Field(
+        False, description="Policy log-probs and entropies from the hidden states a chunk of tokens at a time "
+        "(verl's FusedLinearForPPO), never holding fp32 logits over the whole vocabulary: less memory, so bigger "
+        "token budgets fit. Same maths; the chunk's logits are recomputed in the backward.")
     lr: float = Field(1e-6, gt=0.0)
     weight_decay: float = Field(0.01, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)

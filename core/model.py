@@ -116,6 +116,10 @@ def wrap_fsdp(model: nn.Module, bp: Blueprint, device: torch.device) -> tuple[nn
     total = sum(p.numel() for p in model.parameters())
     if f.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if bp.algorithm.use_fused_kernels:
+        from core import fusedhead
+
+        fusedhead.install(model)  # before wrapping: FSDP1's wrapper calls the inner module's forward
     if f.compile:
         # The forward only: FSDP's hooks stay outside the graph and parameter names keep no _orig_mod prefix, so
         # checkpoints are the same with compile on or off. dynamic: packed rows change length every micro-batch.

@@ -35,6 +35,9 @@ def _forward(model, seq: dict, idx, device, P: int, R: int, temperature: float, 
     inputs = {k: v[idx].to(device) for k, v in seq.items()}
     if critic:
         return model(**inputs).logits[:, P - 1:P - 1 + R].float().squeeze(-1), None
+    if _fused(model):
+        return model(**inputs, use_cache=False, ppo_keep=slice(P - 1, P - 1 + R),
+                     ppo_labels=inputs["input_ids"][:, P:P + R], ppo_temperature=temperature or 1.0)
     # Only the R positions that predict response tokens: the last R + 1 logits, minus the final one.
     logits = model(**inputs, use_cache=False, logits_to_keep=R + 1).logits[:, :-1].float()
     logits = logits / (temperature if temperature > 0 else 1.0)
@@ -50,11 +53,20 @@ def _forward_packed(model, batch: dict, idx, device, R: int, temperature: float,
     if critic:
         values = model(**pk.model_kwargs()).logits[0, pk.logit_idx, 0].float()
         return pk.unpack(values, len(idx), R), None
+    if _fused(model):
+        logp, ent = model(**pk.model_kwargs(), use_cache=False, ppo_keep=pk.logit_idx, ppo_labels=pk.labels,
+                          ppo_temperature=temperature or 1.0)
+        return pk.unpack(logp, len(idx), R), pk.unpack(ent, len(idx), R)
     logits = model(**pk.model_kwargs(), use_cache=False, logits_to_keep=pk.logit_idx).logits[0].float()
     logits = logits / (temperature if temperature > 0 else 1.0)
     # [1, K, V]: verl's fp32 log-prob loops over the leading dimension, which must not be the K tokens.
     logp, ent = logprobs_from_logits(logits[None], pk.labels[None])[0], entropy_from_logits(logits)
     return pk.unpack(logp, len(idx), R), pk.unpack(ent, len(idx), R)
+
+
+def _fused(model) -> bool:
+    """The policy carries core/fusedhead's forward (algorithm.use_fused_kernels)."""
+    return getattr(model, "_verlflow_fused", False)  # FSDP1's wrapper forwards unknown attributes to the module
 
 
 def micro_batches(bp: Blueprint, batch: dict, ids, rank: int, world: int, *, forward_only: bool = False
@@ -202,26 +214,27 @@ def train(bp: Blueprint, batch: dict, old_logp, ref_logp, adv, ret, policy, popt
                     kld = core_algos.kl_penalty(logp, ref_logp[idx].to(device), a.kl_loss_type)
                     kl_loss = core_algos.agg_loss(kld, m, a.loss_agg_mode, **info)
                     loss = loss + a.kl_loss_coef * kl_loss
-                    acc["kl_loss"] += kl_loss.item() / world
+                    acc["kl_loss"] += kl_loss.detach() / world
                 if inject_nan:
                     loss = loss * float("nan")
                 loss.backward()
-                acc["pg_loss"] += pg_loss.item() / world
-                acc["entropy"] += ent_loss.item() / world
+                # Device tensors, read once per mini-batch: a .item() here would stall the host every micro-batch.
+                acc["pg_loss"] += pg_loss.detach() / world
+                acc["entropy"] += ent_loss.detach() / world
                 acc["pg_clipfrac"] += pg_metrics["actor/pg_clipfrac"] / n_micro / world
                 acc["ppo_kl"] += pg_metrics["actor/ppo_kl"] / n_micro / world
             grad_norm = _clip(policy, a.grad_clip)
             if not torch.isfinite(grad_norm):
                 raise NonFiniteError(
                     f"update[{iteration}]: policy grad norm is {grad_norm.item()} at epoch {epoch}, mini-batch "
-                    f"{m0 // mini} (pg_loss={acc['pg_loss']}); nothing was committed. Lower algorithm.lr or check rewards."
+                    f"{m0 // mini} (pg_loss={float(acc['pg_loss'])}); nothing was committed. Lower algorithm.lr or check rewards."
                 )
             popt.step()
             step += 1
             faults.kill_point("update", rank)  # test hook: VERLFLOW_FAULT=kill_rank<N>_in_update
             if critic is not None:
                 acc.update(_critic_step(bp, critic, copt, batch, seq, micro, mask, values, ret, info, device, P, R))
-            stats = torch.tensor([acc[k] for k in sorted(acc)], dtype=torch.float64)
+            stats = torch.tensor([float(acc[k]) for k in sorted(acc)], dtype=torch.float64)
             if world > 1:
                 dist.all_reduce(stats)  # every entry was pre-divided by world: the sum is the mean over ranks
             row = {k: round(float(v), 6) for k, v in zip(sorted(acc), stats)}
@@ -254,7 +267,7 @@ def _critic_step(bp, critic, copt, batch, seq, micro, mask, values, ret, info, d
             vpreds=vpreds, returns=ret[idx].to(device), values=values[idx].to(device), response_mask=mask[idx].to(device),
             cliprange_value=a.cliprange_value, loss_agg_mode=a.loss_agg_mode, **info)
         (a.vf_coef * vf_loss).backward()
-        vf_loss_sum += vf_loss.item() / world
+        vf_loss_sum += vf_loss.detach() / world
         clipfrac += float(vf_clipfrac) / n_micro / world
     norm = _clip(critic, a.grad_clip)
     if not torch.isfinite(norm):

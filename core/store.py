@@ -7,7 +7,7 @@ Layout under the root:
     _probe/                                          scratch objects of probe()
 
 A stage is *committed* once its manifest.json exists; readers trust manifests only and check every file's
-sha256 and size against it. Credentials come from the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+sha256 (above 256 MiB: sha256 of its 64 MiB pieces) and size against it. Credentials come from the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
 AWS_ENDPOINT_URL, ... read by s3fs/botocore) or from `storage_options` in code; they never reach a manifest,
 repr() or an error message.
 """
@@ -98,14 +98,54 @@ def _index_key(key: str) -> str:
     return f"index/{safe_key(key)}.json"
 
 
-def file_digest(local_path: str | os.PathLike) -> dict[str, Any]:
-    """{"sha256": hex, "size": bytes} of a local file, read in 1 MiB chunks."""
-    h, size = hashlib.sha256(), 0
-    with open(local_path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return {"sha256": h.hexdigest(), "size": size}
+# Files this big get a chunked digest: sha256 of the sha256s of their 64 MiB pieces, hashed in parallel threads
+# (one 18 GB policy checkpoint: ~11 s for a plain sha256 at 1.7 GB/s, ~2 s chunked on 8 cores).
+TREE_MIN, TREE_PIECE = 256 << 20, 64 << 20
+DIGESTS = ("sha256", "sha256_64m")  # the manifest records exactly one of these per file
+
+
+def file_digest(local_path: str | os.PathLike, algorithm: str | None = None) -> dict[str, Any]:
+    """{"sha256": hex, "size": bytes} of a local file, or {"sha256_64m": ...} above TREE_MIN bytes. `algorithm`
+    forces one (to check a file against a manifest written with it)."""
+    size = os.path.getsize(local_path)
+    algorithm = algorithm or ("sha256_64m" if size >= TREE_MIN else "sha256")
+    if algorithm == "sha256":
+        h = hashlib.sha256()
+        with open(local_path, "rb") as f:
+            while chunk := f.read(CHUNK):
+                h.update(chunk)
+        return {"sha256": h.hexdigest(), "size": size}
+    from concurrent.futures import ThreadPoolExecutor
+
+    def piece(offset: int) -> bytes:
+        h = hashlib.sha256()
+        with open(local_path, "rb") as f:
+            f.seek(offset)
+            left = min(TREE_PIECE, size - offset)
+            while left > 0 and (chunk := f.read(min(CHUNK * 8, left))):
+                h.update(chunk)
+                left -= len(chunk)
+        return h.digest()
+
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        pieces = list(pool.map(piece, range(0, max(size, 1), TREE_PIECE)))
+    return {"sha256_64m": hashlib.sha256(b"".join(pieces)).hexdigest(), "size": size}
+
+
+def bytes_digest(data: bytes, algorithm: str = "sha256") -> dict[str, Any]:
+    if algorithm == "sha256":
+        return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    pieces = [hashlib.sha256(data[i:i + TREE_PIECE]).digest() for i in range(0, max(len(data), 1), TREE_PIECE)]
+    return {"sha256_64m": hashlib.sha256(b"".join(pieces)).hexdigest(), "size": len(data)}
+
+
+def algorithm_of(entry: dict) -> str:
+    return next((a for a in DIGESTS if a in entry), "sha256")
+
+
+def same_digest(actual: dict | None, expected: dict) -> bool:
+    a = algorithm_of(expected)
+    return actual is not None and actual.get(a) == expected.get(a) and actual["size"] == expected["size"]
 
 
 def digest_files(folder: Path, rels: list[str], *, stamp: bool = False, workers: int = 8) -> dict[str, dict]:
@@ -352,7 +392,7 @@ class ArtifactStore:
                 if size != d["size"]:
                     raise StoreError(f"Cannot commit {self.uri(stage_key)}: {self.uri(key)} has {size} bytes but "
                                      f"{d['size']} were recorded; upload it again before committing.")
-        listed = {rel: {k: d[k] for k in ("sha256", "size", "mtime_ns") if k in d} for rel, d in sorted(files.items())}
+        listed = {rel: {k: d[k] for k in (*DIGESTS, "size", "mtime_ns") if k in d} for rel, d in sorted(files.items())}
         stored = {**manifest, "files": listed, "format": 1, "stage_uri": self.uri(stage_key),
                   "committed_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
         text = json.dumps(stored, indent=2, sort_keys=True, default=str)
@@ -406,10 +446,11 @@ class ArtifactStore:
         return manifest
 
     def _check(self, stage_key: str, rel: str, expected: dict, actual: dict) -> None:
-        if actual["sha256"] != expected["sha256"] or actual["size"] != expected["size"]:
+        if not same_digest(actual, expected):
+            a = algorithm_of(expected)
             raise ChecksumError(
-                f"{self.uri(f'{stage_key}/{rel}')} does not match its manifest: expected sha256 {expected['sha256']} "
-                f"({expected['size']} bytes), found sha256 {actual['sha256']} ({actual['size']} bytes). The file "
+                f"{self.uri(f'{stage_key}/{rel}')} does not match its manifest: expected {a} {expected.get(a)} "
+                f"({expected['size']} bytes), found {a} {actual.get(a)} ({actual['size']} bytes). The file "
                 "changed after the stage committed; rerun the stage with "
                 f"`verlflow rerun --from {stage_key.rsplit('/', 1)[-1]}`.")
 
@@ -419,7 +460,7 @@ class ArtifactStore:
         if rel not in files:
             raise StoreError(f"{self.uri(stage_key)} has no file {rel!r}; its manifest lists {sorted(files)}.")
         data = self.get_bytes(f"{stage_key}/{safe_key(rel)}")
-        self._check(stage_key, rel, files[rel], {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)})
+        self._check(stage_key, rel, files[rel], bytes_digest(data, algorithm_of(files[rel])))
         return data
 
     def materialize(self, stage_key: str, local_dir: str | os.PathLike | None = None) -> Path:
@@ -440,11 +481,12 @@ class ArtifactStore:
             key, dst = f"{stage_key}/{safe_key(rel)}", folder / rel
             if self.is_local and _untouched(dst, expected):
                 continue
-            actual = file_digest(dst) if dst.is_file() else None
-            if not self.is_local and actual != expected:  # not in the cache yet, or damaged there
+            algorithm = algorithm_of(expected)
+            actual = file_digest(dst, algorithm) if dst.is_file() else None
+            if not self.is_local and not same_digest(actual, expected):  # not in the cache yet, or damaged there
                 try:
                     self.download_file(key, dst)
-                    actual = file_digest(dst)
+                    actual = file_digest(dst, algorithm)
                 except StoreError as exc:
                     if not isinstance(exc.__cause__, FileNotFoundError):
                         raise

@@ -1,6 +1,8 @@
 """CPU smoke runs of the update and stage-boundary benchmarks, so the GPU measurements' code cannot rot."""
 
 import json
+
+import pytest
 import subprocess
 import sys
 from pathlib import Path
@@ -12,12 +14,12 @@ def test_update_benchmark_smoke_two_ranks(tmp_path):
     """torchrun, 2 ranks (gloo): the baseline and the packed/deferred-sync paths of core.ppo on a ragged batch."""
     out = tmp_path / "u.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "benchmarks/update.py"),
-           "--smoke", "--configs", "baseline,packed_no_ac,best_defer", "--json", str(out)]
+           "--smoke", "--configs", "baseline,packed_no_ac,best_defer,fused_32k_keep", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| config | world | train MFU | ratio vs baseline |" in proc.stdout
     rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"baseline", "packed_no_ac", "best_defer"}
+    assert set(rows) == {"baseline", "packed_no_ac", "best_defer", "fused_32k_keep"}
     for r in rows.values():
         assert "error" not in r, r
         assert r["world"] == 2 and r["train_flops_per_s_per_gpu"] > 0 and r["tokens_per_s_per_gpu"] > 0
@@ -29,11 +31,16 @@ def test_boundaries_benchmark_smoke(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/boundaries.py"), "--smoke", "--json", str(out)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| ratio staged / monolithic job |" in proc.stdout
+    assert "| ratio warm pool / one process |" in proc.stdout
     res = json.loads(out.read_text())
-    assert res["staged_s"] > 0 and res["monolithic_job_s"] > 0
-    assert res["warm_staged_s"] < res["staged_s"]  # no spawn and imports per stage
-    st = res["stages"]
+    assert res["steady_iteration"] == 2 and res["monolithic_work_s"] > 0
+    assert 0 < res["warm_staged_s"] < res["staged_s"]  # no spawn and imports per stage
+    assert res["warm_staged_s"] < res["warm_first_s"]  # iteration 2 takes its models from memory
+    assert res["warm_ratio_vs_work"] == pytest.approx(res["warm_staged_s"] / res["monolithic_work_s"], rel=0.01)
+    st, warm = res["stages"], res["warm_stages"]
     for s in ("rollout", "update", "checkpoint"):
         assert st[s]["launch_to_worker_s"] > 0 and st[s]["wall_s"] >= st[s]["stage_s"]
+        assert warm[s]["launch_to_worker_s"] < st[s]["launch_to_worker_s"]
     assert {"save_s", "export_s", "rollout_s", "update_s"} <= set(st["monolithic"])
+    assert [it["iteration"] for it in res["monolithic_per_iteration"]] == [1, 2]
+    assert all(it["rollout_s"] > 0 and it["update_s"] > 0 for it in res["monolithic_per_iteration"])

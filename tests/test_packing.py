@@ -7,7 +7,7 @@ import pytest
 import torch
 from tinybp import tiny_blueprint
 
-from core import model as M, packing, ppo
+from core import fusedhead, model as M, packing, ppo
 
 
 def ragged_batch(vocab: int, n: int = 6, P: int = 7, R: int = 9, seed: int = 0) -> dict:
@@ -113,3 +113,47 @@ def test_packed_ppo_steps_equal_padded(models):
     for k in w0:  # Adam moves each weight by ~lr=1e-3 a step; the two paths agree to 5 % of one step
         torch.testing.assert_close(w1[k], w0[k], atol=5e-5, rtol=0)
     assert any(not torch.equal(w0[k], models[False][1].state_dict()[k]) for k in w0)  # the steps moved weights
+
+
+# ---- algorithm.use_fused_kernels: verl's chunked log-prob + entropy from the hidden states --------------------
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("tied", [False, True])
+def test_fused_head_equals_plain_logits(models, packed, tied):
+    """Same log-probs, entropies and gradients as the fp32-logits path (tied: the head is the embedding table,
+    as in Qwen2.5-0.5B/1.5B, so both uses of the weight get their gradient)."""
+    bp, plain = models[packed]
+    plain = copy.deepcopy(plain).train()
+    if tied:
+        plain.config.tie_word_embeddings = True
+        plain.lm_head.weight = plain.model.embed_tokens.weight
+    fused = fusedhead.install(copy.deepcopy(plain))
+    assert ppo._fused(fused) and not ppo._fused(plain)
+    b = ragged_batch(plain.config.vocab_size, n=8, seed=3)
+    mask = b["response_mask"].bool()
+    seq = ppo.sequences(b)
+    P, R = b["prompts"].shape[1], b["responses"].shape[1]
+    idx = [5, 0, 2, 7, 1]
+    out = {}
+    for name, m in (("plain", plain), ("fused", fused)):
+        logp, ent = ppo._micro_forward(m, b, seq, idx, bp, "cpu", P, R)
+        ((logp * 1.3 + ent * 0.7) * mask[idx]).sum().backward()  # both outputs feed the loss, as with entropy_coeff
+        out[name] = (logp, ent, {n: p.grad.clone() for n, p in m.named_parameters()})
+    (lw, ew, gw), (lg, eg, gg) = out["plain"], out["fused"]
+    m = mask[idx]
+    torch.testing.assert_close(lg[m], lw[m], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(eg[m], ew[m], atol=2e-5, rtol=1e-5)
+    assert gg.keys() == gw.keys()
+    for n in gw:
+        torch.testing.assert_close(gg[n], gw[n], atol=1e-5, rtol=1e-4, msg=n)
+    with torch.no_grad():  # every other caller (rollout's generate) still gets the model's own logits
+        ids = b["prompts"][:2] if not packed else packing.pack(b, [0]).model_kwargs()
+        kw = ids if packed else {"input_ids": ids}
+        torch.testing.assert_close(fused(**kw).logits, plain(**kw).logits)
+
+
+def test_fused_head_leaves_the_critic_alone(models, tiny_kit):
+    bp, _ = models[True]
+    critic = M.build_module(tiny_kit["model_dir"], bp, critic=True, packed=True)
+    assert not ppo._fused(fusedhead.install(critic))

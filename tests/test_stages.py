@@ -97,7 +97,7 @@ def test_warm_pool_gives_the_same_weights_without_a_spawn_per_stage(staged, tmp_
     hits = {(r.manifest["stage"], r.manifest["iteration"]): r.manifest["metrics"].get("warm_cache_hits", [])
             for r in warm}
     assert hits[("update", 1)] == [] and hits[("update", 2)] == ["policy", "ref"]
-    assert hits[("rollout", 1)] == [] and hits[("rollout", 2)] == ["policy"]
+    assert hits[("rollout", 1)] == [] and hits[("rollout", 2)] == ["infer", "policy"]  # inference copy reused
     assert hits[("checkpoint", 1)] == hits[("checkpoint", 2)] == ["policy"]
     assert all("warm_cache_hits" not in r.manifest["metrics"] for r in results)  # fresh jobs: none
     assert (tmp_path / "runs/eq/2/checkpoint/hf/model.safetensors").is_file()
@@ -151,15 +151,19 @@ def test_learning_beats_random_variation(tiny_kit, tmp_path, estimator, lr):
     assert sum(rewards[-2:]) / 2 - sum(rewards[:2]) / 2 > 0.1, rewards
 
 
-@pytest.mark.parametrize("arch,fsdp,estimator,packed", [("llama", 2, "rloo", True), ("qwen2", 1, "gae", True),
-                                                        ("llama", 1, "reinforce_plus_plus", False)])
-def test_architectures_fsdp_versions_and_estimators(tiny_kit, tiny_llama_kit, tmp_path, arch, fsdp, estimator, packed):
-    """packed: the padding-free update (token-balanced micro-batches on 2 ranks; FSDP2 also defers grad sync).
-    In a warm pool (fresh jobs: the `staged` fixture), so the critic and FSDP1 also go through the model cache."""
+@pytest.mark.parametrize("arch,fsdp,estimator,packed,fused", [("llama", 2, "rloo", True, True),
+                                                              ("qwen2", 1, "gae", True, False),
+                                                              ("llama", 1, "reinforce_plus_plus", False, True)])
+def test_architectures_fsdp_versions_and_estimators(tiny_kit, tiny_llama_kit, tmp_path, arch, fsdp, estimator, packed,
+                                                    fused):
+    """packed: the padding-free update (token-balanced micro-batches on 2 ranks; FSDP2 also defers grad sync);
+    fused: the chunked log-prob head inside FSDP's root forward. In a warm pool (fresh jobs: the `staged`
+    fixture), so the critic and FSDP1 also go through the model cache."""
     kit = tiny_llama_kit if arch == "llama" else tiny_kit
     bp = tiny_blueprint(kit, tmp_path, fsdp__version=fsdp, algorithm__adv_estimator=estimator,
                         algorithm__use_remove_padding=packed, algorithm__ppo_max_token_len_per_gpu=60 if packed else None,
-                        fsdp__defer_grad_sync=packed, resources__warm_workers=True, iterations=2)
+                        algorithm__use_fused_kernels=fused, fsdp__defer_grad_sync=packed, resources__warm_workers=True,
+                        iterations=2)
     results = run_pipeline(bp, "r", **QUIET)
     build, update = results[1].manifest["metrics"], results[3].manifest["metrics"]
     assert build["policy_fsdp_units"] == 3

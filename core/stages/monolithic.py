@@ -70,7 +70,9 @@ def run(ctx: StageContext) -> dict:
             history, step = ppo.train(bp, batch, old_logp, ref_logp, adv, ret, policy, popt, *args, iteration=it,
                                       step=state["step"], critic=critic, copt=copt, values=values)
         state = {**state, "step": step, "data_cursor": state["data_cursor"] + bp.data.batch_size, "iteration": it}
-        per_iter.append({"iteration": it, "reward_mean": stats["reward_mean"], "pg_loss": history[-1]["pg_loss"]})
+        per_iter.append({"iteration": it, "reward_mean": stats["reward_mean"], "pg_loss": history[-1]["pg_loss"],
+                         "rollout_s": round(ctx.timings["rollout_s"] - sum(p["rollout_s"] for p in per_iter), 4),
+                         "update_s": round(ctx.timings["update_s"] - sum(p["update_s"] for p in per_iter), 4)})
         log.info("monolithic[%d]: reward mean %.4f", it, stats["reward_mean"])
     with ctx.timed("save_s"):
         checkpoint.save(ctx.out / "policy", policy, popt, state)

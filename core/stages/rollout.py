@@ -25,14 +25,22 @@ def run(ctx: StageContext) -> dict:
     data = load_prompts(bp.data.train_files, bp.data.prompt_key)
     rows = select(len(data), state["data_cursor"], bp.data.batch_size, bp.seed, bp.data.shuffle).tolist()
     with ctx.timed("load_s"):
-        with torch.device(ctx.device):  # random init on the device is fast; the load overwrites it
-            model = M.build_module(meta_dir, bp)
         cached = modelcache.get("policy", ctx.identity("policy"))  # a warm pool's last update, still in memory
-        if cached is not None:
+        # The pool's previous inference copy, refilled in place: its static engine (compiled, CUDA graphs
+        # captured on these very tensors) is reused as the monolithic stage reuses its own.
+        infer_id = (ctx.identity("build"), bp.fsdp.mixed_precision)
+        model = modelcache.get("infer", infer_id) if cached is not None else None
+        if model is not None:
             model.load_state_dict(checkpoint.full_state_dict(cached[0]))
         else:
-            checkpoint.load_full(policy_dir, model)
-        model.to(M.inference_dtype(bp))
+            with torch.device(ctx.device):  # random init on the device is fast; the load overwrites it
+                model = M.build_module(meta_dir, bp)
+            if cached is not None:
+                model.load_state_dict(checkpoint.full_state_dict(cached[0]))
+            else:
+                checkpoint.load_full(policy_dir, model)
+            model.to(M.inference_dtype(bp))
+            modelcache.put("infer", infer_id, model)
     progress = log.info if ctx.is_main() else None
     with ctx.timed("generate_s"):
         mine = generate_share(model, tok, bp, data.take(rows), rows, ctx.iteration, ctx.rank, ctx.world,
