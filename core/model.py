@@ -82,6 +82,10 @@ def build_module(model_dir: str | Path, bp: Blueprint, *, critic: bool = False, 
         ctx = init_empty_weights(include_buffers=False) if meta else contextlib.nullcontext()
         with ctx:
             model = cls.from_config(config, dtype=kw["dtype"], attn_implementation=kw["attn_implementation"])
+        # Built on meta, a tied output layer (Qwen2.5-0.5B/1.5B) comes out untied (init_empty_weights re-creates
+        # every registered parameter): the ranks would disagree on the parameter set and a checkpoint would miss
+        # (or gain) the head's optimizer state. Tie outside the context, where assignment keeps the object.
+        model.tie_weights()
     else:
         model = cls.from_pretrained(str(model_dir), **kw)
     model.config.use_cache = False

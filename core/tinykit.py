@@ -91,6 +91,7 @@ def make_tiny(
     n_train: int = 256,
     n_test: int = 64,
     seed: int = 0,
+    tie_word_embeddings: bool = False,
 ) -> dict:
     """Write a tiny model folder, RL parquet data and kit.json under ``out_dir``; return kit.json's content
     (plus absolute paths: ``model_dir``, ``train_file``, ``test_file``, ``kit_file``)."""
@@ -117,7 +118,8 @@ def make_tiny(
     data_dir.mkdir(parents=True, exist_ok=True)
 
     tokenizer = build_tokenizer()
-    _write_model(model_dir, tokenizer, arch, hidden_size, num_layers, num_heads, num_kv_heads, seed)
+    _write_model(model_dir, tokenizer, arch, hidden_size, num_layers, num_heads, num_kv_heads, seed,
+                 tie_word_embeddings)
     tokenizer.save_pretrained(str(model_dir))
 
     rng = random.Random(f"tiny-data-{seed}")
@@ -137,6 +139,7 @@ def make_tiny(
         "num_layers": num_layers,
         "num_heads": num_heads,
         "num_kv_heads": num_kv_heads,
+        "tie_word_embeddings": tie_word_embeddings,
         "vocab_size": len(tokenizer),
         "seed": seed,
         "n_train": n_train,
@@ -228,7 +231,7 @@ def _tokenizer_corpus() -> list[str]:
     return lines
 
 
-def _write_model(model_dir: Path, tokenizer, arch, hidden_size, num_layers, num_heads, num_kv_heads, seed):
+def _write_model(model_dir: Path, tokenizer, arch, hidden_size, num_layers, num_heads, num_kv_heads, seed, tied):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -240,7 +243,7 @@ def _write_model(model_dir: Path, tokenizer, arch, hidden_size, num_layers, num_
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=512,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

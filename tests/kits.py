@@ -5,7 +5,7 @@ Imported as the top-level module `kits` (tests/ has no __init__.py; `import test
 
 Fixtures:
   tiny_kit        (session) -> make_tiny's dict for a Qwen2 kit: model_dir, train_file, test_file, kit_file, ...
-  tiny_llama_kit  (session) -> the same for a Llama kit.
+  tiny_llama_kit  (session) -> the same for a Llama kit with a tied output layer.
 """
 
 import pytest
@@ -22,4 +22,6 @@ def tiny_kit(tmp_path_factory) -> dict:
 def tiny_llama_kit(tmp_path_factory) -> dict:
     from core.tinykit import make_tiny
 
-    return make_tiny(tmp_path_factory.mktemp("kit") / "llama", arch="llama")
+    # Tied output layer, as in Qwen2.5-0.5B/1.5B: the stage tests then cover a shared parameter under FSDP2's
+    # meta-initialised ranks, DCP and the fused log-prob head.
+    return make_tiny(tmp_path_factory.mktemp("kit") / "llama", arch="llama", tie_word_embeddings=True)

@@ -172,6 +172,12 @@ def test_architectures_fsdp_versions_and_estimators(tiny_kit, tiny_llama_kit, tm
     if estimator == "gae":
         assert "critic_params" in build and "vf_loss" in update["mini_batches"][0]
     assert (tmp_path / "runs/r/2/checkpoint/hf/model.safetensors").is_file()
+    if kit["tie_word_embeddings"]:  # one head/embedding parameter on every rank: one optimizer state for it
+        from torch.distributed.checkpoint import FileSystemReader
+
+        keys = FileSystemReader(str(tmp_path / "runs/r/2/update/policy/dcp")).read_metadata().state_dict_metadata
+        assert "optim.state.model.embed_tokens.weight.exp_avg" in keys
+        assert not [k for k in keys if k.startswith("optim.state.lm_head")]
     want = ["critic", "policy", "ref"] if estimator == "gae" else ["policy", "ref"]
     assert results[6].manifest["metrics"]["warm_cache_hits"] == want  # update[2] started from memory
 
