@@ -71,6 +71,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iterations", type=int, default=2, help="the last one is compared (steady state)")
     ap.add_argument("--set", action="append", default=[], help="more blueprint overrides, a.b=value")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--skip-fresh", action="store_true", help="only the warm pool and the monolithic job")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -123,19 +124,21 @@ def main(argv=None) -> int:
 
     iter_stages = ["rollout", "update", "checkpoint"]
     k = bp.iterations  # the steady state: the last iteration (a pool's first iteration still loads from disk)
-    say(f"staged: validate, build, then {k} x (rollout -> update -> checkpoint) as separate jobs")
-    staged = {(r.manifest["stage"], r.manifest["iteration"]): r for r in pipeline("staged", bp)}
     store = root / "store"
     policy_dir = store / f"runs/staged/{k}/update/policy"
-    ckpt_gb = size_gb(policy_dir)
-    hash_rate = _hash_rate(policy_dir)  # before the warm run rewrites these folders
+    staged = None
+    if not args.skip_fresh:
+        say(f"staged: validate, build, then {k} x (rollout -> update -> checkpoint) as separate jobs")
+        staged = {(r.manifest["stage"], r.manifest["iteration"]): r for r in pipeline("staged", bp)}
 
     say("staged in a warm pool (resources.warm_workers): the same stages in one torchrun job")
     # Same run id, forced from rollout[1]: build is reused and the iterations' folders are rewritten, so the
     # disk holds one run's checkpoints (18 GB each at 1.5B), not two.
     warm_bp = load_blueprint(None, ["resources.warm_workers=true"], data=bp.model_dump(mode="json"))
     warm = {(r.manifest["stage"], r.manifest["iteration"]): r
-            for r in pipeline("staged", warm_bp, force_from="rollout[1]")}
+            for r in pipeline("staged", warm_bp, force_from=None if staged is None else "rollout[1]")}
+    ckpt_gb = size_gb(policy_dir)
+    hash_rate = _hash_rate(policy_dir)
 
     say(f"monolithic: the same {k} iterations in one job")
     try:
@@ -148,8 +151,8 @@ def main(argv=None) -> int:
     # The same work in one process: iteration k's rollout and update, plus one checkpoint save and HF export.
     mono_work = last["rollout_s"] + last["update_s"] + mt.get("save_s", 0) + mt.get("export_s", 0)
 
-    def per_iter(runs: dict, it) -> float:
-        return sum(runs[(s, it)].seconds for s in iter_stages)
+    def per_iter(runs: dict | None, it) -> float:
+        return sum(runs[(s, it)].seconds for s in iter_stages) if runs else float("nan")
 
     res = {"shape": args.shape, "prompts": args.prompts, "n": args.n, "new_tokens": args.new_tokens,
            "nproc": args.nproc, "iterations": k, "steady_iteration": k,
@@ -163,14 +166,16 @@ def main(argv=None) -> int:
         res[f"{name}_vs_work"] = round(res[base] / max(mono_work, 1e-9), 3)
     for s in iter_stages:
         for key, runs in (("stages", staged), ("warm_stages", warm)):
+            if runs is None:
+                continue
             r = runs[(s, k)]
             res[key][s] = {"wall_s": round(r.seconds, 2), **{k_: v for k_, v in r.manifest["timings"].items()
                                                              if isinstance(v, (int, float))}}
     res["stages"]["monolithic"] = {"wall_s": round(mono.seconds, 2), **res["monolithic_timings"]}
-    up = res["stages"]["update"]
+    up = res["stages"].get("update") or res["warm_stages"]["update"]
     if up.get("save_s"):
         res["dcp_save_gb_per_s"] = round(ckpt_gb / up["save_s"], 2)
-    if up.get("load_s"):
+    if res["stages"].get("update", {}).get("load_s"):  # a warm pool's update loads from memory
         res["dcp_load_gb_per_s"] = round(ckpt_gb / up["load_s"], 2)  # policy + optimizer, fresh job
 
     say(json.dumps(res, indent=1))
@@ -181,11 +186,11 @@ def main(argv=None) -> int:
             ("ratio warm pool / one process", f"{res['warm_ratio_vs_work']:.3f}x"),
             (f"monolithic job, all {k} iterations", f"{mono.seconds:.1f} s"),
             ("policy checkpoint (params + Adam)", f"{ckpt_gb:.2f} GB"),
-            ("DCP save / load (update, fresh job)", f"{res.get('dcp_save_gb_per_s', '-')} / "
+            ("DCP save / load (update; load from a fresh job only)", f"{res.get('dcp_save_gb_per_s', '-')} / "
                                                     f"{res.get('dcp_load_gb_per_s', '-')} GB/s"),
             ("commit digest (sha256 of 64 MiB pieces, 8 threads)", f"{hash_rate} GB/s")]
     for key, label in (("stages", "fresh"), ("warm_stages", "warm")):
-        for s in iter_stages:
+        for s in iter_stages if res[key].get("update") else []:
             st = res[key][s]
             rows.append((f"{label} {s}[{k}]: wall / launch->main / stage", f"{st['wall_s']:.1f} / "
                          f"{st.get('launch_to_worker_s', 0):.2f} / {st.get('stage_s', 0):.1f} s; " + ", ".join(

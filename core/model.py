@@ -92,6 +92,20 @@ def build_module(model_dir: str | Path, bp: Blueprint, *, critic: bool = False, 
     return model
 
 
+def empty_module(model_dir: str | Path, bp: Blueprint, device="cpu") -> nn.Module:
+    """The model with uninitialised weights on `device`, for a load to fill: no random init (a 1.5B model's init
+    on CPU takes longer than writing its export). Buffers computed at construction (rotary inv_freq) are kept."""
+    model = build_module(model_dir, bp, meta=True)
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers() if b.device.type != "meta"}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            if n in buffers:
+                b.copy_(buffers[n])
+    model.tie_weights()  # to_empty gives each module its own new tensor, untying a shared head
+    return model
+
+
 def inference_dtype(bp: Blueprint) -> torch.dtype:
     """Rollout samples in the dtype the policy computes in under FSDP (fsdp.mixed_precision), not the fp32
     master weights: the distribution the update's log-probs are taken from."""

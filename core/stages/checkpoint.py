@@ -22,7 +22,7 @@ def run(ctx: StageContext) -> dict:
     if not ctx.is_main():  # one rank exports (this stage gets several only in a warm pool)
         return {}
     with ctx.timed("export_s"):
-        model = M.build_module(meta_dir, ctx.bp)
+        model = M.empty_module(meta_dir, ctx.bp)
         if full is not None:
             model.load_state_dict(full)
         else:

@@ -81,7 +81,7 @@ def run(ctx: StageContext) -> dict:
     with ctx.timed("export_s"):  # the HF export the checkpoint stage writes, from the weights in memory
         full = checkpoint.full_state_dict(policy)  # collective: every rank
         if ctx.is_main():
-            export = M.build_module(meta_dir, bp)
+            export = M.empty_module(meta_dir, bp)
             export.load_state_dict(full)
             export.config.use_cache = True
             export.save_pretrained(ctx.out / "hf", safe_serialization=True)
