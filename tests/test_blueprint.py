@@ -46,8 +46,10 @@ def test_gpu_blueprint_passes_schema_validation():
     assert (bp.resources.device, bp.resources.nproc_per_node, bp.resources.world_size) == ("cuda", 8, 8)
     assert bp.resources.dist_backend == "cpu:gloo,cuda:nccl"  # CPU-tensor collectives (metrics) need gloo
     assert bp.fsdp.mixed_precision == "bf16" and bp.fsdp.version == 2
-    # the fast settings benchmarks/RESULTS.md measured: packed, 16k-token micro-batches, compile, no AC
-    assert bp.algorithm.use_remove_padding and bp.algorithm.ppo_max_token_len_per_gpu == 16384
+    # the fast settings benchmarks/RESULTS.md measured: packed 32k-token micro-batches, fused head, compile, no AC,
+    # layer weights kept from forward to backward
+    assert bp.algorithm.use_remove_padding and bp.algorithm.ppo_max_token_len_per_gpu == 32768
+    assert bp.algorithm.use_fused_kernels and not bp.fsdp.reshard_after_forward
     assert bp.fsdp.compile and not bp.fsdp.activation_checkpointing
     assert bp.rollout.engine == "static" and bp.resources.warm_workers
     a, r = bp.algorithm, bp.rollout
