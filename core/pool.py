@@ -32,11 +32,13 @@ class WarmPool:
         self._kill = threading.Event()
         self._gone = threading.Event()
         self.error: BaseException | None = None
+        self.started = False
         self.resources = contextlib.ExitStack()  # GPU claims held for the pool's life
         self.spec = LaunchSpec(module="core.stages.pool", args=[str(self.dir)], nproc_per_node=nproc, nnodes=1,
                                timeout_s=None, env={**env, "VERLFLOW_WARM_POOL": "1"}, log_dir=str(self.dir / "logs"))
 
     def start(self) -> "WarmPool":
+        self.started = True
         threading.Thread(target=self._serve, name=f"verlflow-pool-{self.nproc}", daemon=True).start()
         return self
 
@@ -86,7 +88,7 @@ class WarmPool:
         self._gone.wait(60)
 
     def close(self, grace_s: float = 30.0) -> None:
-        if self.alive:
+        if self.started and self.alive:
             self.n += 1
             self._send({"stop": True})
             if not self._gone.wait(grace_s):
@@ -115,16 +117,27 @@ def warm_pools():
 
 def acquire(key: tuple, make: Callable[[], WarmPool]) -> WarmPool | None:
     """The live, idle pool for `key` (started with `make` if none), locked for one job; None outside
-    warm_pools() or while the pool is busy with another job (the caller then launches a fresh job)."""
+    warm_pools() or while the pool is busy with another job (the caller then launches a fresh job).
+
+    `make` may wait for GPUs: it runs outside the registry lock, so pools of other keys can be used and closed
+    meanwhile (the pool whose GPUs it waits for may be one of them)."""
     with _LOCK:
         if _DEPTH == 0:
             return None
         pool = _POOLS.get(key)
-        if pool is not None and not pool.alive:
-            pool.close()
-            pool = None
-        if pool is None:
-            pool = _POOLS[key] = make().start()
-        if not pool.busy.acquire(blocking=False):
-            return None
-        return pool
+        dead = pool if pool is not None and not pool.alive else None
+        if dead is not None:
+            del _POOLS[key]
+        elif pool is not None:
+            return pool if pool.busy.acquire(blocking=False) else None
+    if dead is not None:
+        dead.close()
+    made = make()
+    with _LOCK:
+        if _DEPTH > 0 and key not in _POOLS:
+            _POOLS[key] = made.start()
+            made.busy.acquire()
+            return made
+    # The block ended, or another thread registered a pool for this key while we waited: ours never started.
+    made.close()
+    return None

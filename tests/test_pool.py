@@ -92,3 +92,40 @@ def test_stage_jobs_share_a_persistent_compile_cache(monkeypatch, tmp_path):
     assert _worker_env(2)["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/mine")
     assert "TORCHINDUCTOR_CACHE_DIR" not in _worker_env(2)  # inherited from the environment as it is
+
+
+def test_a_pool_waiting_for_gpus_does_not_block_the_other_pools(tmp_path):
+    """Making a pool may wait for GPU claims (held, perhaps, by another pool): it must not hold the registry's
+    lock meanwhile, or the pool it waits for could never be used or closed. A pool made for a key that got one
+    meanwhile is discarded unstarted."""
+    from core import pool as P
+
+    release, waiting = threading.Event(), threading.Event()
+
+    def slow_make():
+        waiting.set()
+        release.wait(30)  # a GPU claim that the other pool's owner must be able to get past
+        return P.WarmPool(1, {}, str(tmp_path), print)
+
+    started = []
+
+    class Recorder(P.WarmPool):
+        def start(self):
+            started.append(self)
+            self.started = True  # no torchrun job: the registry logic is what is under test
+            return self
+
+    with P.warm_pools():
+        result = {}
+        t = threading.Thread(target=lambda: result.update(slow=P.acquire(("a",), slow_make)))
+        t.start()
+        assert waiting.wait(10)
+        t0 = time.monotonic()
+        other = P.acquire(("b",), lambda: Recorder(1, {}, str(tmp_path), print))
+        assert other is not None and started == [other] and time.monotonic() - t0 < 5
+        P._POOLS[("a",)] = Recorder(1, {}, str(tmp_path), print).start()  # someone else got key "a" first
+        release.set()
+        t.join(30)
+        assert result["slow"] is None  # the late pool was discarded, not registered or started
+        for p in started:
+            p._gone.set()  # let close() finish without a job to stop
