@@ -77,20 +77,20 @@ def token_balanced(sizes: list[int], parts: int, *, equal_size: bool) -> list[li
     return get_seqlen_balanced_partitions(list(sizes), parts, equal_size=equal_size)
 
 
-def micro_batches(ids: list[int], sizes: dict[int, int], max_tokens: int,
-                  field: str = "algorithm.ppo_max_token_len_per_gpu") -> int:
-    """How many micro-batches of at most `max_tokens` real tokens the samples `ids` need (at least 1)."""
+def split(ids: list[int], sizes: dict[int, int], max_tokens: int,
+          field: str = "algorithm.ppo_max_token_len_per_gpu", at_least: int = 1) -> list[list[int]]:
+    """The samples `ids` in the fewest (but >= at_least) token-balanced micro-batches of <= max_tokens real tokens."""
     biggest = max(sizes[i] for i in ids)
     if biggest > max_tokens:
         raise ValueError(
             f"{field}={max_tokens} is below the longest sample ({biggest} tokens); "
             "raise it to at least the longest prompt + response."
         )
-    n = max(1, math.ceil(sum(sizes[i] for i in ids) / max_tokens))
+    n = min(len(ids), max(at_least, math.ceil(sum(sizes[i] for i in ids) / max_tokens)))
     while True:  # balanced partitions can overshoot the budget: add parts until none does
-        parts = token_balanced([sizes[i] for i in ids], n, equal_size=False) if n <= len(ids) else None
-        if parts is None or all(sum(sizes[ids[j]] for j in p) <= max_tokens for p in parts):
-            return min(n, len(ids))
+        parts = [[ids[j] for j in p] for p in token_balanced([sizes[i] for i in ids], n, equal_size=False)]
+        if n == len(ids) or all(sum(sizes[i] for i in p) <= max_tokens for p in parts):
+            return parts
         n += 1
 
 
@@ -100,10 +100,12 @@ def plan(ids: list[int], sizes: dict[int, int], world: int, rank: int, max_token
     rank. Every rank computes every rank's split, so all ranks run the same number of micro-batches (FSDP's
     collectives pair up) without communicating."""
     per_rank = [[ids[j] for j in p] for p in token_balanced([sizes[i] for i in ids], world, equal_size=True)]
-    n = max(micro_batches(r, sizes, max_tokens, field) for r in per_rank)
-    mine = per_rank[rank]
-    n = min(n, len(mine))
-    return [[mine[j] for j in p] for p in token_balanced([sizes[i] for i in mine], n, equal_size=False)]
+    splits = [split(r, sizes, max_tokens, field) for r in per_rank]
+    n = max(len(p) for p in splits)
+    mine = splits[rank]
+    # A rank that fits in fewer micro-batches splits again into as many as the busiest rank needs.
+    return mine if len(mine) >= n or len(mine) == len(per_rank[rank]) else split(per_rank[rank], sizes, max_tokens,
+                                                                                   field, at_least=n)
 
 
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, cu_seq_lens_q=None,
