@@ -31,7 +31,8 @@ def test_boundaries_benchmark_smoke(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/boundaries.py"), "--smoke", "--json", str(out)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| ratio warm pool / one process |" in proc.stdout
+    assert "| measure | one process (baseline) | warm pool (ours) | ratio | fresh stage jobs |" in proc.stdout
+    assert "| iteration 2: rollout + update + checkpoint |" in proc.stdout
     res = json.loads(out.read_text())
     assert res["steady_iteration"] == 2 and res["monolithic_work_s"] > 0
     assert 0 < res["warm_staged_s"] < res["staged_s"]  # no spawn and imports per stage

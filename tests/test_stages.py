@@ -48,10 +48,14 @@ def test_pipeline_commits_every_stage(staged):
     assert len(set(norms)) == len(norms)  # changes from step to step
     pointer = json.loads((store / "pointers/runs/eq/latest.json").read_text())
     assert pointer["iteration"] == 2
-    # The export loads with from_pretrained and generates.
+    # The export holds exactly the update's weights (it is written from an uninitialised model the load fills)...
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hf = store / "runs/eq/2/checkpoint/hf"
+    exported, want = load_file(hf / "model.safetensors"), full_weights(store, "eq/2/update", bp)
+    assert exported.keys() == want.keys() and all(torch.equal(exported[k], want[k]) for k in want)
+    # ...and loads with from_pretrained and generates.
     model, tok = AutoModelForCausalLM.from_pretrained(hf), AutoTokenizer.from_pretrained(hf)
     ids = tok.apply_chat_template([{"role": "user", "content": "Write the digit 3 twice."}],
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)
