@@ -163,7 +163,7 @@ def main(argv=None) -> int:
            "monolithic_timings": {k_: v for k_, v in mt.items() if isinstance(v, (int, float))},
            "policy_checkpoint_gb": round(ckpt_gb, 2), "sha256_gb_per_s": hash_rate, "stages": {}, "warm_stages": {}}
     for name, base in (("ratio", "staged_s"), ("warm_ratio", "warm_staged_s")):
-        res[f"{name}_vs_work"] = round(res[base] / max(mono_work, 1e-9), 3)
+        res[f"{name}_vs_work"] = round(res[base] / max(res["monolithic_work_s"], 1e-9), 3)  # of the rounded values shown
     for s in iter_stages:
         for key, runs in (("stages", staged), ("warm_stages", warm)):
             if runs is None:
