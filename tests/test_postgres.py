@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sysdeps import unavailable
 from prefect_server import PREFECT, QUIET, ROOT, VERLFLOW, _free_port, _stop, manifest, tiny_blueprint, \
     write_blueprint
 
@@ -67,15 +68,18 @@ def _sql(port: int, query: str, *args, db: str = DB):
 def pg_prefect():
     pg_bin = _pg_bin()
     if pg_bin is None:
-        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl, postgres) not found")
+        unavailable("PostgreSQL server binaries (initdb, pg_ctl, postgres) not found")
     if os.geteuid() == 0:
         try:
             pwd.getpwnam("postgres")
         except KeyError:
-            pytest.skip("running as root and there is no `postgres` user to run the cluster as")
+            unavailable("running as root and there is no `postgres` user to run the cluster as")
         if not shutil.which("runuser"):
-            pytest.skip("running as root and runuser is missing")
-    pytest.importorskip("asyncpg")
+            unavailable("running as root and runuser is missing")
+    try:
+        import asyncpg  # noqa: F401
+    except ImportError:
+        unavailable("asyncpg (a Prefect server dependency) is not installed")
 
     timings = {}
     tmp = Path(tempfile.mkdtemp(prefix="verlflow-pg-"))  # under /tmp: reachable by the postgres user

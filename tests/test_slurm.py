@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from sysdeps import unavailable
 from tinybp import tiny_blueprint
 
 from core.backends.slurm import SlurmBackend, job_info, render_sbatch, squeue_ids
@@ -85,7 +86,7 @@ CONF = "\n".join(line for line in (Path(__file__).resolve().parent.parent / "inf
 def slurm_cluster(tmp_path_factory):
     reason = _ensure_packages()
     if reason:
-        pytest.skip(reason)
+        unavailable(reason)
     t0 = time.monotonic()
     d = tmp_path_factory.mktemp("slurm")
     (d / "state").mkdir()

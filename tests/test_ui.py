@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sysdeps import unavailable
 from prefect_server import tiny_blueprint
 
 OUT = Path(__file__).resolve().parents[1] / "test-outputs"
@@ -16,7 +17,12 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-ne
          "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
          "--virtual-time-budget=20000", "--window-size=1400,1600"]
 
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (`make test` installs it)")
+
+
+@pytest.fixture(autouse=True)
+def _chromium():
+    if CHROMIUM is None:
+        unavailable("chromium is not installed (`make test` installs it)")
 
 
 def page(url: str, shot: str) -> str:
