@@ -95,14 +95,20 @@ def build_module(model_dir: str | Path, bp: Blueprint, *, critic: bool = False, 
 def empty_module(model_dir: str | Path, bp: Blueprint, device="cpu") -> nn.Module:
     """The model with uninitialised weights on `device`, for a load to fill: no random init (a 1.5B model's init
     on CPU takes longer than writing its export). Buffers computed at construction (rotary inv_freq) are kept."""
-    model = build_module(model_dir, bp, meta=True)
+    model = materialize(build_module(model_dir, bp, meta=True), device)
+    model.tie_weights()  # to_empty gives each module its own new tensor, untying a shared head
+    return model
+
+
+def materialize(model: nn.Module, device) -> nn.Module:
+    """Allocate a meta-built model's tensors on `device`, uninitialised. Buffers built for real at construction
+    (rotary inv_freq) are not in any checkpoint, so they must survive."""
     buffers = {n: b.detach().clone() for n, b in model.named_buffers() if b.device.type != "meta"}
     model.to_empty(device=device)
     with torch.no_grad():
         for n, b in model.named_buffers():
             if n in buffers:
                 b.copy_(buffers[n])
-    model.tie_weights()  # to_empty gives each module its own new tensor, untying a shared head
     return model
 
 
@@ -166,14 +172,8 @@ def _fsdp2(model, layers, f, device):
     for layer in layers:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
-    if meta:
-        # Only the local shards are allocated; buffers (rotary inv_freq) were built for real and must survive.
-        buffers = {n: b.detach().clone() for n, b in model.named_buffers() if b.device.type != "meta"}
-        model.to_empty(device="cpu" if f.cpu_offload else device)
-        with torch.no_grad():
-            for n, b in model.named_buffers():
-                if n in buffers:
-                    b.copy_(buffers[n])
+    if meta:  # only the local shards are allocated
+        materialize(model, "cpu" if f.cpu_offload else device)
     return model, len(layers) + 1
 
 

@@ -234,7 +234,9 @@ def train(bp: Blueprint, batch: dict, old_logp, ref_logp, adv, ret, policy, popt
             faults.kill_point("update", rank)  # test hook: VERLFLOW_FAULT=kill_rank<N>_in_update
             if critic is not None:
                 acc.update(_critic_step(bp, critic, copt, batch, seq, micro, mask, values, ret, info, device, P, R))
-            stats = torch.tensor([float(acc[k]) for k in sorted(acc)], dtype=torch.float64)
+            # One device-to-host read for all of them (floats from verl's metrics join as device scalars).
+            stats = torch.stack([torch.as_tensor(acc[k], dtype=torch.float64, device=device)
+                                 for k in sorted(acc)]).cpu()
             if world > 1:
                 dist.all_reduce(stats)  # every entry was pre-divided by world: the sum is the mean over ranks
             row = {k: round(float(v), 6) for k, v in zip(sorted(acc), stats)}

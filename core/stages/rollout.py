@@ -30,17 +30,15 @@ def run(ctx: StageContext) -> dict:
         # captured on these very tensors) is reused as the monolithic stage reuses its own.
         infer_id = (ctx.identity("build"), bp.fsdp.mixed_precision)
         model = modelcache.get("infer", infer_id) if cached is not None else None
-        if model is not None:
-            model.load_state_dict(checkpoint.full_state_dict(cached[0]))
-        else:
+        if model is None:
             with torch.device(ctx.device):  # random init on the device is fast; the load overwrites it
                 model = M.build_module(meta_dir, bp)
-            if cached is not None:
-                model.load_state_dict(checkpoint.full_state_dict(cached[0]))
-            else:
+            if cached is None:
                 checkpoint.load_full(policy_dir, model)
-            model.to(M.inference_dtype(bp))
-            modelcache.put("infer", infer_id, model)
+        if cached is not None:
+            model.load_state_dict(checkpoint.full_state_dict(cached[0]))
+        model.to(M.inference_dtype(bp))  # a no-op for the reused copy: its tensors (and graphs) stay
+        modelcache.put("infer", infer_id, model)
     progress = log.info if ctx.is_main() else None
     with ctx.timed("generate_s"):
         mine = generate_share(model, tok, bp, data.take(rows), rows, ctx.iteration, ctx.rank, ctx.world,
