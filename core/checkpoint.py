@@ -29,18 +29,25 @@ log = logging.getLogger("verlflow.checkpoint")
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict) -> None:
-    """Every rank writes its shards; rank 0 writes state.json."""
+def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict,
+         background=None, role: str = "policy") -> None:
+    """Every rank writes its shards; rank 0 writes state.json. With `background` (a warm pool's
+    core.stages.committer.Committer) the state is copied to CPU here and written by a DCP thread: the returned
+    stage's commit waits for the files."""
     if optimizer is not None:
         msd, osd = get_state_dict(model, optimizer, options=FLAT)
         sd = {"model": msd, "optim": osd}
     else:
         sd = {"model": get_model_state_dict(model)}
+    if dist.get_rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
     # One writer thread per rank: with thread_count > 1 a failing writer thread is swallowed and the save reports
     # success (pytorch/pytorch#191391); on an H200 such a checkpoint then failed to load.
-    dcp.save(sd, checkpoint_id=str(folder / "dcp"))
-    if dist.get_rank() == 0:
-        (folder / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
+    if background is None:
+        dcp.save(sd, checkpoint_id=str(folder / "dcp"))
+    else:
+        background.save(sd, str(folder / "dcp"), role)
 
 
 def _check_same_model(folder: Path, target: dict) -> None:

@@ -3,6 +3,7 @@
 Unset in real runs: every hook is then one dictionary lookup. Values of VERLFLOW_FAULT:
     nan_loss                   the policy loss becomes NaN (core/ppo.py)
     kill_rank<N>_in_update     rank N SIGKILLs itself after the first optimizer step of `update`
+    kill_rank<N>_in_commit     rank N SIGKILLs itself as a warm pool's background commit begins
     hang_in_<stage>            every rank of <stage> sleeps before its work (a hung job, for timeouts/cancel/kill)
 VERLFLOW_FAULT_ONCE=<path>: the fault fires only for the first process that creates <path> (O_EXCL), so the retry
 or rerun of the same stage runs clean.

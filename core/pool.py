@@ -27,6 +27,7 @@ class WarmPool:
     def __init__(self, nproc: int, env: dict, scratch: str | None, on_line: Callable[[str], None]):
         self.dir = Path(tempfile.mkdtemp(prefix="verlflow-pool-", dir=scratch))
         self.nproc, self.n = nproc, 0
+        self.commit_timeout_s = 1800.0  # how long close() waits for background commits (the stage timeout)
         self.busy = threading.Lock()
         self._sink = on_line
         self._kill = threading.Event()
@@ -34,6 +35,9 @@ class WarmPool:
         self.error: BaseException | None = None
         self.started = False
         self.resources = contextlib.ExitStack()  # GPU claims held for the pool's life
+        # Stages whose commit runs in the pool's background (resources.async_checkpoint): store path ->
+        # (the manifest to come, a check that it has landed).
+        self.pending: dict[str, tuple[dict, Callable[[], bool]]] = {}
         self.spec = LaunchSpec(module="core.stages.pool", args=[str(self.dir)], nproc_per_node=nproc, nnodes=1,
                                timeout_s=None, env={**env, "VERLFLOW_WARM_POOL": "1"}, log_dir=str(self.dir / "logs"))
 
@@ -55,8 +59,9 @@ class WarmPool:
         return not self._gone.is_set()
 
     def run(self, stage: str, job_file: Path, *, on_line: Callable[[str], None], cancel: threading.Event | None,
-            timeout_s: float | None) -> None:
-        """Run one stage job in the pool; raises what a fresh launch would (StageFailure)."""
+            timeout_s: float | None) -> dict:
+        """Run one stage job in the pool; raises what a fresh launch would (StageFailure). Returns rank 0's
+        answer: {"pending": True, "manifest": ...} when the stage's commit went to the background."""
         self._sink = on_line
         self.n += 1
         self._send({"stage": stage, "job": str(job_file)})
@@ -77,6 +82,7 @@ class WarmPool:
                 self.kill()
                 raise StageFailure(FailureKind.TIMEOUT, f"{stage} ran past its timeout of {timeout_s:g} s "
                                    "(resources.stage_timeout_s); its warm worker pool was killed")
+        return json.loads(done.read_text())
 
     def _send(self, msg: dict) -> None:
         tmp = self.dir / f".job-{self.n}.json"
@@ -87,22 +93,28 @@ class WarmPool:
         self._kill.set()
         self._gone.wait(60)
 
-    def close(self, grace_s: float = 30.0) -> None:
+    def close(self, grace_s: float = 30.0) -> list[str]:
+        """Stop the pool once its background commits are done (they may take a checkpoint's write time); returns
+        the stages whose commit did not land, each with the pool's error."""
         if self.started and self.alive:
             self.n += 1
             self._send({"stop": True})
-            if not self._gone.wait(grace_s):
+            if not self._gone.wait(grace_s + (self.commit_timeout_s if self.pending else 0)):
                 self.kill()
         self.resources.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+        lost = [name for name, (_, landed) in self.pending.items() if not landed()]
+        return [f"{name} ({self.error})" if self.error else name for name in lost]
 
 
 @contextlib.contextmanager
 def warm_pools():
-    """Within this block, stages whose blueprint sets resources.warm_workers share pools; all close at exit."""
+    """Within this block, stages whose blueprint sets resources.warm_workers share pools; all close at exit. A
+    background commit that did not land fails the block (when nothing else did)."""
     global _DEPTH
     with _LOCK:
         _DEPTH += 1
+    lost: list[str] = []
     try:
         yield
     finally:
@@ -112,7 +124,19 @@ def warm_pools():
             if _DEPTH == 0:
                 _POOLS.clear()
         for pool in closing:
-            pool.close()
+            lost += pool.close()
+    if lost:
+        raise StageFailure(FailureKind.UNKNOWN, "the warm worker pool's background commit did not land for "
+                           + ", ".join(lost) + "; those stages are not committed, and a rerun runs them again")
+
+
+def pending_manifest(output: str) -> tuple["WarmPool", dict] | None:
+    """The live pool committing `output` in its background, and the manifest to come; None if none is."""
+    with _LOCK:
+        for pool in _POOLS.values():
+            if output in pool.pending and pool.alive:
+                return pool, pool.pending[output][0]
+    return None
 
 
 def acquire(key: tuple, make: Callable[[], WarmPool]) -> WarmPool | None:

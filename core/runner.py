@@ -82,15 +82,24 @@ class StageResult:
     def key(self) -> str:
         return self.manifest["key"]
 
+    @property
+    def pending(self) -> bool:
+        """Its commit is still running in a warm pool's background (resources.async_checkpoint)."""
+        return bool(self.manifest.get("pending"))
+
 
 def stage_status(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[str, str], *,
                  store: ArtifactStore | None = None, extra_key: dict | None = None):
     """Read-only: (key, output stage path, committed manifest there or None, input manifests). The stage is
     reusable when the committed manifest's key equals `key`."""
+    from core.pool import pending_manifest
+
     store = store or open_store(bp)
     manifests = {}
     for name, skey in inputs.items():
         m = store.read_manifest(skey)
+        if m is None and (in_pool := pending_manifest(skey)) is not None:
+            m = in_pool[1]  # committing in a warm pool's background: its key and metrics are known
         if m is None:
             raise StoreError(f"{stage}[{iteration}]: input '{name}' ({store.uri(skey)}) is not committed; "
                              "run the earlier stages first (verlflow rerun resumes at the first missing one).")
@@ -139,9 +148,14 @@ def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[st
         },
         "launched_at": time.time(),
     }
+    pool = _warm_pool(res, on_line) if res.warm_workers and not multi_local and not env else None
+    pending = sorted(n for n, m in manifests.items() if m.get("pending"))
+    if pending:
+        # Only the pool that commits an input can wait for it inside the job; any other job starts after it landed.
+        _await_inputs(pool, {n: inputs[n] for n in pending}, store, cancel, on_line)
+        job["pending_inputs"] = [n for n in pending if store.read_manifest(inputs[n]) is None]
     job_file = scratch / "job.json"
     job_file.write_text(json.dumps(job))
-    pool = _warm_pool(res, on_line) if res.warm_workers and not multi_local and not env else None
     nproc = res.nproc_per_node if pool else 1 if single else res.nproc_per_node
     multi = multi_local and not single
     spec = LaunchSpec(module=f"core.stages.{stage}", args=[str(job_file)], nproc_per_node=nproc,
@@ -152,12 +166,19 @@ def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[st
     where = f", node {res.node_rank} of {res.nnodes}" if multi else ""
     on_line(f"[verlflow] {stage}[{iteration}] -> {store.uri(out)} ({nproc} x {spec.nnodes} ranks, "
             f"{res.backend}{where}{', warm pool' if pool else ''})")
+    background = False
     try:
         if pool is not None:
             try:
-                pool.run(stage, job_file, on_line=on_line, cancel=cancel, timeout_s=res.stage_timeout_s)
+                done = pool.run(stage, job_file, on_line=on_line, cancel=cancel, timeout_s=res.stage_timeout_s)
             finally:
                 pool.busy.release()
+            if done.get("pending"):
+                background = True
+                manifest = {**done["manifest"], "pending": True}
+                pool.pending[out] = (manifest, lambda: (store.read_manifest(out) or {}).get("key") == key)
+                on_line(f"[verlflow] {stage}[{iteration}] done; its commit runs in the warm pool's background")
+                return StageResult(manifest, False, time.time() - t0)
         else:
             with _gpus(res, nproc, spec, on_line):
                 launcher_for(res)(spec, on_line=on_line, cancel=cancel)
@@ -170,11 +191,32 @@ def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[st
                     f"({type(exc).__name__}); it has no manifest, so nothing reads it, and the rerun replaces it")
         raise
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        if not background:  # else the pool removes it after the commit (a remote store's output is in it)
+            shutil.rmtree(scratch, ignore_errors=True)
     manifest = store.read_manifest(out)
     if manifest is None or manifest.get("key") != key:
         raise StoreError(f"{stage}[{iteration}]: the job exited cleanly but committed no manifest at {store.uri(out)}")
     return StageResult(manifest, False, time.time() - t0)
+
+
+def _await_inputs(pool, inputs: dict[str, str], store: ArtifactStore, cancel, on_line) -> None:
+    """Wait until inputs that a warm pool commits in its background have landed, unless this job runs in that
+    same pool (which waits inside the job, and only if the stage reads the files)."""
+    from core.launcher import FailureKind, StageFailure
+    from core.pool import pending_manifest
+
+    for name, skey in inputs.items():
+        owner = pending_manifest(skey)
+        if owner is None or owner[0] is pool:
+            continue
+        on_line(f"[verlflow] waiting for {store.uri(skey)} ({name}) to be committed by the warm pool")
+        while store.read_manifest(skey) is None:
+            if not owner[0].alive:
+                raise StageFailure(FailureKind.UNKNOWN, f"input '{name}' ({store.uri(skey)}) was never committed: "
+                                   f"the warm worker pool committing it exited ({owner[0].error})")
+            if cancel is not None and cancel.is_set():
+                raise StageFailure(FailureKind.CANCELLED, f"cancelled while waiting for {store.uri(skey)}")
+            time.sleep(0.2)
 
 
 def _await_commit(stage, iteration, store, out, key, timeout_s, on_line, cancel, t0) -> StageResult:
@@ -203,6 +245,7 @@ def _warm_pool(res, on_line):
 
     def make() -> "P.WarmPool":
         pool = P.WarmPool(nproc, _worker_env(nproc), scratch_root(res), on_line)
+        pool.commit_timeout_s = res.stage_timeout_s
         if res.device == "cuda":
             from core import devices
 

@@ -111,6 +111,8 @@ def stage_task(stage: str, iteration, bp: Blueprint):
 def summary_markdown(name: str, res: StageResult) -> str:
     m = res.manifest
     how = "**reused**: committed with the same key" if res.skipped else f"ran in {res.seconds:.1f} s"
+    if res.pending:
+        how += "; its checkpoint is written and committed in the warm pool's background"
     metrics = {k: v for k, v in m.get("metrics", {}).items() if isinstance(v, (int, float, str, bool))}
     uri = m.get("stage_uri", "")
     out = [f"### {name}: {how}", "", "| metric | value |", "|---|---|"]
@@ -118,7 +120,8 @@ def summary_markdown(name: str, res: StageResult) -> str:
     out += ["", "| timing | seconds |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in sorted(m.get("timings", {}).items())]
     out += ["", f"Artifacts: [{uri}]({uri}) ([manifest.json]({uri}/manifest.json))",
-            f"key `{m.get('key')}`, committed {m.get('committed_at')}, world size {m.get('world_size')}"]
+            f"key `{m.get('key')}`, committed {m.get('committed_at') or 'in the background'}, "
+            f"world size {m.get('world_size')}"]
     if m.get("lineage"):
         src = m["lineage"][-1]
         out.append(f"warm-started from `{src['stage']}` (run {src['run_id']}, iteration {src['iteration']})")

@@ -34,7 +34,8 @@ def _no_children():
 
 
 def test_failure_ends_the_pool_and_a_rerun_starts_fresh(tiny_kit, tmp_path, monkeypatch):
-    bp = tiny_blueprint(tiny_kit, tmp_path, resources__warm_workers=True)
+    # Synchronous commits here (each stage committed before the next starts); the background ones are below.
+    bp = tiny_blueprint(tiny_kit, tmp_path, resources__warm_workers=True, resources__async_checkpoint=False)
     monkeypatch.setenv("VERLFLOW_FAULT", "nan_loss")
     lines = []
     with pytest.raises(StageFailure) as err:
@@ -46,11 +47,48 @@ def test_failure_ends_the_pool_and_a_rerun_starts_fresh(tiny_kit, tmp_path, monk
     assert _no_children()
 
     monkeypatch.delenv("VERLFLOW_FAULT")
-    results = run_pipeline(bp, "p", on_line=lambda line: None)
+    pending = []
+    results = run_pipeline(bp, "p", on_line=lambda line: None, on_step=lambda step, res: pending.append(res.pending))
+    assert not any(pending)
     assert [(r.manifest["stage"], r.skipped) for r in results] == [
         ("validate", True), ("build", True), ("rollout", True), ("update", False), ("checkpoint", False)]
     assert results[3].manifest["timings"]["launch_to_worker_s"] > 1  # the fresh pool's first job pays the start
     assert results[4].manifest["timings"]["launch_to_worker_s"] < 0.5
+    assert _no_children()
+
+
+def test_a_crash_during_a_background_commit_commits_nothing_after_it(tiny_kit, tmp_path, monkeypatch):
+    """resources.async_checkpoint: the update returns while its checkpoint is written; the next stages run. A rank
+    killed as that commit begins fails the run, and neither the update nor any later stage is visible: commits
+    keep the stages' order. The rerun resumes at the update and lands every commit, in order."""
+    bp = tiny_blueprint(tiny_kit, tmp_path, resources__warm_workers=True, iterations=2)
+    assert bp.resources.async_checkpoint  # the default
+    monkeypatch.setenv("VERLFLOW_FAULT", "kill_rank1_in_commit")
+    monkeypatch.setenv("VERLFLOW_FAULT_ONCE", str(tmp_path / "fired"))
+    lines = []
+    with pytest.raises(StageFailure):
+        run_pipeline(bp, "a", on_line=lines.append)
+    assert "SIGKILL in commit" in "\n".join(lines)
+    assert (tmp_path / "runs/a/1/rollout/manifest.json").is_file()  # before any background commit
+    committed = sorted(p.parent.relative_to(tmp_path / "runs/a").as_posix()
+                       for p in (tmp_path / "runs/a").rglob("manifest.json"))
+    assert committed == ["1/rollout", "init/build", "init/validate"], committed
+    assert not list(tmp_path.rglob("latest*"))  # nothing promoted
+    assert _no_children()
+
+    pending = {}
+    results = run_pipeline(bp, "a", on_line=lambda line: None,
+                           on_step=lambda step, res: pending.__setitem__(step.name, res.pending))
+    assert [(r.manifest["stage"], r.manifest["iteration"]) for r in results if not r.skipped] == [
+        ("update", 1), ("checkpoint", 1), ("rollout", 2), ("update", 2), ("checkpoint", 2)]
+    assert pending["update[1]"] and pending["update[2]"]  # returned before their checkpoints were written
+    assert all("committed_at" in r.manifest and "files" in r.manifest for r in results)  # landed by the end
+    order = [r.manifest["committed_at"] for r in results]
+    assert order == sorted(order)
+    for it in (1, 2):  # the background write is what the commit digested
+        m = results[2 + 3 * (it - 1) + 1].manifest
+        assert any(f.startswith("policy/dcp/") for f in m["files"]) and m["timings"]["background_s"] > 0
+    assert list(tmp_path.rglob("latest*"))  # promoted after checkpoint[2]'s background commit
     assert _no_children()
 
 

@@ -16,8 +16,9 @@ log = logging.getLogger("verlflow.checkpoint")
 
 def run(ctx: StageContext) -> dict:
     meta_dir = ctx.input("build") / "hf_meta"  # on every rank: input() is collective in a multi-rank job
-    policy_dir = ctx.input("update") / "policy"
-    cached = modelcache.get("policy", ctx.identity("update"))  # a warm pool's update, still in memory
+    # A warm pool's update, still in memory: exported from there while its files are written in the background.
+    cached = modelcache.get("policy", ctx.identity("update"))
+    policy_dir = ctx.input("update") / "policy" if cached is None else None
     full = checkpoint.full_state_dict(cached[0]) if cached is not None else None  # collective: every rank
     if not ctx.is_main():  # one rank exports (this stage gets several only in a warm pool)
         return {}
@@ -30,7 +31,7 @@ def run(ctx: StageContext) -> dict:
         model.config.use_cache = True
         model.save_pretrained(ctx.out / "hf", safe_serialization=True)
         copy_meta(meta_dir, ctx.out / "hf")
-    state = checkpoint.read_state(policy_dir)
+    state = checkpoint.read_state(policy_dir) if cached is None else cached[2]
     rollout = ctx.input_manifest("rollout")["metrics"]
     return {"step": state["step"], "data_cursor": state["data_cursor"], "reward_mean": rollout.get("reward_mean"),
             "reward_std": rollout.get("reward_std")}

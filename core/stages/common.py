@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from core import faults, modelcache
 from core.blueprint import Blueprint
+from core.stages import committer as committers
+from core.stages.committer import Committer
 from core.store import ArtifactStore, digest_files
 
 log = logging.getLogger("verlflow.stage")
@@ -38,14 +40,18 @@ class StageContext:
     device: torch.device
     out: Path
     timings: dict = field(default_factory=dict)
+    committer: "Committer | None" = None  # a warm pool's background commits (resources.async_checkpoint)
 
     @property
     def iteration(self):
         return self.job["iteration"]
 
     def input(self, name: str) -> Path:
-        """Local folder of a committed input stage, checksums verified (once per node)."""
+        """Local folder of a committed input stage, checksums verified (once per node). An input still committing
+        in this pool's background is waited for first."""
         key = self.job["inputs"][name]
+        if name in self.job.get("pending_inputs", ()):
+            self.committer.wait(key)
         cache = Path(self.job["scratch"]) / "inputs" / name
         path = None
         if self.local_rank == 0:
@@ -64,6 +70,10 @@ class StageContext:
 
     def input_manifest(self, name: str) -> dict:
         return self.job["input_manifests"][name]
+
+    def background(self):
+        """The pool's committer when this stage may write its checkpoint in the background, else None."""
+        return self.committer if self.bp.resources.async_checkpoint else None
 
     def is_main(self) -> bool:
         return self.rank == 0
@@ -134,7 +144,7 @@ def _seed(bp: Blueprint, iteration, rank: int) -> None:
     torch.use_deterministic_algorithms(bp.deterministic, warn_only=True)
 
 
-def _commit(ctx: StageContext, metrics: dict, t_start: float) -> dict | None:
+def _commit(ctx: StageContext, metrics: dict, t_start: float, group=None) -> dict | None:
     """Digest (and upload, for remote stores) what this node wrote; rank 0 writes the manifest last."""
     local_store = ctx.store.local_path(ctx.job["output"]) is not None
     files: dict = {}
@@ -146,14 +156,14 @@ def _commit(ctx: StageContext, metrics: dict, t_start: float) -> dict | None:
             ctx.store.upload_dir(ctx.out, ctx.job["output"])
     if ctx.world > 1:
         gathered = [None] * ctx.world
-        dist.all_gather_object(gathered, files)
+        dist.all_gather_object(gathered, files, group=group)
         files = {k: v for part in gathered if part for k, v in part.items()}
     if ctx.rank == 0:
         manifest = dict(ctx.job["manifest"])
         manifest.update(
             metrics=metrics,
-            timings={**ctx.timings, "stage_s": round(time.time() - t_start, 3),
-                     "launch_to_worker_s": round(t_start - ctx.job.get("launched_at", t_start), 3)},
+            timings={"stage_s": round(time.time() - t_start, 3),
+                     "launch_to_worker_s": round(t_start - ctx.job.get("launched_at", t_start), 3), **ctx.timings},
             env=env_summary(),
             world_size=ctx.world,
         )
@@ -184,13 +194,18 @@ def stage_main(run: Callable[[StageContext], dict],
 
 
 def run_job(job_file: Path, run: Callable[[StageContext], dict],
-            after_commit: Callable[[StageContext, dict], None] | None = None) -> None:
+            after_commit: Callable[[StageContext, dict], None] | None = None,
+            in_pool: bool = False) -> dict | None:
     """One stage job on every rank: its outputs, then (rank 0) the manifest. The process group is made on the
-    first job and kept, so a warm pool runs job after job in the same processes."""
+    first job and kept, so a warm pool runs job after job in the same processes.
+
+    In a warm pool the commit goes to the background when the stage left writes running or earlier commits are
+    still queued (commits keep their order); the return value then says so, with the manifest to come."""
     t_start = time.time()
     job = json.loads(job_file.read_text())
     bp = Blueprint.model_validate(job["blueprint"])
     rank, world, local_rank, device = _init_process_group(bp)
+    committer = committers.for_pool(bp.resources.stage_timeout_s) if in_pool else None
     setup_logging(rank)
     _seed(bp, job["iteration"], rank)
     store = ArtifactStore(bp.storage.uri, endpoint_url=bp.storage.endpoint_url, region=bp.storage.region)
@@ -202,12 +217,32 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
     if world > 1:
         dist.barrier()
     out.mkdir(parents=True, exist_ok=True)
-    ctx = StageContext(job, bp, store, rank, world, local_rank, device, out)
+    ctx = StageContext(job, bp, store, rank, world, local_rank, device, out, committer=committer)
     faults.hang_point(job["stage"])  # test hook: VERLFLOW_FAULT=hang_in_<stage>
     modelcache.hits.clear()
     metrics = run(ctx) or {}
     if modelcache.hits:
         metrics["warm_cache_hits"] = sorted(set(modelcache.hits))
+    if committer is not None and committer.pending():
+        t_end = time.time()
+        ctx.timings.update(stage_s=round(t_end - t_start, 3),
+                           launch_to_worker_s=round(t_start - job.get("launched_at", t_start), 3))
+
+        def commit() -> None:
+            dist.barrier(group=committer.group)  # every rank's writes are done
+            faults.kill_point("commit", ctx.rank)  # test hook: a crash while a commit is in flight
+            # how long the writes (and earlier commits) ran on after the stage returned
+            ctx.timings["background_s"] = round(time.time() - t_end, 3)
+            manifest = _commit(ctx, metrics, t_start, group=committer.group)
+            if after_commit is not None and ctx.rank == 0:
+                after_commit(ctx, manifest)
+            dist.barrier(group=committer.group)
+            if ctx.local_rank == 0:
+                shutil.rmtree(job["scratch"], ignore_errors=True)  # the runner left it to us (its remote out/)
+
+        committer.submit(job["output"], f"{job['stage']}[{job['iteration']}]", commit)
+        return {"pending": True, "manifest": {**job["manifest"], "metrics": metrics, "timings": ctx.timings,
+                                              "world_size": world}}
     if world > 1:
         dist.barrier()
     manifest = _commit(ctx, metrics, t_start)
@@ -215,6 +250,7 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
         after_commit(ctx, manifest)
     if world > 1:
         dist.barrier()
+    return None
 
 
 def scratch_dir() -> Path:

@@ -37,6 +37,7 @@ def main() -> None:
         import torch
         import torch.distributed as dist
 
+        from core.stages import committer as committers
         from core.stages.common import run_job
 
         worker_guard()
@@ -47,15 +48,16 @@ def main() -> None:
                 n += 1
                 msg = next_message(pool_dir, n)
                 if msg.get("stop"):
+                    committers.drain_pool()  # a failed background commit fails the pool, and so the run
                     return
                 stage = importlib.import_module(f"core.stages.{msg['stage']}")
-                run_job(Path(msg["job"]), stage.main.run, stage.main.after_commit)
+                done = run_job(Path(msg["job"]), stage.main.run, stage.main.after_commit, in_pool=True)
                 gc.collect()  # the stage's models are garbage now; give their memory back before the next
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
                 if int(os.environ.get("RANK", 0)) == 0:
                     tmp = pool_dir / f".done-{n}.json"
-                    tmp.write_text(json.dumps({"job": msg["job"]}))
+                    tmp.write_text(json.dumps({"job": msg["job"], **(done or {})}))
                     os.replace(tmp, pool_dir / f"done-{n}.json")
         finally:
             if dist.is_initialized():

@@ -19,13 +19,14 @@ log = logging.getLogger("verlflow.rollout")
 def run(ctx: StageContext) -> dict:
     bp = ctx.bp
     meta_dir = ctx.input("build") / "hf_meta"
-    policy_dir = ctx.input("policy") / "policy"
+    # A warm pool's last update, still in memory (its files may still be being written in the background).
+    cached = modelcache.get("policy", ctx.identity("policy"))
+    policy_dir = ctx.input("policy") / "policy" if cached is None else None
     tok = M.load_tokenizer(meta_dir)
-    state = checkpoint.read_state(policy_dir)
+    state = checkpoint.read_state(policy_dir) if cached is None else cached[2]
     data = load_prompts(bp.data.train_files, bp.data.prompt_key)
     rows = select(len(data), state["data_cursor"], bp.data.batch_size, bp.seed, bp.data.shuffle).tolist()
     with ctx.timed("load_s"):
-        cached = modelcache.get("policy", ctx.identity("policy"))  # a warm pool's last update, still in memory
         # The pool's previous inference copy, refilled in place: its static engine (compiled, CUDA graphs
         # captured on these very tensors) is reused as the monolithic stage reuses its own.
         infer_id = (ctx.identity("build"), bp.fsdp.mixed_precision)

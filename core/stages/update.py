@@ -35,7 +35,7 @@ def _load(ctx: StageContext, meta_dir, prev, role: str):
 
 def run(ctx: StageContext) -> dict:
     bp, it = ctx.bp, ctx.iteration
-    build, prev = ctx.input("build"), ctx.input("policy")
+    build = ctx.input("build")
     meta_dir = build / "hf_meta"
     batch = load_batch(ctx.input("rollout"))
     gae = bp.algorithm.adv_estimator == "gae"
@@ -49,13 +49,20 @@ def run(ctx: StageContext) -> dict:
         ref_logp = ppo.score_all(ref, batch, bp, *args)
         del ref
     with ctx.timed("load_s"):
-        # In a warm pool the previous update's models are still in memory (core/modelcache.py).
-        policy, popt = modelcache.get("policy", ctx.identity("policy")) or _load(ctx, meta_dir, prev, "policy")
-        state = checkpoint.read_state(prev / "policy")
+        # In a warm pool the previous update's models are still in memory (core/modelcache.py); its files may
+        # still be being written in the background, and are not needed then.
+        cached = modelcache.get("policy", ctx.identity("policy"))
+        if cached is not None:
+            policy, popt, state = cached
+        else:
+            prev = ctx.input("policy")
+            policy, popt = _load(ctx, meta_dir, prev, "policy")
+            state = checkpoint.read_state(prev / "policy")
         apply_hparams(popt, bp)
         critic = copt = values = None
         if gae:
-            critic, copt = modelcache.get("critic", ctx.identity("policy")) or _load(ctx, meta_dir, prev, "critic")
+            critic, copt = modelcache.get("critic", ctx.identity("policy")) or _load(
+                ctx, meta_dir, ctx.input("policy"), "critic")
             apply_hparams(copt, bp, critic=True)
     with ctx.timed("old_logp_s"):
         old_logp = ppo.score_all(policy, batch, bp, *args)
@@ -68,10 +75,10 @@ def run(ctx: StageContext) -> dict:
                                   progress=log.info if ctx.is_main() else None)
     new_state = {**state, "step": step, "data_cursor": state["data_cursor"] + bp.data.batch_size, "iteration": it}
     with ctx.timed("save_s"):
-        checkpoint.save(ctx.out / "policy", policy, popt, new_state)
-        modelcache.put("policy", ctx.identity(), (policy, popt))
+        checkpoint.save(ctx.out / "policy", policy, popt, new_state, ctx.background(), "policy")
+        modelcache.put("policy", ctx.identity(), (policy, popt, new_state))
         if gae:
-            checkpoint.save(ctx.out / "critic", critic, copt, new_state)
+            checkpoint.save(ctx.out / "critic", critic, copt, new_state, ctx.background(), "critic")
             modelcache.put("critic", ctx.identity(), (critic, copt))
     last = history[-1]
     return {**adv_metrics, "step": step, "mini_batches": history, "pg_loss": last["pg_loss"],
