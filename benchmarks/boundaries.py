@@ -6,7 +6,10 @@ process (the monolithic stage), through the real runner and store, at a real mod
     python benchmarks/boundaries.py --smoke              # CPU, tiny kit (the test suite runs this)
 
 The comparison is the last iteration (the steady state: a pool's first iteration still reads the build from disk)
-against that iteration's work in one process: its rollout and update plus one checkpoint save and HF export.
+against that iteration's work in one process: its rollout and update plus one checkpoint save and HF export. The
+warm pool runs twice: with background checkpoint commits (resources.async_checkpoint, the default: the update
+returns once its checkpoint is in CPU memory; the next update waits for the previous write) and with inline ones.
+The run's tail, the last background commits after the last stage returned, is printed on its own.
 Also printed, per stage: wall, launch -> worker main (spawn + imports), loads, saves, and DCP save/load GB/s and
 the commit digest's GB/s for the policy checkpoint.
 """
@@ -72,10 +75,13 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], help="more blueprint overrides, a.b=value")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--skip-fresh", action="store_true", help="only the warm pool and the monolithic job")
+    ap.add_argument("--pools", default="async,sync", help="warm-pool runs: async (background checkpoint commits, "
+                    "the default) and/or sync (resources.async_checkpoint=false)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.smoke:
         args.shape, args.prompts, args.n, args.new_tokens, args.nproc = "tiny", 4, 4, 8, 2
+        args.pools = "async"
 
     from core.blueprint import load_blueprint
     from core.pipeline import run_pipeline
@@ -116,11 +122,16 @@ def main(argv=None) -> int:
             f"s) " + json.dumps({k: v for k, v in t.items() if k not in ("launch_to_worker_s",)}))
 
     def pipeline(run_id, blueprint, force_from=None):
+        """The run's results by (stage, iteration), and its tail: the seconds from the last stage's return to the
+        end of the run (the warm pool's last background commits)."""
+        last = []
         try:
-            return run_pipeline(blueprint, run_id, on_line=log, on_step=progress, force_from=force_from)
+            results = run_pipeline(blueprint, run_id, on_line=log, force_from=force_from,
+                                   on_step=lambda step, res: (progress(step, res), last.append(time.perf_counter())))
         except Exception:
             print("\n".join(lines[-60:]), flush=True)  # the failing stage's own output
             raise
+        return {(r.manifest["stage"], r.manifest["iteration"]): r for r in results}, time.perf_counter() - last[-1]
 
     iter_stages = ["rollout", "update", "checkpoint"]
     k = bp.iterations  # the steady state: the last iteration (a pool's first iteration still loads from disk)
@@ -129,14 +140,19 @@ def main(argv=None) -> int:
     staged = None
     if not args.skip_fresh:
         say(f"staged: validate, build, then {k} x (rollout -> update -> checkpoint) as separate jobs")
-        staged = {(r.manifest["stage"], r.manifest["iteration"]): r for r in pipeline("staged", bp)}
+        staged, _ = pipeline("staged", bp)
 
-    say("staged in a warm pool (resources.warm_workers): the same stages in one torchrun job")
-    # Same run id, forced from rollout[1]: build is reused and the iterations' folders are rewritten, so the
-    # disk holds one run's checkpoints (18 GB each at 1.5B), not two.
-    warm_bp = load_blueprint(None, ["resources.warm_workers=true"], data=bp.model_dump(mode="json"))
-    warm = {(r.manifest["stage"], r.manifest["iteration"]): r
-            for r in pipeline("staged", warm_bp, force_from=None if staged is None else "rollout[1]")}
+    pools, tails = {}, {}
+    for mode in args.pools.split(","):
+        say(f"staged in a warm pool (resources.warm_workers), {mode} checkpoint commits: the same stages in one job")
+        # Same run id, forced from rollout[1]: build is reused and the iterations' folders are rewritten, so the
+        # disk holds one run's checkpoints (18 GB each at 1.5B), not two.
+        warm_bp = load_blueprint(None, ["resources.warm_workers=true", f"resources.async_checkpoint={mode == 'async'}"],
+                                 data=bp.model_dump(mode="json"))
+        ran_before = staged is not None or pools
+        pools[mode], tails[mode] = pipeline("staged", warm_bp, force_from="rollout[1]" if ran_before else None)
+    warm = pools.get("async") or pools["sync"]
+    inline = pools.get("sync") if "async" in pools else None
     ckpt_gb = size_gb(policy_dir)
     hash_rate = _hash_rate(policy_dir)
 
@@ -158,21 +174,26 @@ def main(argv=None) -> int:
            "nproc": args.nproc, "iterations": k, "steady_iteration": k,
            "staged_s": round(per_iter(staged, k), 2), "staged_first_s": round(per_iter(staged, 1), 2),
            "warm_staged_s": round(per_iter(warm, k), 2), "warm_first_s": round(per_iter(warm, 1), 2),
+           "warm_mode": "async" if "async" in pools else "sync", "warm_tail_s": round(tails.get("async", 0.0), 2),
+           "warm_inline_s": round(per_iter(inline, k), 2),
            "monolithic_job_s": round(mono.seconds, 2), "monolithic_work_s": round(mono_work, 2),
            "monolithic_per_iteration": mono.manifest["metrics"]["iterations"],
            "monolithic_timings": {k_: v for k_, v in mt.items() if isinstance(v, (int, float))},
-           "policy_checkpoint_gb": round(ckpt_gb, 2), "sha256_gb_per_s": hash_rate, "stages": {}, "warm_stages": {}}
-    for name, base in (("ratio", "staged_s"), ("warm_ratio", "warm_staged_s")):
+           "policy_checkpoint_gb": round(ckpt_gb, 2), "sha256_gb_per_s": hash_rate, "stages": {}, "warm_stages": {},
+           "warm_inline_stages": {}}
+    for name, base in (("ratio", "staged_s"), ("warm_ratio", "warm_staged_s"), ("warm_inline_ratio", "warm_inline_s")):
         res[f"{name}_vs_work"] = round(res[base] / max(res["monolithic_work_s"], 1e-9), 3)  # of the rounded values shown
     for s in iter_stages:
-        for key, runs in (("stages", staged), ("warm_stages", warm)):
+        for key, runs in (("stages", staged), ("warm_stages", warm), ("warm_inline_stages", inline)):
             if runs is None:
                 continue
             r = runs[(s, k)]
             res[key][s] = {"wall_s": round(r.seconds, 2), **{k_: v for k_, v in r.manifest["timings"].items()
                                                              if isinstance(v, (int, float))}}
     res["stages"]["monolithic"] = {"wall_s": round(mono.seconds, 2), **res["monolithic_timings"]}
-    up = res["stages"].get("update") or res["warm_stages"]["update"]
+    # save_s is the whole DCP save only where the save is inline (the async pool's is its copy to CPU memory)
+    up = res["stages"].get("update") or res["warm_inline_stages"].get("update") or (
+        res["warm_stages"]["update"] if res["warm_mode"] == "sync" else {})
     if up.get("save_s"):
         res["dcp_save_gb_per_s"] = round(ckpt_gb / up["save_s"], 2)
     if res["stages"].get("update", {}).get("load_s"):  # a warm pool's update loads from memory
@@ -185,22 +206,31 @@ def main(argv=None) -> int:
 
     one = {"rollout": last["rollout_s"], "update": last["update_s"] + mt.get("save_s", 0),
            "checkpoint": mt.get("export_s", 0)}
+    def inline_cell(s=None):
+        if inline is None:
+            return "-"
+        return cell(inline, s) if s else f"{res['warm_inline_s']:.1f} s ({res['warm_inline_ratio_vs_work']:.2f}x)"
+
     table = [(f"iteration {k}: rollout + update + checkpoint", f"{mono_work:.1f} s", f"{res['warm_staged_s']:.1f} s",
-              f"{res['warm_ratio_vs_work']:.3f}x", f"{res['staged_s']:.1f} s ({res['ratio_vs_work']:.2f}x)")]
+              f"{res['warm_ratio_vs_work']:.3f}x", inline_cell(), f"{res['staged_s']:.1f} s ({res['ratio_vs_work']:.2f}x)")]
     for s in iter_stages:
         ratio = warm[(s, k)].seconds / one[s] if one[s] else float("nan")
         table.append((f"  {s}" + (" (incl. DCP save)" if s == "update" else " (HF export)" if s == "checkpoint"
-                                  else ""), f"{one[s]:.1f} s", cell(warm, s), f"{ratio:.2f}x", cell(staged, s)))
+                                  else ""), f"{one[s]:.1f} s", cell(warm, s), f"{ratio:.2f}x", inline_cell(s),
+                      cell(staged, s)))
     table.append(("iteration 1 (first-time costs)", "-", f"{res['warm_first_s']:.1f} s", "-",
-                  f"{res['staged_first_s']:.1f} s"))
-    print("| measure | one process (baseline) | warm pool (ours) | ratio | fresh stage jobs |\n"
-          "| --- | --- | --- | --- | --- |\n" + "\n".join("| " + " | ".join(r) + " |" for r in table), flush=True)
+                  f"{per_iter(inline, 1):.1f} s" if inline else "-", f"{res['staged_first_s']:.1f} s"))
+    if res["warm_mode"] == "async":
+        table.append(("end of run: the last background commits", "-", f"{res['warm_tail_s']:.1f} s", "-", "-", "-"))
+    print(f"| measure | one process (baseline) | warm pool (ours, {res['warm_mode']} commits) | ratio | "
+          "warm pool, commits inline | fresh stage jobs |\n| --- | --- | --- | --- | --- | --- |\n"
+          + "\n".join("| " + " | ".join(r) + " |" for r in table), flush=True)
     rows = [(f"monolithic job, all {k} iterations", f"{mono.seconds:.1f} s"),
             ("policy checkpoint (params + Adam)", f"{ckpt_gb:.2f} GB"),
             ("DCP save / load (update; load from a fresh job only)", f"{res.get('dcp_save_gb_per_s', '-')} / "
                                                     f"{res.get('dcp_load_gb_per_s', '-')} GB/s"),
             ("commit digest (sha256 of 64 MiB pieces, 8 threads)", f"{hash_rate} GB/s")]
-    for key, label in (("stages", "fresh"), ("warm_stages", "warm")):
+    for key, label in (("stages", "fresh"), ("warm_stages", "warm"), ("warm_inline_stages", "warm inline")):
         for s in iter_stages if res[key].get("update") else []:
             st = res[key][s]
             rows.append((f"{label} {s}[{k}]: wall / launch->main / stage", f"{st['wall_s']:.1f} / "

@@ -31,12 +31,14 @@ def test_boundaries_benchmark_smoke(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/boundaries.py"), "--smoke", "--json", str(out)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| measure | one process (baseline) | warm pool (ours) | ratio | fresh stage jobs |" in proc.stdout
+    assert ("| measure | one process (baseline) | warm pool (ours, async commits) | ratio | warm pool, commits inline "
+            "| fresh stage jobs |") in proc.stdout
     assert "| iteration 2: rollout + update + checkpoint |" in proc.stdout
     res = json.loads(out.read_text())
     assert res["steady_iteration"] == 2 and res["monolithic_work_s"] > 0
     assert 0 < res["warm_staged_s"] < res["staged_s"]  # no spawn and imports per stage
     assert res["warm_staged_s"] < res["warm_first_s"]  # iteration 2 takes its models from memory
+    assert res["warm_mode"] == "async" and res["warm_tail_s"] >= 0  # the last background commits, after the stages
     assert res["warm_ratio_vs_work"] == pytest.approx(res["warm_staged_s"] / res["monolithic_work_s"], rel=0.01)
     st, warm = res["stages"], res["warm_stages"]
     for s in ("rollout", "update", "checkpoint"):
