@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -44,7 +45,8 @@ def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
         (folder / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
     # One writer thread per rank: with thread_count > 1 a failing writer thread is swallowed and the save reports
     # success (pytorch/pytorch#191391); on an H200 such a checkpoint then failed to load.
-    if background is None:
+    # FSDP1's state dict holds ShardedTensors, which DCP's CPU staging does not copy: FSDP1 saves inline.
+    if background is None or isinstance(model, FSDP1):
         dcp.save(sd, checkpoint_id=str(folder / "dcp"))
     else:
         background.save(sd, str(folder / "dcp"), role)
