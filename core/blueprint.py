@@ -211,7 +211,7 @@ class ResourcesSpec(Section):
         True, description="with warm_workers: the update copies its checkpoint to CPU memory and the pool writes, "
         "digests and commits it in the background while the next stages run. Commits keep the stages' order (a "
         "stage is never visible before its inputs); the run ends only when every commit has landed. Needs host "
-        "memory for one copy of each rank's checkpoint shard (pinned on CUDA). FSDP2 only: FSDP1 saves inline.")
+        "memory for one copy of each rank's checkpoint shard (pinned on CUDA).")
     slurm: SlurmSpec = SlurmSpec()
     kubernetes: KubernetesSpec = KubernetesSpec()
 

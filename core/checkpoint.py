@@ -12,7 +12,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -33,8 +32,8 @@ FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict,
          background=None, role: str = "policy") -> None:
     """Every rank writes its shards; rank 0 writes state.json. With `background` (a warm pool's
-    core.stages.committer.Committer) the state is copied to CPU here and written by a DCP thread: the returned
-    stage's commit waits for the files."""
+    core.stages.committer.Committer) the state is copied to CPU memory here and written by the stage's background
+    commit, before the manifest."""
     if optimizer is not None:
         msd, osd = get_state_dict(model, optimizer, options=FLAT)
         sd = {"model": msd, "optim": osd}
@@ -45,8 +44,7 @@ def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
         (folder / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
     # One writer thread per rank: with thread_count > 1 a failing writer thread is swallowed and the save reports
     # success (pytorch/pytorch#191391); on an H200 such a checkpoint then failed to load.
-    # FSDP1's state dict holds ShardedTensors, which DCP's CPU staging does not copy: FSDP1 saves inline.
-    if background is None or isinstance(model, FSDP1):
+    if background is None:
         dcp.save(sd, checkpoint_id=str(folder / "dcp"))
     else:
         background.save(sd, str(folder / "dcp"), role)

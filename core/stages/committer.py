@@ -13,12 +13,29 @@ interleave with the running stage's collectives on the default group.
 
 import queue
 import threading
-from concurrent.futures import Future
 from datetime import timedelta
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+
+def _layout(state_dict) -> tuple:
+    """Names, shapes and dtypes of a (nested) state dict: a cached CPU copy fits only the same layout."""
+    out = []
+
+    def walk(prefix, obj):
+        if isinstance(obj, dict):
+            for k in sorted(obj, key=str):
+                walk(f"{prefix}.{k}", obj[k])
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(f"{prefix}.{i}", v)
+        elif isinstance(obj, torch.Tensor):
+            out.append((prefix, tuple(obj.shape), obj.dtype))
+
+    walk("", state_dict)
+    return tuple(out)
 
 
 class CommitFailed(RuntimeError):
@@ -30,44 +47,41 @@ class Committer:
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self._queue: queue.Queue = queue.Queue()
         self._done: dict[str, threading.Event] = {}
-        self._stagers: dict[str, object] = {}
-        self._inflight: list[Future] = []  # this stage's DCP writes, not yet handed to a commit
+        self._staged: dict[str, tuple] = {}  # role -> (layout, CPU copy of its state dict)
+        self._writes: list[Callable[[], object]] = []  # this stage's writes, handed to its commit
         self.error: BaseException | None = None
         self._failed_stage: str | None = None
         threading.Thread(target=self._serve, name="verlflow-committer", daemon=True).start()
 
     def save(self, state_dict: dict, checkpoint_id: str, role: str) -> None:
-        """DCP async_save: copies `state_dict` to CPU before returning, writes it in a DCP thread. The next
-        submit()'s commit waits for the write."""
+        """Copy `state_dict` into this role's CPU copy now; the next submit()'s commit writes it with DCP first.
+
+        The copy is made with torch's own state-dict helpers (DTensor and ShardedTensor aware) into buffers kept
+        for the pool's life (pinned on CUDA); the write is a plain dcp.save of that copy on the committer's
+        thread and group. (DCP's async_save stager failed on its second call with FSDP2 DTensors on torch 2.11.)"""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
-        # One background collective at a time on self.group, and one save per role in flight (its staging
-        # buffers are reused): wait for every earlier write and commit first.
-        self.drain()
-        self._inflight.append(dcp.async_save(state_dict, checkpoint_id=checkpoint_id, process_group=self.group,
-                                             async_stager=self._stager(role)))
-
-    def _stager(self, role: str):
-        """One staging area per checkpointed role, kept for the pool's life: its (pinned, on CUDA) CPU buffers are
-        reused by the next save instead of allocated again."""
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        if role not in self._stagers:
-            cuda = torch.cuda.is_available()
-            self._stagers[role] = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                               use_async_staging=False, use_non_blocking_copy=cuda))
-        return self._stagers[role]
+        self.drain()  # earlier writes are done with the CPU copies
+        cuda = torch.cuda.is_available()
+        shape = _layout(state_dict)
+        if self._staged.get(role, (None, None))[0] != shape:
+            self._staged[role] = (shape, _create_cpu_state_dict(state_dict, pin_memory=cuda))
+        staged = _copy_state_dict(state_dict, self._staged[role][1], non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
+        self._writes.append(lambda: dcp.save(staged, checkpoint_id=checkpoint_id, process_group=self.group))
 
     def submit(self, output: str, name: str, commit: Callable[[], None]) -> None:
         """Queue a stage's commit behind the earlier ones; it runs once the stage's writes are done."""
         self.check()
-        writes, self._inflight = self._inflight, []
+        writes, self._writes = self._writes, []
         self._done[output] = threading.Event()
         self._queue.put((output, name, writes, commit))
 
     def pending(self) -> bool:
         """Whether a write or an earlier commit is still running (a new commit must then queue behind it)."""
-        return bool(self._inflight) or any(not e.is_set() for e in self._done.values())
+        return bool(self._writes) or any(not e.is_set() for e in self._done.values())
 
     def wait(self, output: str) -> None:
         """Until `output`'s commit (submitted earlier on this rank) is done; raises if the queue failed."""
@@ -77,8 +91,6 @@ class Committer:
         self.check()
 
     def drain(self) -> None:
-        for f in self._inflight:
-            f.result()
         for output in list(self._done):
             self.wait(output)
 
@@ -92,8 +104,8 @@ class Committer:
             output, name, writes, commit = self._queue.get()
             if self.error is None:
                 try:
-                    for f in writes:
-                        f.result()
+                    for write in writes:
+                        write()
                     commit()
                 except BaseException as e:  # noqa: BLE001 - raised in the pool's main thread by check()
                     self.error, self._failed_stage = e, name
