@@ -47,6 +47,7 @@ class Committer:
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self._queue: queue.Queue = queue.Queue()
         self._done: dict[str, threading.Event] = {}
+        self._written: dict[str, threading.Event] = {}  # its files are all on disk (its commit may still be queued)
         self._staged: dict[str, tuple] = {}  # role -> (layout, CPU copy of its state dict)
         self._writes: list[Callable[[], object]] = []  # this stage's writes, handed to its commit
         self.error: BaseException | None = None
@@ -76,16 +77,19 @@ class Committer:
         """Queue a stage's commit behind the earlier ones; it runs once the stage's writes are done."""
         self.check()
         writes, self._writes = self._writes, []
-        self._done[output] = threading.Event()
+        self._done[output], self._written[output] = threading.Event(), threading.Event()
+        if not writes:
+            self._written[output].set()
         self._queue.put((output, name, writes, commit))
 
     def pending(self) -> bool:
         """Whether a write or an earlier commit is still running (a new commit must then queue behind it)."""
         return bool(self._writes) or any(not e.is_set() for e in self._done.values())
 
-    def wait(self, output: str) -> None:
-        """Until `output`'s commit (submitted earlier on this rank) is done; raises if the queue failed."""
-        event = self._done.get(output)
+    def wait(self, output: str, *, written: bool = False) -> None:
+        """Until `output`'s commit (submitted earlier on this rank) is done, or with `written` only its files;
+        raises if the queue failed."""
+        event = (self._written if written else self._done).get(output)
         while event is not None and not event.wait(0.05):
             self.check()
         self.check()
@@ -106,6 +110,7 @@ class Committer:
                 try:
                     for write in writes:
                         write()
+                    self._written[output].set()
                     commit()
                 except BaseException as e:  # noqa: BLE001 - raised in the pool's main thread by check()
                     self.error, self._failed_stage = e, name

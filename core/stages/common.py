@@ -48,10 +48,14 @@ class StageContext:
 
     def input(self, name: str) -> Path:
         """Local folder of a committed input stage, checksums verified (once per node). An input still committing
-        in this pool's background is waited for first."""
+        in this pool's background: in a local store, its folder once its files are written (this pool wrote them,
+        and its commit digests them); in a remote one, after its commit."""
         key = self.job["inputs"][name]
         if name in self.job.get("pending_inputs", ()):
-            self.committer.wait(key)
+            folder = self.store.local_path(key)
+            self.committer.wait(key, written=folder is not None)
+            if folder is not None:
+                return folder
         cache = Path(self.job["scratch"]) / "inputs" / name
         path = None
         if self.local_rank == 0:
