@@ -23,7 +23,6 @@ import torch.distributed as dist
 from core import faults, modelcache
 from core.blueprint import Blueprint
 from core.stages import committer as committers
-from core.stages.committer import Committer
 from core.store import ArtifactStore, digest_files
 
 log = logging.getLogger("verlflow.stage")
@@ -40,7 +39,7 @@ class StageContext:
     device: torch.device
     out: Path
     timings: dict = field(default_factory=dict)
-    committer: "Committer | None" = None  # a warm pool's background commits (resources.async_checkpoint)
+    committer: "committers.Committer | None" = None  # a warm pool's background commits (resources.async_checkpoint)
 
     @property
     def iteration(self):
