@@ -36,8 +36,9 @@ class WarmPool:
         self.started = False
         self.resources = contextlib.ExitStack()  # GPU claims held for the pool's life
         # Stages whose commit runs in the pool's background (resources.async_checkpoint): store path ->
-        # (the manifest to come, a check that it has landed).
-        self.pending: dict[str, tuple[dict, Callable[[], bool]]] = {}
+        # (the manifest to come, a check that it has landed, the job's scratch folder: the pool removes it
+        # after the commit, close() if the commit never came).
+        self.pending: dict[str, tuple[dict, Callable[[], bool], Path]] = {}  # ... and the job's scratch folder
         self.spec = LaunchSpec(module="core.stages.pool", args=[str(self.dir)], nproc_per_node=nproc, nnodes=1,
                                timeout_s=None, env={**env, "VERLFLOW_WARM_POOL": "1"}, log_dir=str(self.dir / "logs"))
 
@@ -103,7 +104,9 @@ class WarmPool:
                 self.kill()
         self.resources.close()
         shutil.rmtree(self.dir, ignore_errors=True)
-        lost = [name for name, (_, landed) in self.pending.items() if not landed()]
+        lost = [name for name, (_, landed, _) in self.pending.items() if not landed()]
+        for _, _, scratch in self.pending.values():
+            shutil.rmtree(scratch, ignore_errors=True)
         return [f"{name} ({self.error})" if self.error else name for name in lost]
 
 

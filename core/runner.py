@@ -176,7 +176,7 @@ def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[st
             if done.get("pending"):
                 background = True
                 manifest = {**done["manifest"], "pending": True}
-                pool.pending[out] = (manifest, lambda: (store.read_manifest(out) or {}).get("key") == key)
+                pool.pending[out] = (manifest, lambda: (store.read_manifest(out) or {}).get("key") == key, scratch)
                 on_line(f"[verlflow] {stage}[{iteration}] done; its commit runs in the warm pool's background")
                 return StageResult(manifest, False, time.time() - t0)
         else:

@@ -2,8 +2,10 @@
 commits nothing, leaves no process, and the next run starts a fresh pool. (Bit-identical weights with and without
 the pool: tests/test_stages.py.)"""
 
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -63,6 +65,7 @@ def test_a_crash_during_a_background_commit_commits_nothing_after_it(tiny_kit, t
     keep the stages' order. The rerun resumes at the update and lands every commit, in order."""
     bp = tiny_blueprint(tiny_kit, tmp_path, resources__warm_workers=True, iterations=2)
     assert bp.resources.async_checkpoint  # the default
+    scratch_before = set(Path(tempfile.gettempdir()).glob("verlflow-update-*"))
     monkeypatch.setenv("VERLFLOW_FAULT", "kill_rank1_in_commit")
     monkeypatch.setenv("VERLFLOW_FAULT_ONCE", str(tmp_path / "fired"))
     lines = []
@@ -74,6 +77,7 @@ def test_a_crash_during_a_background_commit_commits_nothing_after_it(tiny_kit, t
                        for p in (tmp_path / "runs/a").rglob("manifest.json"))
     assert committed == ["1/rollout", "init/build", "init/validate"], committed
     assert not list(tmp_path.rglob("latest*"))  # nothing promoted
+    assert not [p for p in Path(tempfile.gettempdir()).glob("verlflow-update-*") if p not in scratch_before]
     assert _no_children()
 
     pending = {}
@@ -89,6 +93,28 @@ def test_a_crash_during_a_background_commit_commits_nothing_after_it(tiny_kit, t
         m = results[2 + 3 * (it - 1) + 1].manifest
         assert any(f.startswith("policy/dcp/") for f in m["files"]) and m["timings"]["background_s"] > 0
     assert list(tmp_path.rglob("latest*"))  # promoted after checkpoint[2]'s background commit
+    assert _no_children()
+
+
+def test_background_commits_upload_to_s3(tiny_kit, s3_bucket, tmp_path):
+    """A remote store: the background commit uploads the update from the job's scratch folder, which the pool
+    removes after the commit; the next stages wait for it where they read it; every artifact verifies on
+    download and a rerun reuses all of them."""
+    from core.runner import open_store
+
+    bp = tiny_blueprint(tiny_kit, f"{s3_bucket.uri}/vf", resources__warm_workers=True, iterations=2)
+    scratch = lambda: set(Path(tempfile.gettempdir()).glob("verlflow-update-*"))  # noqa: E731
+    before, pending = scratch(), {}
+    results = run_pipeline(bp, "s", on_line=lambda line: None,
+                           on_step=lambda step, res: pending.__setitem__(step.name, res.pending))
+    assert pending["update[1]"] and pending["update[2]"]
+    assert all(r.manifest.get("committed_at") for r in results)
+    store = open_store(bp)
+    got = store.materialize("runs/s/2/update", tmp_path / "dl")  # checksums verified
+    assert (got / "policy/state.json").is_file() and list((got / "policy/dcp").iterdir())
+    assert scratch() == before, "a background commit left its scratch folder"
+    again = run_pipeline(bp, "s", on_line=lambda line: None)
+    assert all(r.skipped for r in again)
     assert _no_children()
 
 
