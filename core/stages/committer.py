@@ -1,8 +1,9 @@
 """Background commits in a warm pool (resources.async_checkpoint): a stage's checkpoint is written, digested and
 committed while the pool runs the next stages.
 
-Per rank, one thread takes commits in the order the stages ran: it waits for the stage's background writes (DCP
-async saves), then runs the stage's ordinary commit (digest, upload, manifest written last). A commit never
+Per rank, one thread takes commits in the order the stages ran: it first runs the stage's background writes (a
+dcp.save of the CPU copy that save() made), then the stage's ordinary commit (digest, upload, manifest written
+last). A commit never
 overtakes an earlier one, so a stage's manifest is never visible before its inputs' are; a crash before a commit
 leaves that stage (and every later one) uncommitted, as a crash in a fresh job would. After a failed commit the
 queue stops: the pool's next job, or its close, raises it.
