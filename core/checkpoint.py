@@ -30,7 +30,7 @@ FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict,
-         background=None, role: str = "policy") -> None:
+         background=None) -> None:
     """Every rank writes its shards; rank 0 writes state.json. With `background` (a warm pool's
     core.stages.committer.Committer) the state is copied to CPU memory here and written by the stage's background
     commit, before the manifest."""
@@ -47,7 +47,7 @@ def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
     if background is None:
         dcp.save(sd, checkpoint_id=str(folder / "dcp"))
     else:
-        background.save(sd, str(folder / "dcp"), role)
+        background.save(sd, str(folder / "dcp"), role=folder.name)
 
 
 def _check_same_model(folder: Path, target: dict) -> None:

@@ -232,28 +232,30 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
                            launch_to_worker_s=round(t_start - job.get("launched_at", t_start), 3))
 
         def commit() -> None:
-            dist.barrier(group=committer.group)  # every rank's writes are done
             faults.kill_point("commit", ctx.rank)  # test hook: a crash while a commit is in flight
             # how long the writes (and earlier commits) ran on after the stage returned
             ctx.timings["background_s"] = round(time.time() - t_end, 3)
-            manifest = _commit(ctx, metrics, t_start, group=committer.group)
-            if after_commit is not None and ctx.rank == 0:
-                after_commit(ctx, manifest)
-            dist.barrier(group=committer.group)
+            _commit_and_after(ctx, metrics, t_start, after_commit, committer.group)
             if ctx.local_rank == 0:
                 shutil.rmtree(job["scratch"], ignore_errors=True)  # the runner left it to us (its remote out/)
 
         committer.submit(job["output"], f"{job['stage']}[{job['iteration']}]", commit)
         return {"pending": True, "manifest": {**job["manifest"], "metrics": metrics, "timings": ctx.timings,
                                               "world_size": world}}
-    if world > 1:
-        dist.barrier()
-    manifest = _commit(ctx, metrics, t_start)
+    _commit_and_after(ctx, metrics, t_start, after_commit)
+    return None
+
+
+def _commit_and_after(ctx: StageContext, metrics: dict, t_start: float, after_commit, group=None) -> None:
+    """Once every rank's files are written: the commit, then (rank 0) after_commit, then every rank past it. In
+    the main thread on the default group, or on the committer's thread and group."""
+    if ctx.world > 1:
+        dist.barrier(group=group)
+    manifest = _commit(ctx, metrics, t_start, group=group)
     if after_commit is not None and ctx.rank == 0:
         after_commit(ctx, manifest)
-    if world > 1:
-        dist.barrier()
-    return None
+    if ctx.world > 1:
+        dist.barrier(group=group)
 
 
 def scratch_dir() -> Path:

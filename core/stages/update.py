@@ -75,10 +75,10 @@ def run(ctx: StageContext) -> dict:
                                   progress=log.info if ctx.is_main() else None)
     new_state = {**state, "step": step, "data_cursor": state["data_cursor"] + bp.data.batch_size, "iteration": it}
     with ctx.timed("save_s"):
-        checkpoint.save(ctx.out / "policy", policy, popt, new_state, ctx.background(), "policy")
+        checkpoint.save(ctx.out / "policy", policy, popt, new_state, ctx.background())
         modelcache.put("policy", ctx.identity(), (policy, popt, new_state))
         if gae:
-            checkpoint.save(ctx.out / "critic", critic, copt, new_state, ctx.background(), "critic")
+            checkpoint.save(ctx.out / "critic", critic, copt, new_state, ctx.background())
             modelcache.put("critic", ctx.identity(), (critic, copt))
     last = history[-1]
     return {**adv_metrics, "step": step, "mini_batches": history, "pg_loss": last["pg_loss"],
