@@ -4,8 +4,8 @@ Only inside a warm pool (VERLFLOW_WARM_POOL=1, set by core.pool): an update keep
 (and the frozen reference, and the critic) in memory after committing them, and the next rollout, checkpoint and
 update use those instead of reading the checkpoint back. An entry is keyed by the committed stage it equals (store
 path and key) and the blueprint sections that shape the module. A failed stage ends the pool and its memory, so
-an entry never outlives the process that committed it. Every rank holds its own shards: all ranks of the pool run
-the same stages, so they find the same entries.
+an entry never outlives the process that committed it. Every rank holds its own shards; whether an entry is used
+is agreed across the ranks (a rank that alone missed would load, and wait in collectives the others skip).
 """
 
 import os
@@ -19,11 +19,14 @@ def enabled() -> bool:
 
 
 def get(role: str, identity: tuple):
+    """The entry, on every rank or on none: a hit skips a load whose collectives the other ranks would enter."""
+    from core.stages.agree import every_rank
+
     entry = _ENTRIES.get(role)
-    if enabled() and entry is not None and entry[0] == identity:
-        hits.append(role)
-        return entry[1]
-    return None
+    if not enabled() or not every_rank(entry is not None and entry[0] == identity):
+        return None
+    hits.append(role)
+    return entry[1]
 
 
 def put(role: str, identity: tuple, value) -> None:

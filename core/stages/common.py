@@ -23,6 +23,7 @@ import torch.distributed as dist
 from core import faults, modelcache
 from core.blueprint import Blueprint
 from core.stages import committer as committers
+from core.stages.agree import any_rank
 from core.store import ArtifactStore, digest_files
 
 log = logging.getLogger("verlflow.stage")
@@ -226,7 +227,9 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
     metrics = run(ctx) or {}
     if modelcache.hits:
         metrics["warm_cache_hits"] = sorted(set(modelcache.hits))
-    if committer is not None and committer.pending():
+    # Whether a commit is still running is a per-rank fact (one rank's committer thread may lag under load); the
+    # path taken decides which group's collectives follow, so every rank must take the same one.
+    if committer is not None and any_rank(committer.pending()):
         t_end = time.time()
         ctx.timings.update(stage_s=round(t_end - t_start, 3),
                            launch_to_worker_s=round(t_start - job.get("launched_at", t_start), 3))
