@@ -201,7 +201,9 @@ class ResourcesSpec(Section):
     rdzv_endpoint: Optional[str] = Field(
         None, description="backend local with nnodes > 1: host:port of the c10d rendezvous (on node 0)."
     )
-    stage_timeout_s: int = Field(1800, ge=1, description="A stage job is killed after this many seconds.")
+    stage_timeout_s: int = Field(
+        1800, ge=1, description="A stage job is stopped after this many seconds, every rank's Python stack printed "
+        "first (a hang shows where each rank waits); it then fails as TIMEOUT (retryable).")
     retries: int = Field(1, ge=0, description="Retries of a stage whose failure is retryable (timeouts, kills).")
     warm_workers: bool = Field(
         False, description="backend local, one node: keep one torchrun job alive for a whole pipeline and run each "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import faulthandler
 import functools
 import glob
 import json
@@ -39,6 +40,10 @@ from core.errors import VerlflowError
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved now: preexec_fn (after fork) stays trivial
 _PR_SET_PDEATHSIG = 1
 _PREFIX = "[rank${rank}] "  # torchrun's header for worker lines; we parse it back below
+# A worker prints every thread's Python stack on this signal (faulthandler, installed by worker_guard): a job stopped
+# for its timeout shows where each rank was, e.g. which collective it waited in.
+STACK_SIGNAL = signal.SIGUSR1
+_STACK_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ .*most recent call first")
 _RANK_LINE = re.compile(r"\[rank(\d+)\] (?:\[rank\1\]:? ?)?")  # torch's excepthook adds "[rankN]:" too
 # One entry of torchrun's ChildFailedError summary (global rank, local rank, exit code).
 _SUMMARY = re.compile(r"rank\s*:\s*(\d+) \(local_rank: (\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
@@ -143,6 +148,7 @@ def worker_guard() -> None:
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return  # run by hand, not under torchrun
     os.dup2(1, 2)
+    faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
     try:  # torchrun may have died before prctl: then our parent is init or a subreaper
         with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
             parent = f.read()
@@ -192,18 +198,24 @@ class _Tree:
 
 
 def launch(spec: LaunchSpec, on_line: Callable[[str], None] = print,
-           cancel: threading.Event | None = None, grace_s: float = 5.0) -> LaunchResult:
+           cancel: threading.Event | None = None, grace_s: float = 5.0,
+           expire: threading.Event | None = None) -> LaunchResult:
     """Run the job to the end; on_line gets each output line (in this thread) as it arrives.
-    Raises StageFailure on a failed job, our timeout or a cancel, after the whole tree is gone."""
+    Raises StageFailure on a failed job, our timeout or a cancel, after the whole tree is gone. `expire` is a
+    caller's own timeout (a warm pool's stage): stopped like spec.timeout_s, as TIMEOUT.
+
+    A job stopped for a timeout first prints every rank's Python stack (STACK_SIGNAL); the StageFailure carries
+    them, so a hang says where each rank waited."""
     tmp_log_dir = None if spec.log_dir else tempfile.mkdtemp(prefix="verlflow-torchrun-")
     spec = replace(spec, log_dir=spec.log_dir or tmp_log_dir, rdzv_id=spec.rdzv_id or uuid.uuid4().hex[:12])
     cmd = build_command(spec)
     start = time.monotonic()
     try:
-        returncode, stopped, own_lines, rank_tails = _run(spec, cmd, on_line, cancel, grace_s)
+        returncode, stopped, own_lines, rank_tails, stacks = _run(spec, cmd, on_line, cancel, grace_s, expire)
         duration = time.monotonic() - start
         if stopped is FailureKind.TIMEOUT:
-            raise StageFailure(stopped, f"{spec.module} ran past its timeout of {spec.timeout_s:g} s; killed")
+            limit = f"its timeout of {spec.timeout_s:g} s" if spec.timeout_s is not None else "its timeout"
+            raise StageFailure(stopped, f"{spec.module} ran past {limit}; killed", traceback=stacks)
         if stopped is FailureKind.CANCELLED:
             raise StageFailure(stopped, f"{spec.module} was cancelled after {duration:.1f} s; killed")
         if returncode != 0:
@@ -214,7 +226,7 @@ def launch(spec: LaunchSpec, on_line: Callable[[str], None] = print,
             shutil.rmtree(tmp_log_dir, ignore_errors=True)
 
 
-def _run(spec: LaunchSpec, cmd: list[str], on_line, cancel, grace_s):
+def _run(spec: LaunchSpec, cmd: list[str], on_line, cancel, grace_s, expire=None):
     env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": _PREFIX}
     env.pop("TORCHELASTIC_ERROR_FILE", None)  # set when we run under torchrun ourselves: not torchrun's
     launcher_pid = os.getpid()
@@ -240,6 +252,7 @@ def _run(spec: LaunchSpec, cmd: list[str], on_line, cancel, grace_s):
     own_lines: deque[str] = deque(maxlen=3000)  # torchrun's own output: holds its failure summary
     rank_tails: dict[int, deque[str]] = defaultdict(lambda: deque(maxlen=20))
     stopped, last_refresh, exited_at = None, 0.0, None
+    dump = None  # after a timeout: the ranks' stacks as they arrive, until every rank has printed one
     try:
         while True:
             try:
@@ -249,6 +262,8 @@ def _run(spec: LaunchSpec, cmd: list[str], on_line, cancel, grace_s):
                 if m := _RANK_LINE.match(line):
                     rank_tails[int(m[1])].append(line[m.end():])
                     on_line(f"[rank{m[1]}] {line[m.end():]}")
+                    if dump is not None:
+                        dump.add(int(m[1]), line[m.end():])
                 else:
                     own_lines.append(line)
                     on_line(f"[torchrun] {line}")
@@ -260,9 +275,11 @@ def _run(spec: LaunchSpec, cmd: list[str], on_line, cancel, grace_s):
                 last_refresh = now
             if stopped is None and cancel is not None and cancel.is_set():
                 stopped = FailureKind.CANCELLED
-            elif stopped is None and spec.timeout_s is not None and now - start > spec.timeout_s:
+            elif stopped is None and (spec.timeout_s is not None and now - start > spec.timeout_s
+                                      or expire is not None and expire.is_set()):
                 stopped = FailureKind.TIMEOUT
-            if stopped is not None and proc.poll() is None:
+                dump = _StackDump(proc.pid, tree)
+            if stopped is not None and proc.poll() is None and (dump is None or dump.complete()):
                 tree.kill(grace_s)
             if proc.poll() is not None:  # an orphan may hold the pipe open: do not wait for EOF forever
                 exited_at = exited_at or now
@@ -271,7 +288,41 @@ def _run(spec: LaunchSpec, cmd: list[str], on_line, cancel, grace_s):
     finally:
         tree.kill(grace_s)  # whatever happened (success included), leave no process of the tree
         proc.wait()
-    return proc.returncode, stopped, own_lines, rank_tails
+    return proc.returncode, stopped, own_lines, rank_tails, dump.text() if dump else ""
+
+
+class _StackDump:
+    """Asks every worker (torchrun's children) for its threads' stacks and collects them from its output, for
+    a few seconds at most: a rank stuck in C code still answers (faulthandler writes from the signal handler)."""
+
+    def __init__(self, torchrun_pid: int, tree: _Tree, wait_s: float = 5.0):
+        self.lines: dict[int, list[str]] = defaultdict(list)
+        self.deadline = time.monotonic() + wait_s
+        self.last_line = time.monotonic()
+        self.workers = 0
+        tree.refresh()
+        for p in tree.alive():  # only the ranks: torchrun itself would die of the signal
+            try:
+                if p.ppid() == torchrun_pid:
+                    p.send_signal(STACK_SIGNAL)
+                    self.workers += 1
+            except psutil.Error:
+                pass
+
+    def add(self, rank: int, text: str) -> None:
+        if _STACK_HEADER.match(text) or self.lines[rank]:
+            self.lines[rank].append(text)
+            self.last_line = time.monotonic()
+
+    def complete(self) -> bool:
+        now = time.monotonic()
+        answered = len(self.lines) >= self.workers and now - self.last_line > 0.5
+        return answered or now > self.deadline
+
+    def text(self) -> str:
+        if not self.lines:
+            return "no rank printed its stack (stopped before its stack handler was installed, or stuck in the kernel)"
+        return "\n".join(f"rank {r} stacks when stopped:\n" + "\n".join(self.lines[r]) for r in sorted(self.lines))
 
 
 def _classify(message: str) -> FailureKind:

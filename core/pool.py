@@ -31,6 +31,7 @@ class WarmPool:
         self.busy = threading.Lock()
         self._sink = on_line
         self._kill = threading.Event()
+        self._expire = threading.Event()  # a stage's timeout: the launch prints every rank's stack, then kills
         self._gone = threading.Event()
         self.error: BaseException | None = None
         self.started = False
@@ -49,7 +50,7 @@ class WarmPool:
 
     def _serve(self) -> None:
         try:
-            launch(self.spec, on_line=lambda line: self._sink(line), cancel=self._kill)
+            launch(self.spec, on_line=lambda line: self._sink(line), cancel=self._kill, expire=self._expire)
         except BaseException as e:  # noqa: BLE001 - handed to the stage that was running
             self.error = e
         finally:
@@ -80,9 +81,11 @@ class WarmPool:
                 self.kill()
                 raise StageFailure(FailureKind.CANCELLED, f"{stage} was cancelled; its warm worker pool was killed")
             if deadline is not None and time.monotonic() > deadline:
-                self.kill()
+                self._expire.set()
+                self._gone.wait(60)
+                stacks = self.error.traceback if isinstance(self.error, StageFailure) else ""
                 raise StageFailure(FailureKind.TIMEOUT, f"{stage} ran past its timeout of {timeout_s:g} s "
-                                   "(resources.stage_timeout_s); its warm worker pool was killed")
+                                   "(resources.stage_timeout_s); its warm worker pool was killed", traceback=stacks)
         return json.loads(done.read_text())
 
     def _send(self, msg: dict) -> None:
@@ -118,8 +121,12 @@ def warm_pools():
     with _LOCK:
         _DEPTH += 1
     lost: list[str] = []
+    abandon = False
     try:
         yield
+    except BaseException as e:
+        abandon = _abandons(e)
+        raise
     finally:
         with _LOCK:
             _DEPTH -= 1
@@ -127,10 +134,19 @@ def warm_pools():
             if _DEPTH == 0:
                 _POOLS.clear()
         for pool in closing:
+            if abandon:  # no waiting for a stop message a hung pool would never read, nor for its commits
+                pool.kill()
             lost += pool.close()
     if lost:
         raise StageFailure(FailureKind.UNKNOWN, "the warm worker pool's background commit did not land for "
                            + ", ".join(lost) + "; those stages are not committed, and a rerun runs them again")
+
+
+def _abandons(exc: BaseException) -> bool:
+    """Whether the run is being stopped (Cancel, Ctrl-C, SIGTERM: Prefect raises a BaseException), not merely failed:
+    then the pools die at once. The runner that sent SIGTERM kills this process 30 s later anyway (Prefect's
+    grace), leaving the ranks to die only with it."""
+    return not isinstance(exc, Exception) or (isinstance(exc, StageFailure) and exc.kind is FailureKind.CANCELLED)
 
 
 def pending_manifest(output: str) -> tuple["WarmPool", dict] | None:

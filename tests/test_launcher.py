@@ -116,6 +116,21 @@ def test_timeout_kills_the_whole_tree(tmp_path):
     _assert_tree_gone(_wait_for_pids(tmp_path, timeout=0))
 
 
+def test_timeout_of_a_rank_hung_in_a_collective_shows_every_ranks_stack(tmp_path):
+    """Rank 0 waits in a barrier rank 1 never enters: the timeout's error carries each rank's Python stack, the
+    waiting barrier on rank 0 and rank 1's own loop, instead of a silent wait."""
+    with pytest.raises(StageFailure) as info:
+        launch(_spec("barrier-hang", tmp_path, timeout_s=8), on_line=lambda line: None, grace_s=2)
+    e = info.value
+    assert e.kind is FailureKind.TIMEOUT
+    stacks = e.traceback.split("rank 1 stacks when stopped:")
+    assert len(stacks) == 2 and stacks[0].startswith("rank 0 stacks when stopped:"), e.traceback
+    assert "in barrier" in stacks[0] and "_probe.py" in stacks[0], stacks[0]
+    assert "in barrier" not in stacks[1] and "_probe.py" in stacks[1], stacks[1]
+    assert "rank 0 stacks" in str(e)  # shown with the error, not only kept on it
+    _assert_tree_gone(_wait_for_pids(tmp_path, timeout=0))
+
+
 def test_cancel_kills_the_whole_tree(tmp_path):
     cancel, seen = threading.Event(), {}
 

@@ -18,7 +18,8 @@ from core.errors import NonFiniteError  # noqa: E402
 @record
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["ok", "raise", "hang", "nonfinite", "sleep-then-print"], default="ok")
+    parser.add_argument("--mode", choices=["ok", "raise", "hang", "barrier-hang", "nonfinite",
+                                                         "sleep-then-print"], default="ok")
     parser.add_argument("--pid-dir", help="each rank writes rank<N>.pid and torchrun.pid (its parent) here")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
@@ -40,7 +41,9 @@ def main() -> None:
         print("first", flush=True)
         time.sleep(1.5)
         print("second", flush=True)
-    while args.mode == "hang":
+    if args.mode == "barrier-hang" and rank == 0:
+        dist.barrier()  # rank 1 never comes: a hung collective
+    while args.mode in ("hang", "barrier-hang"):
         time.sleep(1)
     dist.destroy_process_group()
 

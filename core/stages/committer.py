@@ -44,8 +44,8 @@ class CommitFailed(RuntimeError):
 
 
 class Committer:
-    def __init__(self, timeout_s: float):
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    def __init__(self, timeout: timedelta):
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
         self._queue: queue.Queue = queue.Queue()
         self._done: dict[str, threading.Event] = {}
         self._written: dict[str, threading.Event] = {}  # its files are all on disk (its commit may still be queued)
@@ -122,11 +122,11 @@ class Committer:
 _POOL_COMMITTER: Committer | None = None
 
 
-def for_pool(timeout_s: float) -> Committer:
+def for_pool(timeout: timedelta) -> Committer:
     """The pool's committer, made by every rank at the same point (its first job, after the process group)."""
     global _POOL_COMMITTER
     if _POOL_COMMITTER is None:
-        _POOL_COMMITTER = Committer(timeout_s)
+        _POOL_COMMITTER = Committer(timeout)
     return _POOL_COMMITTER
 
 

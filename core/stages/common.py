@@ -130,8 +130,14 @@ def _init_process_group(bp: Blueprint) -> tuple[int, int, int, torch.device]:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(bp.resources.dist_backend, timeout=timedelta(seconds=bp.resources.stage_timeout_s))
+        dist.init_process_group(bp.resources.dist_backend, timeout=collective_timeout(bp))
     return rank, world, local_rank, device
+
+
+def collective_timeout(bp: Blueprint) -> timedelta:
+    """Past the stage's own timeout, so that one (which prints every rank's stack first) fires before a collective's
+    (which names only the rank that gave up)."""
+    return timedelta(seconds=bp.resources.stage_timeout_s + 60)
 
 
 def _seed(bp: Blueprint, iteration, rank: int) -> None:
@@ -209,7 +215,7 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
     job = json.loads(job_file.read_text())
     bp = Blueprint.model_validate(job["blueprint"])
     rank, world, local_rank, device = _init_process_group(bp)
-    committer = committers.for_pool(bp.resources.stage_timeout_s) if in_pool else None
+    committer = committers.for_pool(collective_timeout(bp)) if in_pool else None
     setup_logging(rank)
     _seed(bp, job["iteration"], rank)
     store = ArtifactStore(bp.storage.uri, endpoint_url=bp.storage.endpoint_url, region=bp.storage.region)
@@ -222,7 +228,7 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
         dist.barrier()
     out.mkdir(parents=True, exist_ok=True)
     ctx = StageContext(job, bp, store, rank, world, local_rank, device, out, committer=committer)
-    faults.hang_point(job["stage"])  # test hook: VERLFLOW_FAULT=hang_in_<stage>
+    faults.hang_point(job["stage"], rank)  # test hook: VERLFLOW_FAULT=hang_in_<stage>, barrier_hang_in_<stage>
     modelcache.hits.clear()
     metrics = run(ctx) or {}
     if modelcache.hits:
