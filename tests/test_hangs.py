@@ -91,3 +91,44 @@ def test_a_pool_stage_hung_in_a_collective_times_out_with_every_ranks_stack(tiny
     while _stage_processes() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _stage_processes()
+
+
+def _pool_ranks(root_pid: int) -> list[psutil.Process]:
+    """The warm pool's torchrun and its ranks below root_pid."""
+    for p in psutil.Process(root_pid).children(recursive=True):
+        try:
+            if "torch.distributed.run" in " ".join(p.cmdline()) and "core.stages.pool" in p.cmdline():
+                return [p, *p.children(recursive=True)]
+        except psutil.Error:
+            pass
+    return []
+
+
+def test_cancel_of_a_served_run_hung_in_a_collective_is_prompt(prefect_server, serve, tiny_kit, tmp_path):
+    """The UI's Cancel of a served run whose stage waits in a barrier: the ranks die and the run is Cancelled within
+    seconds (it took ~31 s: the flow process waited for the hung pool to stop until Prefect's 30 s grace ran out)."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+    from prefect_server import tiny_blueprint as flow_blueprint, wait_state, write_blueprint
+
+    bp = flow_blueprint(tiny_kit, tmp_path / "store", "name=hung", "resources.nproc_per_node=2",
+                        "resources.warm_workers=true")
+    served = serve(write_blueprint(bp, tmp_path / "hung.yaml"), VERLFLOW_FAULT="barrier_hang_in_validate")
+    with get_client(sync_client=True) as client:
+        run = client.create_flow_run_from_deployment(client.read_deployment_by_name("finetune/hung").id)
+        deadline, ranks = time.monotonic() + 180, []
+        while "(in a barrier)" not in served.log.read_text() or len(ranks) < 3:
+            assert time.monotonic() < deadline, served.log.read_text()[-3000:]
+            ranks = _pool_ranks(served.proc.pid)
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        client.set_flow_run_state(run.id, Cancelling())  # what the UI's Cancel button sends
+        alive = psutil.wait_procs(ranks, timeout=60)[1]
+        ranks_gone_s = time.monotonic() - t0
+        assert not alive, f"alive 60 s after Cancel: {[p.pid for p in alive]}"
+        state = wait_state(run.id, timeout_s=60)
+        cancelled_s = time.monotonic() - t0
+    assert state.is_cancelled(), state
+    assert ranks_gone_s < 10 and cancelled_s < 15, (ranks_gone_s, cancelled_s)
+    assert not (tmp_path / "store/runs").exists() or not list((tmp_path / "store/runs").rglob("manifest.json"))
+    print(f"\ncancel of a stage hung in a barrier: ranks gone in {ranks_gone_s:.1f} s, Cancelled in {cancelled_s:.1f} s")
