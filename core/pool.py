@@ -13,6 +13,7 @@ import shutil
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -21,6 +22,14 @@ from core.launcher import FailureKind, LaunchSpec, StageFailure, launch
 _LOCK = threading.Lock()
 _POOLS: dict[tuple, "WarmPool"] = {}
 _DEPTH = 0
+
+
+@dataclass
+class Background:
+    """A stage whose commit runs in a pool's background."""
+    manifest: dict  # the manifest to come: its key and metrics are known
+    landed: Callable[[], bool]  # whether its manifest is committed
+    discard: Callable[[], None]  # after the pool: its scratch folder, and what an uncommitted stage left in the store
 
 
 class WarmPool:
@@ -36,10 +45,8 @@ class WarmPool:
         self.error: BaseException | None = None
         self.started = False
         self.resources = contextlib.ExitStack()  # GPU claims held for the pool's life
-        # Stages whose commit runs in the pool's background (resources.async_checkpoint): store path ->
-        # (the manifest to come, a check that it has landed, the job's scratch folder: the pool removes it
-        # after the commit, close() if the commit never came).
-        self.pending: dict[str, tuple[dict, Callable[[], bool], Path]] = {}  # ... and the job's scratch folder
+        # Stages whose commit runs in the pool's background (resources.async_checkpoint), by store path.
+        self.pending: dict[str, Background] = {}
         self.spec = LaunchSpec(module="core.stages.pool", args=[str(self.dir)], nproc_per_node=nproc, nnodes=1,
                                timeout_s=None, env={**env, "VERLFLOW_WARM_POOL": "1"}, log_dir=str(self.dir / "logs"))
 
@@ -107,9 +114,9 @@ class WarmPool:
                 self.kill()
         self.resources.close()
         shutil.rmtree(self.dir, ignore_errors=True)
-        lost = [name for name, (_, landed, _) in self.pending.items() if not landed()]
-        for _, _, scratch in self.pending.values():
-            shutil.rmtree(scratch, ignore_errors=True)
+        lost = [name for name, b in self.pending.items() if not b.landed()]
+        for b in self.pending.values():  # the pool is gone: no commit is still writing
+            b.discard()
         return [f"{name} ({self.error})" if self.error else name for name in lost]
 
 
@@ -154,7 +161,7 @@ def pending_manifest(output: str) -> tuple["WarmPool", dict] | None:
     with _LOCK:
         for pool in _POOLS.values():
             if output in pool.pending and pool.alive:
-                return pool, pool.pending[output][0]
+                return pool, pool.pending[output].manifest
     return None
 
 

@@ -176,7 +176,7 @@ def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[st
             if done.get("pending"):
                 background = True
                 manifest = {**done["manifest"], "pending": True}
-                pool.pending[out] = (manifest, lambda: (store.read_manifest(out) or {}).get("key") == key, scratch)
+                pool.pending[out] = _background(manifest, store, out, key, scratch)
                 on_line(f"[verlflow] {stage}[{iteration}] done; its commit runs in the warm pool's background")
                 return StageResult(manifest, False, time.time() - t0)
         else:
@@ -197,6 +197,20 @@ def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[st
     if manifest is None or manifest.get("key") != key:
         raise StoreError(f"{stage}[{iteration}]: the job exited cleanly but committed no manifest at {store.uri(out)}")
     return StageResult(manifest, False, time.time() - t0)
+
+
+def _background(manifest: dict, store: ArtifactStore, out: str, key: str, scratch: Path):
+    from core.pool import Background
+
+    def landed() -> bool:
+        return (store.read_manifest(out) or {}).get("key") == key
+
+    def discard() -> None:
+        shutil.rmtree(scratch, ignore_errors=True)  # a remote store's output was staged there
+        if not landed():
+            store.rm(out)  # a failed stage leaves nothing behind (a full disk: its partial files)
+
+    return Background(manifest, landed, discard)
 
 
 def _await_inputs(pool, inputs: dict[str, str], store: ArtifactStore, cancel, on_line) -> None:

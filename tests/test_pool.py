@@ -193,3 +193,35 @@ def test_a_pool_waiting_for_gpus_does_not_block_the_other_pools(tmp_path):
         assert result["slow"] is None  # the late pool was discarded, not registered or started
         for p in started:
             p._gone.set()  # let close() finish without a job to stop
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 4 MiB tmpfs: the tiny run's validate, build and rollout fit, its first update's checkpoint does not."""
+    import subprocess
+
+    from sysdeps import unavailable
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        unavailable("mounting a tmpfs needs root (a full filesystem is simulated with a small one)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_store_during_a_background_commit_says_so_and_leaves_no_partial_stage(tiny_kit, small_fs):
+    """The update's checkpoint is written in the background while checkpoint[1] exports: whichever write finds
+    the filesystem full first fails the run with one clear message naming the stage and the place, and neither
+    leaves files behind (the update's partial DCP folder is removed when its commit never lands)."""
+    bp = tiny_blueprint(tiny_kit, small_fs / "store", resources__warm_workers=True)
+    with pytest.raises(StageFailure) as err:
+        run_pipeline(bp, "full", on_line=lambda line: None)
+    msg = str(err.value)
+    assert "no space left on device" in msg and str(small_fs / "store") in msg, msg
+    assert "update[1]" in msg or "checkpoint[1]" in msg, msg
+    assert "Traceback" not in msg and err.value.kind is FailureKind.USER_ERROR
+    runs = small_fs / "store/runs/full"
+    stages = {p.relative_to(runs).as_posix(): (p / "manifest.json").is_file() for p in runs.glob("*/*")}
+    assert stages == {"init/validate": True, "init/build": True, "1/rollout": True}, stages
+    assert _no_children()

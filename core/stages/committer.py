@@ -20,6 +20,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from core.errors import NO_SPACE_FIX, StoreError, is_no_space
+
 
 def _layout(state_dict) -> tuple:
     """Names, shapes and dtypes of a (nested) state dict: a cached CPU copy fits only the same layout."""
@@ -75,7 +77,8 @@ class Committer:
         self._writes.append(lambda: dcp.save(staged, checkpoint_id=checkpoint_id, process_group=self.group))
 
     def submit(self, output: str, name: str, commit: Callable[[], None]) -> None:
-        """Queue a stage's commit behind the earlier ones; it runs once the stage's writes are done."""
+        """Queue a stage's commit behind the earlier ones; it runs once the stage's writes are done. `name` says
+        which stage it is, and where it writes, in errors."""
         self.check()
         writes, self._writes = self._writes, []
         self._done[output], self._written[output] = threading.Event(), threading.Event()
@@ -100,6 +103,9 @@ class Committer:
             self.wait(output)
 
     def check(self) -> None:
+        if self.error is not None and is_no_space(self.error):
+            raise StoreError(f"no space left on device: the background commit of {self._failed_stage} could not "
+                             f"write its files; {NO_SPACE_FIX}") from self.error
         if self.error is not None:
             raise CommitFailed(f"the background commit of {self._failed_stage} failed: "
                                f"{type(self.error).__name__}: {self.error}") from self.error

@@ -12,6 +12,7 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from core import faults, modelcache
 from core.blueprint import Blueprint
+from core.errors import NO_SPACE_FIX, StoreError, is_no_space
 from core.stages import committer as committers
 from core.stages.agree import any_rank
 from core.store import ArtifactStore, digest_files
@@ -230,7 +232,8 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
     ctx = StageContext(job, bp, store, rank, world, local_rank, device, out, committer=committer)
     faults.hang_point(job["stage"], rank)  # test hook: VERLFLOW_FAULT=hang_in_<stage>, barrier_hang_in_<stage>
     modelcache.hits.clear()
-    metrics = run(ctx) or {}
+    with _no_space_named(ctx):
+        metrics = run(ctx) or {}
     if modelcache.hits:
         metrics["warm_cache_hits"] = sorted(set(modelcache.hits))
     # Whether a commit is still running is a per-rank fact (one rank's committer thread may lag under load); the
@@ -248,11 +251,29 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
             if ctx.local_rank == 0:
                 shutil.rmtree(job["scratch"], ignore_errors=True)  # the runner left it to us (its remote out/)
 
-        committer.submit(job["output"], f"{job['stage']}[{job['iteration']}]", commit)
+        committer.submit(job["output"], f"{job['stage']}[{job['iteration']}] (to {_where(ctx)})", commit)
         return {"pending": True, "manifest": {**job["manifest"], "metrics": metrics, "timings": ctx.timings,
                                               "world_size": world}}
-    _commit_and_after(ctx, metrics, t_start, after_commit)
+    with _no_space_named(ctx):
+        _commit_and_after(ctx, metrics, t_start, after_commit)
     return None
+
+
+def _where(ctx: StageContext) -> str:
+    return ctx.store.uri(ctx.job["output"]) if ctx.store.local_path(ctx.job["output"]) else f"scratch {ctx.out}"
+
+
+@contextmanager
+def _no_space_named(ctx: StageContext):
+    """A full filesystem is the user's to fix: say so with the stage and the place, not a writer's traceback (the
+    runner removes the partial output)."""
+    try:
+        yield
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if not is_no_space(e):
+            raise
+        raise StoreError(f"no space left on device: {ctx.job['stage']}[{ctx.iteration}] could not write its "
+                         f"files to {_where(ctx)}; {NO_SPACE_FIX}") from e
 
 
 def _commit_and_after(ctx: StageContext, metrics: dict, t_start: float, after_commit, group=None) -> None:
