@@ -54,8 +54,10 @@ def test_failure_ends_the_pool_and_a_rerun_starts_fresh(tiny_kit, tmp_path, monk
     assert not any(pending)
     assert [(r.manifest["stage"], r.skipped) for r in results] == [
         ("validate", True), ("build", True), ("rollout", True), ("update", False), ("checkpoint", False)]
-    assert results[3].manifest["timings"]["launch_to_worker_s"] > 1  # the fresh pool's first job pays the start
-    assert results[4].manifest["timings"]["launch_to_worker_s"] < 0.5
+    # The fresh pool's start-up (spawn, imports) is its own timing, not charged to its first stage.
+    assert results[3].manifest["timings"]["pool_start_s"] > 1
+    assert max(r.manifest["timings"]["launch_to_worker_s"] for r in results[3:]) < 0.5
+    assert "pool_start_s" not in results[4].manifest["timings"]
     assert _no_children()
 
 

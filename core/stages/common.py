@@ -174,8 +174,7 @@ def _commit(ctx: StageContext, metrics: dict, t_start: float, group=None) -> dic
         manifest = dict(ctx.job["manifest"])
         manifest.update(
             metrics=metrics,
-            timings={"stage_s": round(time.time() - t_start, 3),
-                     "launch_to_worker_s": round(t_start - ctx.job.get("launched_at", t_start), 3), **ctx.timings},
+            timings={"stage_s": round(time.time() - t_start, 3), **ctx.timings},
             env=env_summary(),
             world_size=ctx.world,
         )
@@ -207,12 +206,14 @@ def stage_main(run: Callable[[StageContext], dict],
 
 def run_job(job_file: Path, run: Callable[[StageContext], dict],
             after_commit: Callable[[StageContext, dict], None] | None = None,
-            in_pool: bool = False) -> dict | None:
+            in_pool: bool = False, pool_ready_at: float | None = None) -> dict | None:
     """One stage job on every rank: its outputs, then (rank 0) the manifest. The process group is made on the
     first job and kept, so a warm pool runs job after job in the same processes.
 
     In a warm pool the commit goes to the background when the stage left writes running or earlier commits are
-    still queued (commits keep their order); the return value then says so, with the manifest to come."""
+    still queued (commits keep their order); the return value then says so, with the manifest to come. The pool's
+    first job gets `pool_ready_at` (when its ranks had started and imported), so the pool's start-up is its own
+    timing, not the stage's."""
     t_start = time.time()
     job = json.loads(job_file.read_text())
     bp = Blueprint.model_validate(job["blueprint"])
@@ -229,7 +230,8 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
     if world > 1:
         dist.barrier()
     out.mkdir(parents=True, exist_ok=True)
-    ctx = StageContext(job, bp, store, rank, world, local_rank, device, out, committer=committer)
+    ctx = StageContext(job, bp, store, rank, world, local_rank, device, out, committer=committer,
+                       timings=_launch_timings(job, t_start, pool_ready_at))
     faults.hang_point(job["stage"], rank)  # test hook: VERLFLOW_FAULT=hang_in_<stage>, barrier_hang_in_<stage>
     modelcache.hits.clear()
     with _no_space_named(ctx):
@@ -240,8 +242,7 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
     # path taken decides which group's collectives follow, so every rank must take the same one.
     if committer is not None and any_rank(committer.pending()):
         t_end = time.time()
-        ctx.timings.update(stage_s=round(t_end - t_start, 3),
-                           launch_to_worker_s=round(t_start - job.get("launched_at", t_start), 3))
+        ctx.timings.update(stage_s=round(t_end - t_start, 3))
 
         def commit() -> None:
             faults.kill_point("commit", ctx.rank)  # test hook: a crash while a commit is in flight
@@ -274,6 +275,16 @@ def _no_space_named(ctx: StageContext):
             raise
         raise StoreError(f"no space left on device: {ctx.job['stage']}[{ctx.iteration}] could not write its "
                          f"files to {_where(ctx)}; {NO_SPACE_FIX}") from e
+
+
+def _launch_timings(job: dict, t_start: float, pool_ready_at: float | None) -> dict:
+    """From the runner's launch to this worker's start: a fresh job's spawn and imports, a warm job's hand-over;
+    a pool's first job has the pool's own start-up apart."""
+    launched = job.get("launched_at", t_start)
+    if pool_ready_at is None:
+        return {"launch_to_worker_s": round(t_start - launched, 3)}
+    return {"pool_start_s": round(max(0.0, pool_ready_at - launched), 3),
+            "launch_to_worker_s": round(t_start - max(pool_ready_at, launched), 3)}
 
 
 def _commit_and_after(ctx: StageContext, metrics: dict, t_start: float, after_commit, group=None) -> None:

@@ -38,11 +38,14 @@ def main() -> None:
         import torch.distributed as dist
 
         from core.stages import committer as committers
+        from core.runner import STAGES
         from core.stages.common import run_job
 
         worker_guard()
         pool_dir = Path(sys.argv[1])
-        n = 0
+        for name in STAGES:  # the pool's start-up imports what the pipeline's stages need, once
+            importlib.import_module(f"core.stages.{name}")
+        n, ready_at = 0, time.time()  # spawned and imported: what follows is the stages' own time
         try:
             while True:
                 n += 1
@@ -51,7 +54,8 @@ def main() -> None:
                     committers.drain_pool()  # a failed background commit fails the pool, and so the run
                     return
                 stage = importlib.import_module(f"core.stages.{msg['stage']}")
-                done = run_job(Path(msg["job"]), stage.main.run, stage.main.after_commit, in_pool=True)
+                done = run_job(Path(msg["job"]), stage.main.run, stage.main.after_commit, in_pool=True,
+                               pool_ready_at=ready_at if n == 1 else None)
                 gc.collect()  # the stage's models are garbage now; give their memory back before the next
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
