@@ -9,6 +9,7 @@ the next stage starts a new one. A cancel or a stage timeout kills the pool's wh
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -19,6 +20,7 @@ from typing import Callable
 
 from core.launcher import FailureKind, LaunchSpec, StageFailure, launch
 
+_BACKGROUND = re.compile(r"\[background (\S+)\] ")  # core.stages.committer's tag
 _LOCK = threading.Lock()
 _POOLS: dict[tuple, "WarmPool"] = {}
 _DEPTH = 0
@@ -28,6 +30,8 @@ _DEPTH = 0
 class Background:
     """A stage whose commit runs in a pool's background."""
     manifest: dict  # the manifest to come: its key and metrics are known
+    name: str  # `update[3]`: what the committer's lines for it start with
+    on_line: Callable[[str], None]  # its own log: the lines of its commit go there
     landed: Callable[[], bool]  # whether its manifest is committed
     discard: Callable[[], None]  # after the pool: its scratch folder, and what an uncommitted stage left in the store
 
@@ -57,11 +61,17 @@ class WarmPool:
 
     def _serve(self) -> None:
         try:
-            launch(self.spec, on_line=lambda line: self._sink(line), cancel=self._kill, expire=self._expire)
+            launch(self.spec, on_line=self._route, cancel=self._kill, expire=self._expire)
         except BaseException as e:  # noqa: BLE001 - handed to the stage that was running
             self.error = e
         finally:
             self._gone.set()
+
+    def _route(self, line: str) -> None:
+        """A background commit's line to the log of the stage it commits, any other to the running stage's."""
+        m = _BACKGROUND.search(line)
+        owner = next((b for b in self.pending.values() if b.name == m[1]), None) if m else None
+        (owner.on_line if owner is not None else self._sink)(line)
 
     @property
     def alive(self) -> bool:

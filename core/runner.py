@@ -20,6 +20,7 @@ from core.blueprint import Blueprint
 from core.errors import StoreError
 from core.backends import launcher_for, scratch_root
 from core.launcher import LaunchSpec
+from core.pool import Background
 from core.store import ArtifactStore, stage_key
 
 log = logging.getLogger("verlflow.runner")
@@ -176,7 +177,8 @@ def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[st
             if done.get("pending"):
                 background = True
                 manifest = {**done["manifest"], "pending": True}
-                pool.pending[out] = _background(manifest, store, out, key, scratch)
+                pool.pending[out] = Background(manifest, f"{stage}[{iteration}]", on_line,
+                                               *_landed_and_discard(store, out, key, scratch))
                 on_line(f"[verlflow] {stage}[{iteration}] done; its commit runs in the warm pool's background")
                 return StageResult(manifest, False, time.time() - t0)
         else:
@@ -199,8 +201,8 @@ def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[st
     return StageResult(manifest, False, time.time() - t0)
 
 
-def _background(manifest: dict, store: ArtifactStore, out: str, key: str, scratch: Path):
-    from core.pool import Background
+def _landed_and_discard(store: ArtifactStore, out: str, key: str, scratch: Path):
+    """For a stage committing in a pool's background: whether its commit landed, and the clean-up after the pool."""
 
     def landed() -> bool:
         return (store.read_manifest(out) or {}).get("key") == key
@@ -210,7 +212,7 @@ def _background(manifest: dict, store: ArtifactStore, out: str, key: str, scratc
         if not landed():
             store.rm(out)  # a failed stage leaves nothing behind (a full disk: its partial files)
 
-    return Background(manifest, landed, discard)
+    return landed, discard
 
 
 def _await_inputs(pool, inputs: dict[str, str], store: ArtifactStore, cancel, on_line) -> None:

@@ -227,3 +227,23 @@ def test_a_full_store_during_a_background_commit_says_so_and_leaves_no_partial_s
     stages = {p.relative_to(runs).as_posix(): (p / "manifest.json").is_file() for p in runs.glob("*/*")}
     assert stages == {"init/validate": True, "init/build": True, "1/rollout": True}, stages
     assert _no_children()
+
+
+def test_a_background_commit_logs_under_its_own_stage(tiny_kit, tmp_path):
+    """The update's commit runs while checkpoint[1] exports: its lines go to update[1]'s log, tagged, not into the
+    log of the stage running meanwhile."""
+    from core.pipeline import plan, warm_start_source
+    from core.pool import warm_pools
+    from core.runner import run_stage
+
+    bp = tiny_blueprint(tiny_kit, tmp_path, resources__warm_workers=True)
+    logs, done = {}, {}
+    with warm_pools():
+        for step in plan(bp, "t", warm_start_source(bp, "t")):
+            lines = logs.setdefault(step.name, [])
+            done[step.name] = run_stage(step.stage, bp, "t", step.iteration, step.inputs, on_line=lines.append)
+    assert done["update[1]"].pending
+    commit = [line for line in logs["update[1]"] if "[background update[1]] committed" in line]
+    assert len(commit) == 1 and "runs/t/1/update" in commit[0], logs["update[1]"][-5:]
+    assert not [line for name, lines in logs.items() if name != "update[1]" for line in lines
+                if "background update[1]" in line or "runs/t/1/update (" in line]

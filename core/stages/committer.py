@@ -10,8 +10,12 @@ queue stops: the pool's next job, or its close, raises it.
 
 The background collectives (DCP's save plan, the commit's gather) use their own gloo group, so they never
 interleave with the running stage's collectives on the default group.
+
+What the committer's thread logs starts with `[background <stage>[<iteration>]]`: the driver (core.pool) shows those
+lines in that stage's log, not in the log of the stage running meanwhile.
 """
 
+import logging
 import queue
 import threading
 from datetime import timedelta
@@ -55,7 +59,10 @@ class Committer:
         self._writes: list[Callable[[], object]] = []  # this stage's writes, handed to its commit
         self.error: BaseException | None = None
         self._failed_stage: str | None = None
-        threading.Thread(target=self._serve, name="verlflow-committer", daemon=True).start()
+        self._current: str | None = None  # the stage whose commit the thread is running
+        thread = threading.Thread(target=self._serve, name="verlflow-committer", daemon=True)
+        thread.start()
+        _tag_records(thread, lambda: self._current)
 
     def save(self, state_dict: dict, checkpoint_id: str, role: str) -> None:
         """Copy `state_dict` into this role's CPU copy now; the next submit()'s commit writes it with DCP first.
@@ -76,15 +83,15 @@ class Committer:
             torch.cuda.synchronize()
         self._writes.append(lambda: dcp.save(staged, checkpoint_id=checkpoint_id, process_group=self.group))
 
-    def submit(self, output: str, name: str, commit: Callable[[], None]) -> None:
-        """Queue a stage's commit behind the earlier ones; it runs once the stage's writes are done. `name` says
-        which stage it is, and where it writes, in errors."""
+    def submit(self, output: str, name: str, commit: Callable[[], None], where: str) -> None:
+        """Queue a stage's commit behind the earlier ones; it runs once the stage's writes are done. `name`
+        (`update[3]`) tags its log lines; it and `where` (the place it writes) name it in errors."""
         self.check()
         writes, self._writes = self._writes, []
         self._done[output], self._written[output] = threading.Event(), threading.Event()
         if not writes:
             self._written[output].set()
-        self._queue.put((output, name, writes, commit))
+        self._queue.put((output, name, writes, commit, where))
 
     def pending(self) -> bool:
         """Whether a write or an earlier commit is still running (a new commit must then queue behind it)."""
@@ -105,14 +112,15 @@ class Committer:
     def check(self) -> None:
         if self.error is not None and is_no_space(self.error):
             raise StoreError(f"no space left on device: the background commit of {self._failed_stage} could not "
-                             f"write its files; {NO_SPACE_FIX}") from self.error
+                             f"write its files to {self._failed_where}; {NO_SPACE_FIX}") from self.error
         if self.error is not None:
             raise CommitFailed(f"the background commit of {self._failed_stage} failed: "
                                f"{type(self.error).__name__}: {self.error}") from self.error
 
     def _serve(self) -> None:
         while True:
-            output, name, writes, commit = self._queue.get()
+            output, name, writes, commit, where = self._queue.get()
+            self._current = name
             if self.error is None:
                 try:
                     for write in writes:
@@ -120,9 +128,23 @@ class Committer:
                     self._written[output].set()
                     commit()
                 except BaseException as e:  # noqa: BLE001 - raised in the pool's main thread by check()
-                    self.error, self._failed_stage = e, name
+                    self.error, self._failed_stage, self._failed_where = e, name, where
             if self.error is None:
                 self._done[output].set()
+
+
+def _tag_records(thread: threading.Thread, current: Callable[[], str | None]) -> None:
+    """Log records made on `thread` start with the tag of the stage it commits."""
+    make = logging.getLogRecordFactory()
+
+    def tagged(*args, **kwargs):
+        record = make(*args, **kwargs)
+        name = current() if record.thread == thread.ident else None
+        if name is not None and isinstance(record.msg, str):
+            record.msg = f"[background {name}] {record.msg}"
+        return record
+
+    logging.setLogRecordFactory(tagged)
 
 
 _POOL_COMMITTER: Committer | None = None

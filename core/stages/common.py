@@ -252,7 +252,7 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
             if ctx.local_rank == 0:
                 shutil.rmtree(job["scratch"], ignore_errors=True)  # the runner left it to us (its remote out/)
 
-        committer.submit(job["output"], f"{job['stage']}[{job['iteration']}] (to {_where(ctx)})", commit)
+        committer.submit(job["output"], f"{job['stage']}[{job['iteration']}]", commit, where=_where(ctx))
         return {"pending": True, "manifest": {**job["manifest"], "metrics": metrics, "timings": ctx.timings,
                                               "world_size": world}}
     with _no_space_named(ctx):
