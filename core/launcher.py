@@ -253,6 +253,7 @@ def _run(spec: LaunchSpec, cmd: list[str], on_line, cancel, grace_s, expire=None
     rank_tails: dict[int, deque[str]] = defaultdict(lambda: deque(maxlen=20))
     stopped, last_refresh, exited_at = None, 0.0, None
     dump = None  # after a timeout: the ranks' stacks as they arrive, until every rank has printed one
+    killing = False
     try:
         while True:
             try:
@@ -261,12 +262,14 @@ def _run(spec: LaunchSpec, cmd: list[str], on_line, cancel, grace_s, expire=None
                     break
                 if m := _RANK_LINE.match(line):
                     rank_tails[int(m[1])].append(line[m.end():])
-                    on_line(f"[rank{m[1]}] {line[m.end():]}")
+                    if not killing:
+                        on_line(f"[rank{m[1]}] {line[m.end():]}")
                     if dump is not None:
                         dump.add(int(m[1]), line[m.end():])
                 else:
                     own_lines.append(line)
-                    on_line(f"[torchrun] {line}")
+                    if not killing:
+                        on_line(f"[torchrun] {line}")
             except queue.Empty:
                 pass
             now = time.monotonic()
@@ -280,6 +283,11 @@ def _run(spec: LaunchSpec, cmd: list[str], on_line, cancel, grace_s, expire=None
                 stopped = FailureKind.TIMEOUT
                 dump = _StackDump(proc.pid, tree)
             if stopped is not None and proc.poll() is None and (dump is None or dump.complete()):
+                # What the processes print as they die (torchrun's SignalException, a rank's half-read file)
+                # is our kill, not news: kept for the diagnosis, not shown.
+                if not killing:
+                    on_line(f"[verlflow] {stopped.value}: stopping the job's processes")
+                    killing = True
                 tree.kill(grace_s)
             if proc.poll() is not None:  # an orphan may hold the pipe open: do not wait for EOF forever
                 exited_at = exited_at or now

@@ -141,11 +141,15 @@ def test_cancel_kills_the_whole_tree(tmp_path):
         cancel.set()
 
     threading.Thread(target=cancel_when_running, daemon=True).start()
+    lines = []
     with pytest.raises(StageFailure) as info:
-        launch(_spec("hang", tmp_path, timeout_s=60), on_line=lambda line: None, cancel=cancel, grace_s=2)
+        launch(_spec("hang", tmp_path, timeout_s=60), on_line=lines.append, cancel=cancel, grace_s=2)
     assert info.value.kind is FailureKind.CANCELLED and not info.value.retryable
     assert len(seen.pop("sessions")) == 3
     _assert_tree_gone(seen)
+    # The log says it was stopped, not the tracebacks of processes dying of our signals (torchrun's SignalException)
+    assert "[verlflow] cancelled: stopping the job's processes" in lines
+    assert not [line for line in lines if "Traceback" in line or "SignalException" in line], lines[-10:]
 
 
 def test_rank_killed_by_signal(tmp_path):
