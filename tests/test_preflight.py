@@ -54,6 +54,22 @@ def assert_store_empty(store: Path) -> None:
     assert not files, f"the store was written: {files}"
 
 
+def _mistral(kit: dict, tmp: Path) -> Path:
+    """A tiny Mistral model with the kit's tokenizer: the HF engine runs it, the static engine does not."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    out = tmp / "mistral"
+    shutil.copytree(kit["model_dir"], out, ignore=shutil.ignore_patterns("*.safetensors", "config.json",
+                                                                        "generation_config.json"))
+    vocab = json.loads((Path(kit["model_dir"]) / "config.json").read_text())["vocab_size"]
+    torch.manual_seed(0)
+    MistralForCausalLM(MistralConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+                       ).save_pretrained(out)
+    return out
+
+
 def _model_type(model: Path, model_type: str) -> None:
     cfg = json.loads((model / "config.json").read_text())
     cfg["model_type"] = model_type
@@ -86,8 +102,8 @@ DRIVER_VERBS = ("validate-blueprint", "run")
 
 
 @pytest.mark.parametrize("verb", DRIVER_VERBS)
-def test_static_engine_with_an_unsupported_model_type(verb, model, tiny_kit, tmp_path, capsys):
-    _model_type(model, "mistral")
+def test_static_engine_with_an_unsupported_model_type(verb, tiny_kit, tmp_path, capsys):
+    model = _mistral(tiny_kit, tmp_path)
     err = refused(verb, [f"model.path={model}", "rollout.engine=static"], tiny_kit, tmp_path, capsys)
     assert "rollout.engine: static" in err and f"{model}/config.json has model_type 'mistral'" in err
     assert ", ".join(SUPPORTED_MODEL_TYPES) in err  # the engine's own list
@@ -199,12 +215,12 @@ def test_reward_that_returns_text(tiny_kit, tmp_path, capsys, monkeypatch):
     assert "Fix the function or pick another reward.function" in err
 
 
-def test_the_flow_refuses_at_validate(prefect_server, model, tiny_kit, tmp_path):
+def test_the_flow_refuses_at_validate(prefect_server, tiny_kit, tmp_path):
     """A flow run (UI, schedule) has no CLI preflight: its validate stage runs the same checks."""
     from flows.finetune import finetune
     from prefect_server import tiny_blueprint
 
-    _model_type(model, "mistral")
+    model = _mistral(tiny_kit, tmp_path)
     bp = tiny_blueprint({**tiny_kit, "model_dir": str(model)}, tmp_path / "store", "rollout.engine=static")
     state = finetune(blueprint=bp, run_id="bad-flow", return_state=True)
     assert state.is_failed(), state
