@@ -47,21 +47,16 @@ def static_engine_problems(engine: str, model_dir: Path, config: dict) -> list[s
 
 
 def weight_file_problems(model_dir: Path) -> list[str]:
-    """Every safetensors file the model loads opens, and holds the bytes its header describes. With an index
-    (a sharded checkpoint), the files it names and the tensors it maps to each."""
-    indexes = sorted(model_dir.glob("*.safetensors.index.json"))
-    if not indexes:
-        return [p for f in sorted(model_dir.glob("*.safetensors")) for p in _file_problems(f, [])]
-    problems = []
-    for index in indexes:
-        try:
-            shards = _shards_of(index)
-        except InputError as e:
-            problems.append(str(e))
-            continue
-        for shard, tensors in shards.items():
-            problems += _file_problems(model_dir / shard, tensors, index)
-    return problems
+    """The safetensors files from_pretrained loads (model.safetensors, or the shards its index names) open, and
+    hold the bytes their headers describe; each shard holds the tensors the index maps to it."""
+    index, single = model_dir / "model.safetensors.index.json", model_dir / "model.safetensors"
+    if not index.is_file():
+        return _file_problems(single, []) if single.is_file() else []  # none: validate's model-folder check says so
+    try:
+        shards = _shards_of(index)
+    except InputError as e:
+        return [str(e)]
+    return [p for shard, tensors in shards.items() for p in _file_problems(model_dir / shard, tensors, index)]
 
 
 def _shards_of(index: Path) -> dict[str, list[str]]:

@@ -114,8 +114,8 @@ def test_static_engine_accepts_its_model_types_and_hf_any(model, tiny_kit, tmp_p
     from core.blueprint import load_blueprint, missing_inputs
 
     def problems(*overrides):
-        return missing_inputs(load_blueprint(None, [f"model.path={model}", f"data.train_files=[{tiny_kit['train_file']}]",
-                                                    f"storage.uri={tmp_path / 'store'}", *overrides]))
+        base = [f"model.path={model}", f"data.train_files=[{tiny_kit['train_file']}]", f"storage.uri={tmp_path}"]
+        return missing_inputs(load_blueprint(None, [*base, *overrides]))
 
     for model_type in SUPPORTED_MODEL_TYPES:
         _model_type(model, model_type)

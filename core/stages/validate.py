@@ -1,6 +1,7 @@
 """validate: everything the run needs, checked at the blueprint's world size, every problem reported at once.
 
-Output: report.json / report.md. Any fatal problem fails the stage (nothing committed) with the full list.
+Output: report.json / report.md. Any fatal problem fails the stage (nothing committed) with the full list. The
+input checks are core/preflight.py's (the CLI runs its cheap ones before this stage; a flow run starts here).
 """
 
 import json
