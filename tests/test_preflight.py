@@ -110,7 +110,7 @@ def test_static_engine_with_an_unsupported_model_type(verb, tiny_kit, tmp_path, 
     assert "set rollout.engine: hf" in err
 
 
-def test_static_engine_accepts_its_model_types_and_hf_any(model, tiny_kit, tmp_path, capsys):
+def test_static_engine_accepts_its_model_types_and_hf_any(model, tiny_kit, tmp_path):
     from core.blueprint import load_blueprint, missing_inputs
 
     def problems(*overrides):
