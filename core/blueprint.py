@@ -518,6 +518,7 @@ def json_schema() -> dict:
 def missing_inputs(bp: Blueprint) -> list[str]:
     """Files, URIs and names the blueprint refers to that are not usable, each with the fix (cheap: no torch
     or verl import; the datasets are read with pyarrow, the reward function is resolved)."""
+    from core import preflight
     from core.data import load_prompts
     from core.errors import VerlflowError
     from core.rewards import load_reward
@@ -529,6 +530,8 @@ def missing_inputs(bp: Blueprint) -> list[str]:
                         "(`verlflow make-tiny tiny/qwen2` writes a tiny one).")
     elif not (m / "config.json").is_file():
         problems.append(f"model.path: {bp.model.path} has no config.json; save the model with save_pretrained().")
+    else:
+        problems += _model_problems(bp, m)
     missing_data = False
     for i, f in enumerate(bp.data.train_files):
         if not Path(f).is_file():
@@ -536,7 +539,9 @@ def missing_inputs(bp: Blueprint) -> list[str]:
             problems.append(f"data.train_files[{i}]: {f} does not exist; give a parquet file in verl's RL schema.")
     if not missing_data:
         try:  # columns, types, rows
-            load_prompts(bp.data.train_files, bp.data.prompt_key)
+            prompts = load_prompts(bp.data.train_files, bp.data.prompt_key)
+            problems += preflight.batch_size_problems(bp.data.batch_size, len(prompts),
+                                                      bp.algorithm.ppo_mini_batch_size)
         except VerlflowError as e:
             problems.append(str(e))
     try:
@@ -552,3 +557,16 @@ def missing_inputs(bp: Blueprint) -> list[str]:
                         "s3://bucket/prefix and set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment "
                         "(or a Prefect Secret).")
     return problems
+
+
+def _model_problems(bp: Blueprint, model_dir: Path) -> list[str]:
+    """What the later stages would refuse in a model folder that has a config.json."""
+    from core import preflight
+    from core.errors import VerlflowError
+
+    try:
+        config = preflight.model_config(model_dir)
+    except VerlflowError as e:
+        return [str(e)]
+    return preflight.static_engine_problems(bp.rollout.engine, model_dir, config) \
+        + preflight.weight_file_problems(model_dir)

@@ -1,4 +1,5 @@
-"""Validate-only flow: the `validate` stage (environment, devices, FSDP shard check, store, model, memory)."""
+"""Validate-only flow: the `validate` stage (environment, devices, FSDP shard check, store, model, memory, and the
+inputs: model config and weight files, dataset size, prompt lengths, a sample reward call; core/preflight.py)."""
 # No `from __future__ import annotations`: served runs need the real Blueprint annotation for the run form.
 
 from prefect import flow

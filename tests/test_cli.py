@@ -273,7 +273,7 @@ def case_dir(tmp_path, monkeypatch):
     """A folder with a valid blueprint's inputs: model/config.json and data/train.parquet. cwd is there."""
     (tmp_path / "model").mkdir()
     (tmp_path / "model/config.json").write_text("{}")
-    write_parquet(tmp_path / "data/train.parquet", prompt_rows())
+    write_parquet(tmp_path / "data/train.parquet", prompt_rows(8))  # data.batch_size: 8
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))  # reward.module cases import from here (in-process)
     saved = dict(rewards._REGISTRY)

@@ -37,10 +37,28 @@ Files: ``sampling.py`` (the warpers without a vocabulary sort), ``kernels.py`` (
 top-p passes), ``layers.py`` (the layer forward over fused weights), ``engine.py`` (FastGen and ``sample``).
 """
 
-from core.fastgen.engine import FastGen, engine_for, sample
-from core.fastgen.kernels import HAVE_TRITON, decode_attention_triton, reference_decode_attention, sample_logits_triton
-from core.fastgen.sampling import (SUPPORTED_MODEL_TYPES, SamplingConfig, _Stats, inverse_cdf, nucleus_member,
-                                   sample_logits, topk_filter, topk_values)
+import importlib
+
+from core.fastgen.support import SUPPORTED_MODEL_TYPES
+
+# The engine's modules import torch (and triton on CUDA): loaded on first use, so that importing the package for
+# SUPPORTED_MODEL_TYPES (the driver's preflight) costs nothing.
+_LAZY = {
+    "engine": ("FastGen", "engine_for", "sample"),
+    "kernels": ("HAVE_TRITON", "decode_attention_triton", "reference_decode_attention", "sample_logits_triton"),
+    "sampling": ("SamplingConfig", "_Stats", "inverse_cdf", "nucleus_member", "sample_logits", "topk_filter",
+                 "topk_values"),
+}
+_MODULE_OF = {name: module for module, names in _LAZY.items() for name in names}
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = ["FastGen", "SamplingConfig", "sample", "engine_for", "sample_logits", "sample_logits_triton",
            "decode_attention_triton", "reference_decode_attention", "nucleus_member", "inverse_cdf", "topk_filter",

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from core.fastgen.kernels import combine_splits
-from core.fastgen.sampling import SUPPORTED_MODEL_TYPES
+from core.fastgen.support import SUPPORTED_MODEL_TYPES
 
 # ------------------------------------------------------------------------------------------------ model
 

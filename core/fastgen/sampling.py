@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+from core.fastgen.support import SUPPORTED_MODEL_TYPES  # noqa: F401 - re-exported
 _REJECT_EPS = 1e-9  # P(no candidate accepted) per row per step, for full-vocabulary top_p
 _MAX_CANDIDATES = 32  # above this (top_p < ~0.48) the sort path is used instead
 _VBLOCK = 128  # vocabulary block of the two-level inverse CDF

@@ -1,6 +1,7 @@
 """validate: everything the run needs, checked at the blueprint's world size, every problem reported at once.
 
-Output: report.json / report.md. Any fatal problem fails the stage (nothing committed) with the full list.
+Output: report.json / report.md. Any fatal problem fails the stage (nothing committed) with the full list. The
+input checks are core/preflight.py's (the CLI runs its cheap ones before this stage; a flow run starts here).
 """
 
 import json
@@ -30,9 +31,9 @@ class Report:
         self.rows.append({"check": check, "ok": bool(ok), "detail": detail, "fatal": fatal and not ok})
 
     def guard(self, check: str, fn):
-        """Run one check; an exception is a failed check, not a crashed stage."""
+        """Run one check (its value, or None); an exception is a failed check, not a crashed stage."""
         try:
-            fn()
+            return fn()
         except Exception as e:  # noqa: BLE001 - every problem is reported, not just the first
             self.add(check, False, f"{type(e).__name__}: {e}")
 
@@ -90,12 +91,21 @@ def check_fsdp_sharding(ctx: StageContext, r: Report):
 
 
 def check_model(ctx: StageContext, r: Report):
+    """The model folder, its tokenizer, its decoder layers and the memory estimate; returns the tokenizer."""
     bp = ctx.bp
     problems = M.check_model_dir(bp.model.path)
     r.add("model_folder", not problems, "; ".join(problems) or bp.model.path)
     if problems:
-        return
-    r.guard("tokenizer", lambda: (M.load_tokenizer(bp.model.path), r.add("tokenizer", True, "loads, has chat template")))
+        return None
+    tok = r.guard("tokenizer", lambda: M.load_tokenizer(bp.model.path))
+    if tok is not None:
+        r.add("tokenizer", True, "loads, has chat template")
+    r.guard("model", lambda: check_layers(ctx, r))
+    return tok
+
+
+def check_layers(ctx: StageContext, r: Report):
+    bp = ctx.bp
     meta = M.build_module(bp.model.path, bp, meta=True)
     cls = M.decoder_layer_class(meta, bp.fsdp.wrap_class)
     layers = sum(1 for m in meta.modules() if isinstance(m, cls))
@@ -127,15 +137,27 @@ def check_memory(ctx: StageContext, r: Report, n_params: int, config):
           "lower micro-batch, enable fsdp.activation_checkpointing or add ranks if short")
 
 
-def check_inputs(ctx: StageContext, r: Report):
+def check_inputs(ctx: StageContext, r: Report, tok):
+    """The driver's preflight again (a flow run starts here), then what only the rollout's tokenizer and reward
+    call can tell (core/preflight.py decides both)."""
+    from core.blueprint import missing_inputs
     from core.data import load_prompts
-    from core.rewards import load_reward
+    from core.preflight import rollout_problems
 
     bp = ctx.bp
-    r.guard("dataset", lambda: r.add("dataset", True,
-                                     f"{len(load_prompts(bp.data.train_files, bp.data.prompt_key))} prompts"))
-    r.guard("reward", lambda: (load_reward(bp.reward.function, bp.reward.module),
-                               r.add("reward", True, bp.reward.function)))
+    problems = missing_inputs(bp)
+    for problem in problems:
+        r.add("inputs", False, problem)
+    if problems or tok is None:  # the rollout's checks need the dataset, the reward and the tokenizer
+        return
+    prompts = load_prompts(bp.data.train_files, bp.data.prompt_key)
+    r.add("inputs", True, f"{len(prompts)} prompts, reward {bp.reward.function}")
+    problems = rollout_problems(bp, tok, prompts)
+    for problem in problems:
+        r.add("rollout_inputs", False, problem)
+    if not problems:
+        r.add("rollout_inputs", True, f"prompts within data.max_prompt_length={bp.data.max_prompt_length}, "
+              "the reward scores a sample")
 
 
 def run(ctx: StageContext) -> dict:
@@ -146,8 +168,8 @@ def run(ctx: StageContext) -> dict:
     r.guard("fsdp_shard", lambda: check_fsdp_sharding(ctx, r))
     if ctx.is_main():
         r.guard("store_probe", lambda: (ctx.store.probe(), r.add("store_probe", True, ctx.store.root_uri)))
-        r.guard("model", lambda: check_model(ctx, r))
-        check_inputs(ctx, r)
+        tok = r.guard("model", lambda: check_model(ctx, r))
+        r.guard("inputs", lambda: check_inputs(ctx, r, tok))
     rows = [None] * ctx.world
     dist.all_gather_object(rows, r.rows)
     failed = [f"rank {i}: {row['check']}: {row['detail']}" for i, rs in enumerate(rows) for row in rs if row["fatal"]]
