@@ -190,7 +190,9 @@ def cmd_serve(args) -> int:
 SCHEDULES_HELP = ("Registering a deployment sets its parameters (the whole blueprint) and its one blueprint "
                   "schedule (--cron, else schedule.cron; none: the old one is removed). Schedules added in the UI "
                   "or through the API are kept, and so is a pause of the blueprint schedule. Each flow run gets its "
-                  "own run id, <name>-<scheduled start, UTC>-<8 hex of the flow run id>; a UI Retry keeps it.")
+                  "own run id, <name>-<scheduled start, UTC>-<8 hex of the flow run id>; a UI Retry keeps it. With "
+                  "schedule.init_from: previous, a deployment's runs go in the order they were scheduled, each "
+                  "warm-starting from the previous one's promoted policy.")
 
 
 def parser() -> argparse.ArgumentParser:
