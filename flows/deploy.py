@@ -45,8 +45,8 @@ def keep_other_schedules(d: RunnerDeployment) -> RunnerDeployment:
 
         paused = [s.schedule for s in existing.schedules if owned(s) and not s.active]
         ours = [o.model_copy(update={"active": False}) if o.schedule in paused else o for o in ours]
-        others = [DeploymentScheduleCreate(schedule=s.schedule, active=s.active, max_scheduled_runs=s.max_scheduled_runs,
-                                           parameters=s.parameters, slug=s.slug)
+        others = [DeploymentScheduleCreate(schedule=s.schedule, active=s.active, parameters=s.parameters,
+                                           max_scheduled_runs=s.max_scheduled_runs, slug=s.slug)
                   for s in existing.schedules if not owned(s)]
         if not ours:  # the blueprint dropped its cron: an update with slugs alone would keep the old one
             for s in existing.schedules:

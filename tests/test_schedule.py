@@ -109,12 +109,13 @@ def test_serve_restart_keeps_schedules_added_in_the_ui(sched_server, tiny_kit, t
     dep = api(sched_server, "/deployments/name/finetune/keep")
     (ours,) = dep["schedules"]
     # what the UI sends: a new schedule, and a pause of the blueprint's
-    api(sched_server, f"/deployments/{dep['id']}/schedules", [{"slug": None, "active": True, "parameters": {},
-                                                                 "schedule": {"cron": "30 5 * * 1", "timezone": "UTC"}}])
+    ui_schedule = {"cron": "30 5 * * 1", "timezone": "UTC"}
+    api(sched_server, f"/deployments/{dep['id']}/schedules",
+        [{"slug": None, "active": True, "parameters": {}, "schedule": ui_schedule}])
     api(sched_server, f"/deployments/{dep['id']}/schedules/{ours['id']}", {"active": False}, method="PATCH")
     assert schedules() == {("0 3 * * *", False), ("30 5 * * 1", True)}
 
     start_serve(sched_server, f, log=tmp_path / "serve1.log").stop()
     assert schedules() == {("0 3 * * *", False), ("30 5 * * 1", True)}  # kept, the pause too, nothing doubled
-    start_serve(sched_server, f, "--cron", "0 4 * * *", log=tmp_path / "serve2.log").stop()
-    assert schedules() == {("0 4 * * *", True), ("30 5 * * 1", True)}  # the blueprint's own is replaced
+    start_serve(sched_server, f, "schedule.cron=null", log=tmp_path / "serve2.log").stop()
+    assert schedules() == {("30 5 * * 1", True)}  # the blueprint's own goes with its cron; the UI's stays
