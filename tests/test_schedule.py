@@ -119,3 +119,42 @@ def test_serve_restart_keeps_schedules_added_in_the_ui(sched_server, tiny_kit, t
     assert schedules() == {("0 3 * * *", False), ("30 5 * * 1", True)}  # kept, the pause too, nothing doubled
     start_serve(sched_server, f, "schedule.cron=null", log=tmp_path / "serve2.log").stop()
     assert schedules() == {("30 5 * * 1", True)}  # the blueprint's own goes with its cron; the UI's stays
+
+
+def test_a_run_waits_only_for_earlier_runs_that_are_running_or_about_to_start(sched_server, tiny_kit, tmp_path):
+    """The rules that keep the order without a deadlock: runs scheduled later, an earlier run awaiting a Retry
+    (its build keeps its warm start) and a due run the runner has not started for a minute hold nobody up."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.common import START_GRACE_S, earlier_unfinished_runs
+    from flows.deploy import finetune_deployment
+
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", "name=order")
+    now = dt.datetime.now(dt.timezone.utc)
+    with temporary_settings({PREFECT_API_URL: sched_server.url}):
+        dep_id = str(finetune_deployment(bp).apply())
+
+    def run(hours_ago: float, *states: str, due_s_ago: float = 0) -> str:
+        """A run scheduled `hours_ago`, then taken through `states` ("Scheduled" is due `due_s_ago`)."""
+        at = (now - dt.timedelta(hours=hours_ago)).isoformat()
+        r = api(sched_server, f"/deployments/{dep_id}/create_flow_run",
+                {"state": {"type": "SCHEDULED", "state_details": {"scheduled_time": at}}})
+        for name in states:
+            due = {"scheduled_time": (now - dt.timedelta(seconds=due_s_ago)).isoformat()}
+            kind = "SCHEDULED" if name in ("Scheduled", "AwaitingRetry") else name.upper()
+            api(sched_server, f"/flow_runs/{r['id']}/set_state", {"force": True, "state": {
+                "type": kind, "name": name, "state_details": due if kind == "SCHEDULED" else {}}})
+        return r["id"]
+
+    running = run(5, "Running")
+    due_now = run(4, "Scheduled")  # due, never ran: the runner is about to start it
+    awaiting_retry = run(3, "Running", "Failed", "AwaitingRetry")
+    run(2, "Scheduled", due_s_ago=START_GRACE_S + 30)  # due long ago and not started: held back by a limit
+    run(1.5, "Running", "Completed")
+    me = run(1, "Running")
+    run(0.5, "Running")  # scheduled after me
+    with temporary_settings({PREFECT_API_URL: sched_server.url}), get_client(sync_client=True) as client:
+        assert client.read_flow_run(awaiting_retry).run_count == 1
+        waits_for = [str(r.id) for r in earlier_unfinished_runs(client.read_flow_run(me), client)]
+    assert waits_for == [running, due_now]
