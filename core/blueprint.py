@@ -7,6 +7,7 @@ default_factory) so the form shows them. Paths in a blueprint *file* are relativ
 import difflib
 import hashlib
 import json
+import posixpath
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -446,12 +447,16 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def resolve_paths(bp: Blueprint, base: Path) -> Blueprint:
-    """Relative local paths in a blueprint file are relative to the file's folder."""
+def resolve_paths(bp: Blueprint, base: Path | str) -> Blueprint:
+    """Relative paths in a blueprint file are relative to the file's folder: a local folder, or for a blueprint
+    read from a URI (s3://bucket/exp/bp.yaml) that URI's folder (model.path: m -> s3://bucket/exp/m)."""
 
     def fix(p: str) -> str:
         if "://" in p or Path(p).is_absolute():
             return p
+        if isinstance(base, str):
+            scheme, folder = base.split("://", 1)
+            return f"{scheme}://{posixpath.normpath(posixpath.join(folder, p))}"
         return str((base / p).resolve())
 
     bp.model.path = fix(bp.model.path)
@@ -460,21 +465,50 @@ def resolve_paths(bp: Blueprint, base: Path) -> Blueprint:
     return bp
 
 
+def _blueprint_text(path: str | Path) -> tuple[str, Path | str]:
+    """A blueprint file's text and the folder its relative paths are relative to. `path` is a local file,
+    `file://...`, or any other fsspec URI such as s3://bucket/exp/bp.yaml (read in memory: no temp file)."""
+    path = str(path).removeprefix("file://")
+    if "://" in path:
+        return _remote_text(path), path.rsplit("/", 1)[0]
+    p = Path(path)
+    if not p.is_file():
+        raise BlueprintError(f"{path}: no such blueprint file. Pass a YAML file, e.g. blueprints/tiny-cpu.yaml.")
+    return _decode(path, p.read_bytes()), p.resolve().parent
+
+
+def _remote_text(uri: str) -> str:
+    import fsspec
+
+    try:
+        with fsspec.open(uri, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise BlueprintError(f"{uri}: no such blueprint file; check the bucket and key.") from None
+    except Exception as e:  # credentials, endpoint, unknown scheme: the library's own words
+        raise BlueprintError(f"{uri}: cannot read the blueprint ({type(e).__name__}: {e}); check the URI, and the "
+                             "store's credentials and endpoint in the environment (AWS_ACCESS_KEY_ID, "
+                             "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL).") from None
+    return _decode(uri, raw)
+
+
+def _decode(source: str, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BlueprintError(f"{source}: not a UTF-8 text file; a blueprint is a YAML file "
+                             "(e.g. blueprints/tiny-cpu.yaml).") from None
+
+
 def load_blueprint(path: str | Path | None = None, overrides: list[str] = (), data: dict | None = None) -> Blueprint:
-    """Blueprint from a YAML file (or a dict), with `a.b=value` overrides applied."""
+    """Blueprint from a YAML file (a path or an fsspec URI such as s3://bucket/bp.yaml) or a dict, with `a.b=value`
+    overrides applied."""
     lines: dict[tuple, int] = {}
     source = "<blueprint>"
     base = Path.cwd()
     if path is not None:
-        p = Path(path)
         source = str(path)
-        if not p.is_file():
-            raise BlueprintError(f"{path}: no such blueprint file. Pass a YAML file, e.g. blueprints/tiny-cpu.yaml.")
-        try:
-            text = p.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise BlueprintError(f"{path}: not a UTF-8 text file; a blueprint is a YAML file "
-                                 "(e.g. blueprints/tiny-cpu.yaml).") from None
+        text, base = _blueprint_text(path)
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
@@ -495,7 +529,6 @@ def load_blueprint(path: str | Path | None = None, overrides: list[str] = (), da
             raise BlueprintError("\n  ".join(
                 f"{source}:{again}: {'.'.join(map(str, key))}: duplicate key (first given on line {first}); "
                 "YAML would silently keep only the last one: keep one of them." for key, first, again in duplicates))
-        base = p.resolve().parent
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise BlueprintError(f"{source}: the top level must be a mapping of sections (model:, data:, ...).")

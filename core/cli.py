@@ -187,6 +187,14 @@ def cmd_serve(args) -> int:
     return 0
 
 
+SCHEDULES_HELP = ("Registering a deployment sets its parameters (the whole blueprint) and its one blueprint "
+                  "schedule (--cron, else schedule.cron; none: the old one is removed). Schedules added in the UI "
+                  "or through the API are kept, and so is a pause of the blueprint schedule. Each flow run gets its "
+                  "own run id, <name>-<scheduled start, UTC>-<8 hex of the flow run id>; a UI Retry keeps it. With "
+                  "schedule.init_from: previous, a deployment's runs go in the order they were scheduled, each "
+                  "warm-starting from the previous one's promoted policy.")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="verlflow", description="Declarative PPO/GRPO post-training pipelines.",
                                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -219,14 +227,18 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--prefect", action="store_true", help="run it as a Prefect flow run (see flows/README.md)")
     s.set_defaults(fn=cmd_rerun)
 
-    s = sub.add_parser("deploy", help="create a Prefect deployment of a blueprint on a process work pool")
+    s = sub.add_parser("deploy", help="create a Prefect deployment of a blueprint on a process work pool",
+                       description=SCHEDULES_HELP)
     _add_blueprint(s, required=True)
     s.add_argument("--cron", help="cron schedule (default: the blueprint's schedule.cron)")
     s.add_argument("--name", help="deployment name (default: the blueprint's name)")
     s.add_argument("--pool", default="verlflow", help="process work pool, created if missing (default: verlflow)")
     s.set_defaults(fn=cmd_deploy)
 
-    s = sub.add_parser("serve", help="serve finetune/validate deployments of blueprints from this process")
+    s = sub.add_parser("serve", help="serve finetune/validate deployments of blueprints from this process",
+                       description="Register finetune/<name> and validate/<name> for each blueprint and run their "
+                       "flow runs (scheduled, or started from the UI's Run form) in this process until Ctrl-C. "
+                       + SCHEDULES_HELP)
     s.add_argument("blueprints", nargs="*", metavar="BLUEPRINT|KEY=VALUE", help="blueprint files and overrides")
     s.add_argument("--cron", help="cron schedule for every blueprint (default: each blueprint's schedule.cron)")
     s.add_argument("--limit", type=int, help="most flow runs executed at once")

@@ -5,7 +5,7 @@
 """
 
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.client.schemas.actions import DeploymentScheduleCreate, WorkPoolCreate
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 from prefect.exceptions import ObjectNotFound
 from prefect.schedules import Cron
@@ -15,15 +15,46 @@ from flows.finetune import finetune
 from flows.validate import validate
 
 
+BLUEPRINT_SCHEDULE = "blueprint-cron"  # slug of the one schedule the blueprint (or --cron) owns
+
+
 def finetune_deployment(bp: Blueprint, name: str | None = None, cron: str | None = None, **kw) -> RunnerDeployment:
     """Each scheduled run gets its own flow run id, hence its own run id (no full cache hit between runs); with
     schedule.init_from=previous it warm-starts from the blueprint's last promoted policy."""
     cron = cron or bp.schedule.cron
     return finetune.to_deployment(
         name or bp.name, parameters={"blueprint": bp.model_dump(mode="json")},
-        schedules=[Cron(cron, timezone=bp.schedule.timezone)] if cron else None,
+        schedules=[Cron(cron, timezone=bp.schedule.timezone, slug=BLUEPRINT_SCHEDULE)] if cron else None,
         description=f"Fine-tune {bp.name}: {bp.algorithm.adv_estimator}, {bp.iterations} iterations, "
                     f"{bp.resources.world_size} x {bp.resources.device}", tags=["verlflow", bp.name], **kw)
+
+
+def keep_other_schedules(d: RunnerDeployment) -> RunnerDeployment:
+    """Registering a deployment replaces its schedules with the ones it carries (the blueprint's cron), which
+    dropped schedules added since in the UI or through the API: carry those too. A schedule is the
+    blueprint's if it has our slug, or (made before the slug existed) the same cron; a UI pause of it is kept."""
+    with get_client(sync_client=True) as client:
+        try:
+            existing = client.read_deployment_by_name(d.full_name)
+        except ObjectNotFound:
+            return d
+        ours = list(d.schedules or [])
+
+        def owned(s) -> bool:
+            return s.slug == BLUEPRINT_SCHEDULE or (s.slug is None and any(s.schedule == o.schedule for o in ours))
+
+        paused = [s.schedule for s in existing.schedules if owned(s) and not s.active]
+        ours = [o.model_copy(update={"active": False}) if o.schedule in paused else o for o in ours]
+        others = [DeploymentScheduleCreate(schedule=s.schedule, active=s.active, parameters=s.parameters,
+                                           max_scheduled_runs=s.max_scheduled_runs, slug=s.slug)
+                  for s in existing.schedules if not owned(s)]
+        if not ours:  # the blueprint dropped its cron: an update with slugs alone would keep the old one
+            for s in existing.schedules:
+                if owned(s):
+                    client.delete_deployment_schedule(existing.id, s.id)
+        if ours or others:
+            d.schedules = ours + others
+    return d
 
 
 def validate_deployment(bp: Blueprint, name: str | None = None, **kw) -> RunnerDeployment:
@@ -47,14 +78,17 @@ def deploy(bp: Blueprint, name: str | None = None, cron: str | None = None, pool
     imports `flows.finetune` (the project installed in its environment), so no code is uploaded."""
     ensure_process_pool(pool)
     d = finetune_deployment(bp, name, cron, work_pool_name=pool, entrypoint_type=EntrypointType.MODULE_PATH)
-    return str(d.apply())
+    return str(keep_other_schedules(d).apply())
 
 
 def serve(bps: list[Blueprint], cron: str | None = None, limit: int | None = None) -> None:
-    """Serve `finetune/<name>` and `validate/<name>` for each blueprint until interrupted (Ctrl-C / SIGTERM)."""
+    """Serve `finetune/<name>` and `validate/<name>` for each blueprint until interrupted (Ctrl-C / SIGTERM).
+    Registering them sets their parameters, description and the blueprint's schedule; schedules added in the UI
+    are kept."""
     from prefect import serve as prefect_serve
 
     deployments = []
     for bp in bps:
-        deployments += [finetune_deployment(bp, cron=cron, paused=False), validate_deployment(bp, paused=False)]
+        deployments += [keep_other_schedules(finetune_deployment(bp, cron=cron, paused=False)),
+                        keep_other_schedules(validate_deployment(bp, paused=False))]
     prefect_serve(*deployments, limit=limit)

@@ -14,7 +14,7 @@ from core.blueprint import Blueprint
 from core.launcher import FailureKind, StageFailure
 from core.pool import warm_pools
 from core.pipeline import parse_from, plan, warm_start_source
-from flows.common import default_run_id, name_flow_run, recomputed_here, resolve_blueprint
+from flows.common import default_run_id, name_flow_run, recomputed_here, resolve_blueprint, wait_for_earlier_runs
 from tasks.report import RunReport, iteration_row
 from tasks.stages import pipeline_slots, stage_task
 
@@ -26,6 +26,7 @@ def finetune(blueprint: Blueprint = Blueprint(), run_id: str | None = None, blue
     bp = resolve_blueprint(blueprint, blueprint_file)
     run_id = run_id or default_run_id(bp)
     name_flow_run(run_id)
+    wait_for_earlier_runs(bp)  # init_from=previous: the previous run's promotion first
     steps = plan(bp, run_id, warm_start_source(bp, run_id))
     first_forced = parse_from(from_step, steps)
     get_run_logger().info("run %s: %d steps, artifact store %s", run_id, len(steps), bp.storage.uri)

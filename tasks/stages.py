@@ -5,6 +5,7 @@ task run's logs; a local job holds this host's device slots while it runs; every
 """
 
 import contextvars
+import logging
 import threading
 from contextlib import contextmanager
 
@@ -14,6 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
 from prefect.context import get_run_context
+from prefect.exceptions import MissingContextError
 
 from core.blueprint import Blueprint
 from core.launcher import StageFailure
@@ -38,18 +40,29 @@ def is_committed(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict
 
 
 @contextmanager
-def cancel_requested(every_s: float = 2.0):
-    """An Event set once this flow run is being cancelled. Served and worker runs also get SIGTERM, which
-    Prefect raises in this thread (launch's `finally` kills the job); an in-process run only has this."""
+def cancel_requested(every_s: float = 2.0, flow_run_id=None):
+    """An Event set once this flow run (or `flow_run_id`) is being cancelled. Served and worker runs also get
+    SIGTERM, which Prefect raises in this thread (launch's `finally` kills the job); an in-process run only has
+    this. An API error is logged once and the watch goes on: Cancel works again as soon as the API answers."""
     cancel, stop = threading.Event(), threading.Event()
-    flow_run_id = get_run_context().task_run.flow_run_id
+    flow_run_id = flow_run_id or get_run_context().task_run.flow_run_id
+    try:
+        log = get_run_logger()
+    except MissingContextError:
+        log = logging.getLogger(__name__)
 
     def watch():
+        failing = False
         with get_client(sync_client=True) as client:
             while not stop.wait(every_s):
                 try:
                     state = client.read_flow_run(flow_run_id).state
-                except Exception:  # the API may blip; the next poll decides
+                except Exception as e:
+                    if not failing:
+                        log.warning("cancel watcher: cannot read flow run %s's state (%s: %s); still trying every "
+                                    "%g s: a Cancel is noticed once the Prefect API answers", flow_run_id,
+                                    type(e).__name__, e, every_s)
+                    failing = True
                     continue
                 if state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED):
                     cancel.set()

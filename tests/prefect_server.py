@@ -7,7 +7,8 @@ Fixtures:
   tiny_flow_run   (session) -> FinishedRun: the whole tiny pipeline (1 iteration, 1 rank) as a flow run.
   serve           (session) -> start(blueprint_file, **env) -> Served: `verlflow serve` in a subprocess.
 
-Helpers: tiny_blueprint(kit, store, *overrides), wait_state(flow_run_id, done), manifest(bp, run_id, it, stage).
+Helpers: api(server, path, body), tiny_blueprint(kit, store, *overrides), wait_state(flow_run_id, done), manifest(bp, run_id, it, stage),
+start_server(home, **settings) (another server, e.g. with the scheduler service on), start_serve(server, ...).
 """
 
 import os
@@ -59,45 +60,65 @@ def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
             proc.wait()
 
 
-@pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory):
-    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
-
-    home = tmp_path_factory.mktemp("prefect-home")
+def start_server(home: Path, **server_env: str) -> tuple[subprocess.Popen, PrefectServer]:
+    """`prefect server start` on a free port with its SQLite database under `home`; `server_env` adds settings
+    (e.g. turns a service back on). Returns once /health answers; stop it with _stop(proc)."""
     port = _free_port()
     ui, url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}/api"
     env = {**QUIET, "PREFECT_HOME": str(home), "PREFECT_API_URL": url}
-    server_env = {**{k: v for k, v in {**os.environ, **env}.items() if k != "PREFECT_API_URL"},
-                  "PREFECT_UI_API_URL": url, "PREFECT_LOGGING_LEVEL": "WARNING",  # the UI's API: this port
-                  # services no test needs (cron runs are made through the schedule API): less SQLite contention
-                  **{f"PREFECT_SERVER_SERVICES_{s}_ENABLED": "false" for s in (
-                      "SCHEDULER", "LATE_RUNS", "FOREMAN", "TRIGGERS", "PAUSE_EXPIRATIONS", "CANCELLATION_CLEANUP",
-                      "DB_VACUUM")}}
+    full_env = {**{k: v for k, v in {**os.environ, **env}.items() if k != "PREFECT_API_URL"},
+                "PREFECT_UI_API_URL": url, "PREFECT_LOGGING_LEVEL": "WARNING",  # the UI's API: this port
+                # services no test needs (cron runs are made through the schedule API): less SQLite contention
+                **{f"PREFECT_SERVER_SERVICES_{s}_ENABLED": "false" for s in (
+                    "SCHEDULER", "LATE_RUNS", "FOREMAN", "TRIGGERS", "PAUSE_EXPIRATIONS", "CANCELLATION_CLEANUP",
+                    "DB_VACUUM")}, **server_env}
     log = open(home / "server.log", "w")
     proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                            env=server_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()  # the child has its own copy
     deadline = time.monotonic() + 60
     while True:
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                 if r.status == 200:
-                    break
+                    return proc, PrefectServer(url, ui, home, env)
         except OSError:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             _stop(proc)
             pytest.fail(f"prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
         time.sleep(0.3)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # threads and subprocesses; the settings context below for this thread
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    proc, server = start_server(tmp_path_factory.mktemp("prefect-home"))
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)  # threads and subprocesses; the settings context below for this thread
     try:
-        with temporary_settings({PREFECT_API_URL: url, PREFECT_HOME: str(home)}):
-            yield PrefectServer(url, ui, home, env)
+        with temporary_settings({PREFECT_API_URL: server.url, PREFECT_HOME: str(server.home)}):
+            yield server
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         _stop(proc)
-        log.close()
+
+
+def api(server: PrefectServer, path: str, body=None, method: str | None = None):
+    """A call to the server's REST API: GET without a body, POST with one (or `method`); a 503 (SQLite busy) is
+    retried as Prefect's client does."""
+    import httpx
+
+    method = method or ("GET" if body is None else "POST")
+    for attempt in range(6):
+        r = httpx.request(method, f"{server.url}{path}", json=body, timeout=30)
+        if r.status_code != 503:
+            break
+        time.sleep(0.5 * 2 ** attempt)
+    r.raise_for_status()
+    return r.json() if r.content else None
 
 
 def tiny_blueprint(kit: dict, store, *overrides: str):
@@ -157,6 +178,23 @@ class Served:
         _stop(self.proc, 20.0)
 
 
+def start_serve(server: PrefectServer, blueprint_file, *args: str, log: Path, **env: str) -> Served:
+    """`verlflow serve BLUEPRINT ARGS` against `server`, polling every second; returns once it polls."""
+    out = open(log, "w")
+    proc = subprocess.Popen([VERLFLOW, "serve", str(blueprint_file), *args], cwd=ROOT, stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **server.env, "PREFECT_RUNNER_POLL_FREQUENCY": "1", **env})
+    out.close()
+    served = Served(proc, log)
+    deadline = time.monotonic() + 60
+    while "polling for scheduled runs" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            served.stop()
+            pytest.fail(f"verlflow serve did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    return served
+
+
 @pytest.fixture(scope="session")
 def serve(prefect_server):
     """start(blueprint_file, *args, **env): `verlflow serve` polling every second; stopped at the end."""
@@ -164,19 +202,8 @@ def serve(prefect_server):
 
     def start(blueprint_file, *args: str, **env: str) -> Served:
         log = Path(blueprint_file).with_suffix(f".serve{len(started)}.log")
-        out = open(log, "w")
-        proc = subprocess.Popen([VERLFLOW, "serve", str(blueprint_file), *args], cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **prefect_server.env, "PREFECT_RUNNER_POLL_FREQUENCY": "1", **env})
-        served = Served(proc, log)
-        started.append(served)
-        deadline = time.monotonic() + 60
-        while "polling for scheduled runs" not in log.read_text():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                served.stop()
-                pytest.fail(f"verlflow serve did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
-        return served
+        started.append(start_serve(prefect_server, blueprint_file, *args, log=log, **env))
+        return started[-1]
 
     yield start
     for s in started:

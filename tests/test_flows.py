@@ -6,26 +6,13 @@ import datetime as dt
 import os
 import time
 
-import httpx
 import psutil
 import pytest
-from prefect_server import manifest, tiny_blueprint, wait_state, write_blueprint
+from prefect_server import api, manifest, tiny_blueprint, wait_state, write_blueprint
 
 from core.launcher import FailureKind, StageFailure
 
 CRON = "0 */12 * * *"  # two occurrences a day: each test run backfills one past occurrence at a time
-
-
-def api(server, path: str, body: dict | None = None):
-    """GET (no body) or POST to the server's REST API; a 503 (SQLite busy) is retried as Prefect's client does."""
-    for attempt in range(6):
-        r = httpx.post(f"{server.url}{path}", json=body, timeout=30) if body is not None else \
-            httpx.get(f"{server.url}{path}", timeout=30)
-        if r.status_code != 503:
-            break
-        time.sleep(0.5 * 2 ** attempt)
-    r.raise_for_status()
-    return r.json() if r.content else None
 
 
 def task_runs(server, flow_run_id) -> dict:
@@ -42,6 +29,15 @@ def logs(server, flow_run_id, want: str, timeout_s: float = 20) -> list[str]:
         if any(want in m for m in msgs) or time.monotonic() > deadline:
             return msgs
         time.sleep(0.5)
+
+
+def run_id_of(name: str, run: dict) -> str:
+    """The default run id of a flow run (as the API returns it)."""
+    from prefect.client.schemas.objects import FlowRun
+
+    from flows.common import run_id_for
+
+    return run_id_for(name, FlowRun.model_validate(run))
 
 
 def committed_at(bp, run_id, it, stage) -> str:
@@ -180,7 +176,7 @@ def test_in_process_validate_flow_is_cancelled_through_the_api(prefect_server, t
         time.sleep(0.2)
     run = api(prefect_server, "/flow_runs/filter", {"flows": {"name": {"any_": ["validate"]}},
                                                     "flow_runs": {"state": {"type": {"any_": ["RUNNING"]}}}})[0]
-    assert run["name"] == f"vcancel-{run['id'][:8]}"  # the default run id, shown as the flow run's name
+    assert run["name"] == run_id_of("vcancel", run)  # the default run id, shown as the flow run's name
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(run["id"], Cancelling())
     assert psutil.wait_procs(job, timeout=15)[1] == []
@@ -246,7 +242,10 @@ def test_scheduled_run_fails_in_update_and_the_ui_retry_resumes(prefect_server, 
     run = backfill(prefect_server, dep["id"], now - dt.timedelta(hours=24), now - dt.timedelta(hours=12))
     state = wait_state(run["id"])
     assert state.is_failed() and "NONFINITE" in (state.message or "") + served.log.read_text()
-    run_id = f"sched-{run['id'][:8]}"
+    run_id = run_id_of("sched", run)
+    scheduled = dt.datetime.fromisoformat(run["expected_start_time"]).astimezone(dt.timezone.utc)
+    assert run_id.startswith(f"sched-{scheduled:%Y%m%dT%H%M%SZ}-")  # the occurrence it was scheduled for
+    assert api(prefect_server, f"/flow_runs/{run['id']}")["name"] == run_id
     rollout_at = committed_at(bp, run_id, 1, "rollout")
     assert manifest(bp, run_id, 1, "update") is None
     served.stop()
@@ -256,6 +255,7 @@ def test_scheduled_run_fails_in_update_and_the_ui_retry_resumes(prefect_server, 
         client.set_flow_run_state(run["id"], AwaitingRetry(message="Retry from the UI"))
     state = wait_state(run["id"], lambda s: s.is_final() and not s.is_failed(), timeout_s=180)
     assert state.is_completed(), state.message
+    assert api(prefect_server, f"/flow_runs/{run['id']}")["name"] == run_id  # the Retry kept its run id
     assert committed_at(bp, run_id, 1, "rollout") == rollout_at  # rollout was not run again
     assert manifest(bp, run_id, 1, "checkpoint") is not None
     assert any("rollout[1] is committed with the same key: reusing" in m
@@ -291,7 +291,7 @@ def test_next_scheduled_run_warm_starts_and_cancel_kills_its_job(prefect_server,
                     "which did not complete (run the whole file)")
     dep = api(prefect_server, "/deployments/name/finetune/sched")
     run = backfill(prefect_server, dep["id"], now - dt.timedelta(hours=12), now)
-    run_id = f"sched-{run['id'][:8]}"
+    run_id = run_id_of("sched", run)
     assert run_id != sched["first"]  # a scheduled run is its own run: nothing is fully cached
     deadline, job = time.monotonic() + 180, []
     while not job:
@@ -316,3 +316,94 @@ def test_next_scheduled_run_warm_starts_and_cancel_kills_its_job(prefect_server,
         assert time.monotonic() < deadline, "the cancelled run still holds its device slots"
         time.sleep(0.5)
     print(f"\ncancel -> job gone in {took:.1f} s, slots released {time.monotonic() - t0:.1f} s after the cancel")
+
+
+# -- the blueprint from a URI; the cancel watcher when the API fails ---------------------------------------------
+
+
+def test_s3_blueprint_file_paths_are_relative_to_its_folder_and_leave_no_temp_file(s3_bucket, tiny_kit, tmp_path,
+                                                                                   monkeypatch):
+    import tempfile
+
+    import yaml
+
+    from core.blueprint import Blueprint
+    from core.errors import BlueprintError
+    from flows.common import resolve_blueprint
+
+    spill = tmp_path / "tmp"
+    spill.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spill))  # where a temp copy of the file would land
+    text = yaml.safe_dump({"name": "from-s3", "model": {"path": tiny_kit["model_dir"]},
+                           "data": {"train_files": ["../data/train.parquet"]}, "storage": {"uri": "artifacts"}})
+    s3_bucket.client().put_object(Bucket=s3_bucket.name, Key="exp/bp.yaml", Body=text.encode())
+    bp = resolve_blueprint(Blueprint(), f"{s3_bucket.uri}/exp/bp.yaml")
+    assert bp.name == "from-s3"
+    assert bp.storage.uri == f"{s3_bucket.uri}/exp/artifacts"  # relative to the file's folder, not /tmp
+    assert bp.data.train_files == [f"{s3_bucket.uri}/data/train.parquet"]
+    assert bp.model.path == tiny_kit["model_dir"]  # an absolute local path stays as it is
+    assert list(spill.iterdir()) == []
+    with pytest.raises(BlueprintError, match=r"exp/nope.yaml: no such blueprint file"):
+        resolve_blueprint(Blueprint(), f"{s3_bucket.uri}/exp/nope.yaml")
+
+
+class FlakyApi:
+    """An HTTP proxy in front of the Prefect server that answers 500 to every GET while `failing` is set."""
+
+    def __init__(self, upstream: str):
+        import http.server
+        import threading
+
+        import httpx
+
+        flaky = self
+        self.failing, self.errors = True, 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                if flaky.failing:
+                    flaky.errors += 1
+                    status, body, kind = 500, b'{"detail": "injected"}', "application/json"
+                else:
+                    r = httpx.get(upstream + self.path.removeprefix("/api"), timeout=30)
+                    status, body, kind = r.status_code, r.content, r.headers.get("content-type", "")
+                self.send_response(status)
+                self.send_header("content-type", kind)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/api"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+def test_cancel_watcher_logs_an_api_error_once_and_still_sees_the_cancel(prefect_server, caplog):
+    from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    from tasks.stages import cancel_requested
+
+    flow_id = api(prefect_server, "/flows/", {"name": "cancel-watch"})["id"]
+    run = api(prefect_server, "/flow_runs/", {"flow_id": flow_id, "state": {"type": "RUNNING"}})
+    proxy = FlakyApi(prefect_server.url)
+    try:
+        with temporary_settings({PREFECT_API_URL: proxy.url, PREFECT_CLIENT_MAX_RETRIES: 0}), \
+                cancel_requested(every_s=0.1, flow_run_id=run["id"]) as cancel:
+            deadline = time.monotonic() + 30
+            while proxy.errors < 5:
+                assert time.monotonic() < deadline, "the watcher stopped asking"
+                time.sleep(0.1)
+            proxy.failing = False  # the API recovers; then the UI's Cancel
+            api(prefect_server, f"/flow_runs/{run['id']}/set_state", {"state": {"type": "CANCELLING"}, "force": True})
+            assert cancel.wait(30), "the watcher never saw the cancel after the API recovered"
+    finally:
+        proxy.close()
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "cancel watcher" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in warned]
+    assert "500" in warned[0].getMessage() and run["id"] in warned[0].getMessage()

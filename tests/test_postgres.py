@@ -198,7 +198,11 @@ def test_scheduled_run_executes_through_a_process_worker_on_postgres(pg_prefect,
         _stop(worker, 20.0)
         wlog.close()
 
-    run_id = f"pg-nightly-{fr['id'][:8]}"
+    from prefect.client.schemas.objects import FlowRun
+
+    from flows.common import run_id_for
+
+    run_id = run_id_for("pg-nightly", FlowRun.model_validate(_api(stack, f"/flow_runs/{fr['id']}")))
     assert (store / "runs" / run_id / "1" / "checkpoint" / "manifest.json").exists(), sorted(store.rglob("*"))[:50]
     assert manifest(bp, run_id, 1, "checkpoint") is not None
 
