@@ -210,7 +210,10 @@ def _landed_and_discard(store: ArtifactStore, out: str, key: str, scratch: Path)
     def discard() -> None:
         shutil.rmtree(scratch, ignore_errors=True)  # a remote store's output was staged there
         if not landed():
-            store.rm(out)  # a failed stage leaves nothing behind (a full disk: its partial files)
+            try:
+                store.rm(out)  # a failed stage leaves nothing behind (a full disk: its partial files)
+            except Exception:  # noqa: BLE001 - e.g. S3 down: it has no manifest, nothing reads it, a rerun replaces it
+                pass
 
     return landed, discard
 
