@@ -201,29 +201,26 @@ def cmd_ls(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    import shlex
-
     from core.runner import open_store
-    from core.store import safe_run_id
+    from core.store import repair_command, safe_run_id
 
     bp = _blueprint(args)
     safe_run_id(args.run, "verify RUN")
     store = open_store(bp)
-    damaged, files = [], 0
+    damaged, files = [], 0  # (name, stage key) in pipeline order
     for it, stage in _run_stages(store, args.run, store.sizes("runs")):
         skey, name = f"runs/{args.run}/{it}/{stage}", f"{stage}[{it}]"
         state, problems = _stage_state(store, skey, None, checksums=True)
         if state == "committed":
             files += len(store.read_manifest(skey)["files"])
         if problems:
-            damaged.append(name)
+            damaged.append((name, skey))
         print(f"  {name}".ljust(20) + f"{'ok' if state == 'committed' else state:<14}" + "; ".join(problems))
     if damaged:
-        blueprint = ([args.blueprint] if args.blueprint else []) + list(args.overrides)
-        fix = shlex.join(["verlflow", "rerun", args.run, *blueprint, "--from", damaged[0]])
+        fix = repair_command(damaged[0][1], tuple([args.blueprint] if args.blueprint else []) + tuple(args.overrides))
         raise VerlflowError(f"run {args.run}: {len(damaged)} damaged stage(s) in {store.root_uri}: "
-                            f"{', '.join(damaged)}. Repair with `{fix}` (it runs {damaged[0]} and every later "
-                            "stage again and reuses the ones before it, which verified).")
+                            f"{', '.join(n for n, _ in damaged)}. Repair with `{fix}` (it runs {damaged[0][0]} and "
+                            "every later stage again and reuses the ones before it, which verified).")
     print(f"run {args.run}: every committed stage matches its manifest ({files} files checked)")
     return 0
 

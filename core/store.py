@@ -179,10 +179,13 @@ def stream_digest(f, algorithm: str = "sha256") -> dict[str, Any]:
     return {"sha256_64m": hashlib.sha256(b"".join(pieces)).hexdigest(), "size": size}
 
 
-def repair_command(stage_key: str, blueprint: str = "BLUEPRINT") -> str:
-    """The rerun that rewrites the stage at `runs/<run>/<iteration>/<stage>` (and every later one)."""
+def repair_command(stage_key: str, blueprint: tuple[str, ...] = ("BLUEPRINT",)) -> str:
+    """The rerun that rewrites the stage at `runs/<run>/<iteration>/<stage>` (and every later one), ready to paste
+    into a shell; `blueprint` is the blueprint file and overrides."""
+    import shlex
+
     _, run, it, stage = stage_key.split("/")[:4]
-    return f"verlflow rerun {run} {blueprint} --from {stage}[{it}]"
+    return shlex.join(["verlflow", "rerun", run, *blueprint, "--from", f"{stage}[{it}]"])
 
 
 def _is_stage_key(key: str) -> bool:
