@@ -123,7 +123,12 @@ class _StageLogs:
     def _open(self):
         from core.logsink import LineSink
 
-        return LineSink(self.path, lambda level, text: level < logging.ERROR and print(text, flush=True))
+        return LineSink(self.path, self._show)
+
+    @staticmethod
+    def _show(level: int, text: str) -> None:
+        if level < logging.ERROR:
+            print(text, flush=True)
 
     @property
     def path(self) -> Path:

@@ -524,15 +524,55 @@ def test_line_sink_groups_a_traceback_into_one_error_record(tmp_path):
     assert text[0].startswith("==== ") and text[1:] == lines  # the file has every line as it came
 
 
+BAD_REWARD = ("import os\nfrom core.errors import InputError\nfrom core.rewards import register_reward\n"
+              "if os.environ.get('RANK') is not None:  # in the stage's ranks only, not in the CLI's own checks\n"
+              "    raise InputError('badreward: the scoring service is unreachable')\n"
+              "@register_reward('bad')\ndef bad(data_source, solution_str, ground_truth, extra_info=None):\n"
+              "    return 0.0\n")
+
+
+def test_a_rank_traceback_is_one_error_record_in_the_task_logs(prefect_server, tiny_kit, tmp_path, monkeypatch):
+    """The stage task's logs in Prefect: validate's ranks fail with a traceback; each is one ERROR record, no frame
+    of it is an INFO record of its own, and the stage's log file has every line."""
+    import time
+
+    import httpx
+    from prefect import flow
+
+    from prefect_server import tiny_blueprint
+    from tasks.stages import stage_task
+
+    (tmp_path / "badreward.py").write_text(BAD_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", "reward.module=badreward", "reward.function=bad")
+
+    @flow
+    def one():
+        return stage_task("validate", "init", bp)("validate", "init", {}, bp, "tb1", False)
+
+    state = one(return_state=True)
+    assert state.is_failed()
+    body = {"logs": {"flow_run_id": {"any_": [str(state.state_details.flow_run_id)]}}, "limit": 200}
+    deadline = time.monotonic() + 30
+    while True:  # the API log handler sends in batches
+        records = httpx.post(f"{prefect_server.url}/logs/filter", json=body, timeout=30).json()
+        ranks = [r for r in records if re.match(r"\[rank\d+\] Traceback \(most recent call last\):\n", r["message"])]
+        if ranks or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert ranks and all(r["level"] == 40 for r in ranks), [r["message"][:80] for r in records]
+    assert all("InputError: validate found 1 problem(s)" in r["message"] for r in ranks)
+    assert not [r for r in records if re.match(r"\[rank\d+\]\s+(File |raise |Traceback)", r["message"])
+                and r["level"] < 40], "a traceback's line logged as a record of its own"
+    log = (tmp_path / "store" / "logs" / "tb1" / "validate-init.log").read_text()
+    assert re.search(r"^\[rank0\] Traceback \(most recent call last\):$", log, re.M), log
+
+
 def test_a_user_error_in_a_stage_prints_one_message_and_the_log_file(tiny_kit, tmp_path):
     """Both ranks of validate raise a verlflow error: the terminal shows the stage's ordinary lines (one rank prefix
     each) and the one message with the log file's path; the ranks' tracebacks are in that file only."""
-    (tmp_path / "badreward.py").write_text(
-        "import os\nfrom core.errors import InputError\nfrom core.rewards import register_reward\n"
-        "if os.environ.get('RANK') is not None:  # in the stage's ranks only, not in the CLI's own checks\n"
-        "    raise InputError('badreward: the scoring service is unreachable')\n"
-        "@register_reward('bad')\ndef bad(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    return 0.0\n")
+    (tmp_path / "badreward.py").write_text(BAD_REWARD)
     args = [f"model.path={tiny_kit['model_dir']}", f"data.train_files=[{tiny_kit['train_file']}]",
             f"storage.uri={tmp_path / 'store'}", "reward.module=badreward", "reward.function=bad",
             "resources.nproc_per_node=2", "iterations=1", "data.batch_size=4", "rollout.n=2"]
