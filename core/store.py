@@ -596,7 +596,7 @@ class ArtifactStore:
         manifest = self.read_manifest(stage_key)
         if manifest is None:
             raise StoreError(f"Stage {self.uri(stage_key)} is not committed (no {MANIFEST}); run it first, or "
-                             f"rerun it with `{repair_command(stage_key)}`.")
+                             f"rerun it with `verlflow rerun --from {stage_key.rsplit('/', 1)[-1]}`.")
         return manifest
 
     def _check(self, stage_key: str, rel: str, expected: dict, actual: dict) -> None:
@@ -605,7 +605,8 @@ class ArtifactStore:
             raise ChecksumError(
                 f"{self.uri(f'{stage_key}/{rel}')} does not match its manifest: expected {a} {expected.get(a)} "
                 f"({expected['size']} bytes), found {a} {actual.get(a)} ({actual['size']} bytes). The file "
-                f"changed after the stage committed; rerun the stage with `{repair_command(stage_key)}`.")
+                "changed after the stage committed; rerun the stage with "
+                f"`verlflow rerun --from {stage_key.rsplit('/', 1)[-1]}`.")
 
     def read_verified(self, stage_key: str, rel: str) -> bytes:
         """Bytes of one committed file, checked against the manifest."""
@@ -646,7 +647,7 @@ class ArtifactStore:
                     actual = None
             if actual is None:
                 raise ChecksumError(f"{self.uri(key)} is listed in the manifest but missing; rerun the stage with "
-                                    f"`{repair_command(stage_key)}`.")
+                                    f"`verlflow rerun --from {stage_key.rsplit('/', 1)[-1]}`.")
             self._check(stage_key, rel, expected, actual)
         return folder
 
