@@ -130,7 +130,10 @@ class Lease:
         self.version = version
 
     def release(self) -> None:
-        if self.version and not self.store.delete_if(self.key, self.version):
+        # Read first: an S3-compatible server that ignores If-Match on DELETE must not delete another's lease.
+        current = self.store.read_versioned(self.key) if self.version else None
+        ours = current is not None and current[1] == self.version
+        if self.version and not (ours and self.store.delete_if(self.key, self.version)):
             log.warning("run %s: the lease was no longer ours at release", self.run_id)
         self.version = None
 
