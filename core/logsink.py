@@ -1,11 +1,11 @@
 """Where a stage's output goes: every line to the stage's log file, and records to a caller (the terminal, a Prefect
 task's logger), with a rank's traceback as ONE ERROR record instead of one INFO record per line.
 
-The log file of a stage is `<store root>/logs/<run_id>/<stage>-<iteration>.log` for a local store: next to the
-run's artifacts, where `verlflow ls` already points, and on a shared filesystem the same folder for every node. A
-remote store (s3://) cannot be appended to line by line, so its logs go to this machine's
-`$VERLFLOW_CACHE_DIR/logs/<bucket>/<prefix>/<run_id>/` (default ~/.cache/verlflow), the folder materialize() caches
-the run's inputs under. Each attempt appends, after a header line.
+A stage's log file is `$VERLFLOW_CACHE_DIR/logs/<protocol>/<store root>/<run_id>/<stage>-<iteration>.log` on the
+machine that ran it (default ~/.cache/verlflow, where the inductor cache and S3 downloads already live), e.g.
+~/.cache/verlflow/logs/s3/bucket/prefix/r1/update-1.log. Not in the store: it holds committed, checksummed
+artifacts only (a refused or failed stage leaves nothing there), an S3 object cannot be appended to line by line,
+and one rule serves every store. A failure's message prints the path. Each attempt appends, after a header line.
 """
 
 from __future__ import annotations
@@ -31,11 +31,8 @@ _MAX_BLOCK = 2000  # lines: a runaway block is emitted in parts
 
 
 def log_folder(store: ArtifactStore, run_id: str) -> Path:
-    local = store.local_path("logs")
-    if local is not None:
-        return local / safe_run_id(run_id)
     cache = Path(os.environ.get("VERLFLOW_CACHE_DIR") or Path.home() / ".cache" / "verlflow")
-    return cache / "logs" / store.root / safe_run_id(run_id)
+    return cache / "logs" / store.protocol / store.root.lstrip("/") / safe_run_id(run_id)
 
 
 def stage_log_path(store: ArtifactStore, run_id: str, stage: str, iteration) -> Path:

@@ -5,7 +5,6 @@ Layout under the root:
     index/<key>.json                                 {"manifest": "<stage_key>/manifest.json"}
     pointers/<name>.json                             e.g. the promoted `latest` iteration
     leases/<run_id>.json                             who is running the run now (core/lease.py)
-    logs/<run_id>/<stage>-<iteration>.log            every line of a stage's jobs, local stores only (core/logsink.py)
     _probe/                                          scratch objects of probe()
 
 A stage is *committed* once its manifest.json exists; readers trust manifests only and check every file's

@@ -545,6 +545,7 @@ def test_a_rank_traceback_is_one_error_record_in_the_task_logs(prefect_server, t
     (tmp_path / "badreward.py").write_text(BAD_REWARD)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("VERLFLOW_CACHE_DIR", str(tmp_path / "cache"))
     bp = tiny_blueprint(tiny_kit, tmp_path / "store", "reward.module=badreward", "reward.function=bad")
 
     @flow
@@ -565,7 +566,7 @@ def test_a_rank_traceback_is_one_error_record_in_the_task_logs(prefect_server, t
     assert all("InputError: validate found 1 problem(s)" in r["message"] for r in ranks)
     assert not [r for r in records if re.match(r"\[rank\d+\]\s+(File |raise |Traceback)", r["message"])
                 and r["level"] < 40], "a traceback's line logged as a record of its own"
-    log = (tmp_path / "store" / "logs" / "tb1" / "validate-init.log").read_text()
+    log = next((tmp_path / "cache" / "logs").rglob("tb1/validate-init.log")).read_text()
     assert re.search(r"^\[rank0\] Traceback \(most recent call last\):$", log, re.M), log
 
 
@@ -576,15 +577,16 @@ def test_a_user_error_in_a_stage_prints_one_message_and_the_log_file(tiny_kit, t
     args = [f"model.path={tiny_kit['model_dir']}", f"data.train_files=[{tiny_kit['train_file']}]",
             f"storage.uri={tmp_path / 'store'}", "reward.module=badreward", "reward.function=bad",
             "resources.nproc_per_node=2", "iterations=1", "data.batch_size=4", "rollout.n=2"]
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "HF_HUB_OFFLINE": "1", "VERLFLOW_CACHE_DIR": str(tmp_path)}
     p = subprocess.run([VERLFLOW, "run", *args, "--run-id", "bad1"], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 2, p.stdout + p.stderr
     assert "Traceback" not in p.stdout + p.stderr, p.stdout + p.stderr
     assert len(re.findall(r"^verlflow[\w -]*: error: ", p.stderr, re.M)) == 1, p.stderr
     assert "badreward: the scoring service is unreachable" in p.stderr and "USER_ERROR" in p.stderr
-    log = tmp_path / "store" / "logs" / "bad1" / "validate-init.log"
+    log = tmp_path / "logs" / "file" / str(tmp_path / "store").lstrip("/") / "bad1" / "validate-init.log"
     assert f"every rank's traceback included: {log}" in p.stderr
+    assert not [f for f in (tmp_path / "store").rglob("*") if f.is_file()]  # the failed stage left nothing there
     text = log.read_text()
     assert re.search(r"^\[rank[01]\] Traceback \(most recent call last\):$", text, re.M), text
     assert "[rank0] " in p.stdout and "| reward | NO |" in p.stdout  # the ordinary lines reached the terminal

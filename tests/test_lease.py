@@ -166,7 +166,8 @@ def test_a_second_verlflow_rerun_of_a_running_run_is_refused(tiny_kit, tmp_path)
     store = tmp_path / "store"
     args = [f"model.path={tiny_kit['model_dir']}", f"data.train_files=[{tiny_kit['train_file']}]",
             f"storage.uri={store}", "resources.nproc_per_node=1", "iterations=1"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VERLFLOW_FAULT": "hang_in_validate"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VERLFLOW_FAULT": "hang_in_validate",
+           "VERLFLOW_CACHE_DIR": str(tmp_path / "cache")}
     first = subprocess.Popen([VERLFLOW, "run", *args, "--run-id", "busy"], cwd=tmp_path, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -80,12 +80,13 @@ def test_a_truncated_manifest_shows_as_damaged(store, tmp_path, capsys):
     assert rc == 2 and "--from 'update[1]'`" in err
 
 
-def test_the_advised_reruns_repair_a_truncated_manifest_and_a_deleted_file(tiny_kit, tmp_path, capsys):
+def test_the_advised_reruns_repair_a_truncated_manifest_and_a_deleted_file(tiny_kit, tmp_path, capsys, monkeypatch):
     """The tiny pipeline (1 iteration, 1 rank, warm workers); then its checkpoint's manifest is truncated, later a file
     of its export deleted. Each message's advised command is run as printed (with the blueprint) and works. (The
     last stage, so that each repair is one cheap export.)"""
     from prefect_server import TINY
 
+    monkeypatch.setenv("VERLFLOW_CACHE_DIR", str(tmp_path / "cache"))  # the stages' log files
     store = tmp_path / "store"
     bp = [f"model.path={tiny_kit['model_dir']}", f"data.train_files=[{tiny_kit['train_file']}]",
           f"storage.uri={store}", *TINY, "resources.warm_workers=true"]
