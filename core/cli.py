@@ -158,14 +158,15 @@ def _stage_order(stage: str) -> int:
     return STAGES.index(stage) if stage in STAGES else len(STAGES)
 
 
-def _run_stages(store, run: str, sizes: dict) -> list[tuple[str, str]]:
-    """(iteration, stage) of every stage folder of a run in the store, in pipeline order."""
+def _run_stages(sizes: dict, run: str) -> list[tuple[str, str]]:
+    """(iteration, stage) of every stage folder of a run with files in it, in pipeline order."""
     keys = [k.split("/") for k in sizes]  # runs/<run>/<iteration>/<stage>/<file...>
-    stages = sorted({tuple(k[2:4]) for k in keys if len(k) > 4 and k[1] == run},
-                    key=lambda s: (s[0] != "init", int(s[0]) if s[0].isdigit() else 0, _stage_order(s[1])))
-    if not stages:
-        raise VerlflowError(f"run {run}: no such run in {store.root_uri} (`verlflow ls` lists the runs).")
-    return stages
+    return sorted({tuple(k[2:4]) for k in keys if len(k) > 4 and k[1] == run},
+                  key=lambda s: (s[0] != "init", int(s[0]) if s[0].isdigit() else 0, _stage_order(s[1])))
+
+
+def _no_such_run(store, run: str) -> VerlflowError:
+    return VerlflowError(f"run {run}: no such run in {store.root_uri} (`verlflow ls` lists the runs).")
 
 
 def _stage_state(store, skey: str, sizes: dict | None, checksums: bool) -> tuple[str, list[str]]:
@@ -185,6 +186,7 @@ def _stage_state(store, skey: str, sizes: dict | None, checksums: bool) -> tuple
 
 
 def cmd_ls(args) -> int:
+    from core.lease import holder_of
     from core.runner import open_store
     from core.store import safe_run_id
 
@@ -197,11 +199,16 @@ def cmd_ls(args) -> int:
         for run in sorted({k.split("/")[1] for k in sizes if k.count("/") > 1}):
             print(run)
         return 0
-    for it, stage in _run_stages(store, args.run, sizes):
+    stages, holder = _run_stages(sizes, args.run), holder_of(store, args.run)
+    if not stages and holder is None:
+        raise _no_such_run(store, args.run)
+    for it, stage in stages:
         skey = f"runs/{args.run}/{it}/{stage}"
         state, problems = _stage_state(store, skey, sizes, checksums=False)  # existence and size only: cheap
         extra = f"  ({'; '.join(problems[:3])}{'; ...' if len(problems) > 3 else ''})" if problems else ""
         print(f"  {stage}[{it}]".ljust(20) + f"{state:<14} {store.uri(skey)}{extra}")
+    if holder is not None:
+        print(f"run {args.run} is being run by {holder.describe()} (its lease)")
     return 0
 
 
@@ -212,8 +219,11 @@ def cmd_verify(args) -> int:
     bp = _blueprint(args)
     safe_run_id(args.run, "verify RUN")
     store = open_store(bp)
+    stages = _run_stages(store.sizes("runs"), args.run)
+    if not stages:
+        raise _no_such_run(store, args.run)
     damaged, files = [], 0  # (name, stage key) in pipeline order
-    for it, stage in _run_stages(store, args.run, store.sizes("runs")):
+    for it, stage in stages:
         skey, name = f"runs/{args.run}/{it}/{stage}", f"{stage}[{it}]"
         state, problems = _stage_state(store, skey, None, checksums=True)
         if state == "committed":

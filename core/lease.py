@@ -138,6 +138,12 @@ class Lease:
         self.version = None
 
 
+def holder_of(store: ArtifactStore, run_id: str) -> Holder | None:
+    """Who holds the run's lease now (it may be stale), or None."""
+    current = store.read_versioned(f"leases/{safe_run_id(run_id)}.json")
+    return _parse(current[0]) if current else None
+
+
 def _parse(raw: bytes) -> Holder | None:
     try:
         return Holder(**json.loads(raw))

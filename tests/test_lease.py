@@ -180,6 +180,9 @@ def test_a_second_verlflow_rerun_of_a_running_run_is_refused(tiny_kit, tmp_path)
         assert f"Run busy is already being run by pid {first.pid} on host {socket.gethostname()} since " \
                in second.stderr and "Wait until it ends" in second.stderr
         assert sorted(p.relative_to(store).as_posix() for p in store.rglob("*")) == before
+        ls = subprocess.run([VERLFLOW, "ls", *args, "--run", "busy"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=120)
+        assert f"run busy is being run by pid {first.pid} on host {socket.gethostname()}" in ls.stdout, ls.stderr
     finally:
         first.send_signal(signal.SIGINT)
         out, err = first.communicate(timeout=120)
