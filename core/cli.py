@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -9,7 +10,8 @@ from pathlib import Path
 
 from core.errors import VerlflowError
 
-EXAMPLES = "examples:\n  verlflow make-tiny tiny/qwen2\n  verlflow run blueprints/tiny-cpu.yaml iterations=3\n"
+EXAMPLES = ("examples:\n  verlflow make-tiny tiny/qwen2\n  verlflow run blueprints/tiny-cpu.yaml iterations=3\n"
+            "  verlflow verify RUN_ID blueprints/tiny-cpu.yaml\n")
 
 
 def _blueprint(args):
@@ -78,21 +80,71 @@ def _print_summary(bp, run_id: str, results) -> None:
 
 
 def cmd_run(args) -> int:
+    from core.lease import run_lease
     from core.pipeline import parse_from, plan, run_pipeline
-    from core.store import safe_name
+    from core.runner import open_store
+    from core.store import safe_run_id
 
     bp = _blueprint(args)
     # Everything the user typed is checked before the store is touched (the preflight probe writes to it).
     if args.run_id is not None:
-        safe_name(args.run_id, "rerun RUN" if getattr(args, "run", None) is not None else "--run-id")
+        safe_run_id(args.run_id, "rerun RUN" if getattr(args, "run", None) is not None else "--run-id")
     run_id = args.run_id or f"{bp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    parse_from(args.from_step, plan(bp, run_id))
+    steps = plan(bp, run_id)
+    parse_from(args.from_step, steps)
     _preflight(bp)
-    if getattr(args, "prefect", False):  # the same pipeline as a Prefect flow run (tasks, logs, artifacts)
+    if getattr(args, "prefect", False):  # the same pipeline as a Prefect flow run (tasks, logs, artifacts, lease)
         return _run_flow(bp, args.run_id, args.from_step)
-    results = run_pipeline(bp, run_id, on_line=lambda line: print(line, flush=True), force_from=args.from_step)
+    store = open_store(bp)
+    with run_lease(store, run_id):
+        logs = _StageLogs(store, run_id, steps)
+        try:
+            results = run_pipeline(bp, run_id, on_line=logs, on_step=logs.step_done, force_from=args.from_step)
+        except VerlflowError as e:
+            e.log_file = logs.path
+            raise
+        finally:
+            logs.close()
     _print_summary(bp, run_id, results)
     return 0
+
+
+class _StageLogs:
+    """The CLI's on_line: each step's lines go to its stage's log file (core.logsink), the terminal shows the INFO
+    records; a rank's traceback stays in the file, which a failure's message names. Steps end in plan order."""
+
+    def __init__(self, store, run_id: str, steps):
+        from core.logsink import stage_log_path
+
+        self.paths = [stage_log_path(store, run_id, s.stage, s.iteration) for s in steps]
+        self.done = 0
+        self.sink = self._open()
+
+    def _open(self):
+        from core.logsink import LineSink
+
+        return LineSink(self.path, self._show)
+
+    @staticmethod
+    def _show(level: int, text: str) -> None:
+        if level < logging.ERROR:
+            print(text, flush=True)
+
+    @property
+    def path(self) -> Path:
+        return self.paths[min(self.done, len(self.paths) - 1)]
+
+    def __call__(self, line: str) -> None:
+        self.sink(line)
+
+    def step_done(self, step, result) -> None:
+        self.done += 1
+        if self.done < len(self.paths):
+            self.sink.close()
+            self.sink = self._open()
+
+    def close(self) -> None:
+        self.sink.close()
 
 
 def cmd_rerun(args) -> int:
@@ -106,27 +158,85 @@ def _stage_order(stage: str) -> int:
     return STAGES.index(stage) if stage in STAGES else len(STAGES)
 
 
+def _run_stages(sizes: dict, run: str) -> list[tuple[str, str]]:
+    """(iteration, stage) of every stage folder of a run with files in it, in pipeline order."""
+    keys = [k.split("/") for k in sizes]  # runs/<run>/<iteration>/<stage>/<file...>
+    return sorted({tuple(k[2:4]) for k in keys if len(k) > 4 and k[1] == run},
+                  key=lambda s: (s[0] != "init", int(s[0]) if s[0].isdigit() else 0, _stage_order(s[1])))
+
+
+def _no_such_run(store, run: str) -> VerlflowError:
+    return VerlflowError(f"run {run}: no such run in {store.root_uri} (`verlflow ls` lists the runs).")
+
+
+def _stage_state(store, skey: str, sizes: dict | None, checksums: bool) -> tuple[str, list[str]]:
+    """A stage's state for ls/verify: ("committed" | "pruned" | "NOT committed" | "DAMAGED", problems)."""
+    from core.errors import StoreError
+
+    try:
+        m = store.read_manifest(skey)
+    except StoreError:
+        return "DAMAGED", ["manifest.json is not valid JSON"]
+    if m is None:
+        return "NOT committed", []
+    if m.get("pruned"):
+        return "pruned", []
+    problems = store.damage(skey, checksums=checksums, sizes=sizes)
+    return ("DAMAGED" if problems else "committed"), problems
+
+
 def cmd_ls(args) -> int:
+    from core.lease import holder_of
     from core.runner import open_store
-    from core.store import safe_name
+    from core.store import safe_run_id
 
     bp = _blueprint(args)
     if args.run is not None:
-        safe_name(args.run, "--run")  # before anything is printed
+        safe_run_id(args.run, "--run")  # before anything is printed
     store = open_store(bp)
-    keys = [k.split("/") for k in store.ls("runs")]  # runs/<run>/<iteration>/<stage>/<file...>
+    sizes = store.sizes("runs")
     if not args.run:
-        for run in sorted({k[1] for k in keys if len(k) > 1}):
+        for run in sorted({k.split("/")[1] for k in sizes if k.count("/") > 1}):
             print(run)
         return 0
-    stages = sorted({tuple(k[1:4]) for k in keys if len(k) > 4 and k[1] == args.run},
-                    key=lambda s: (s[1] != "init", int(s[1]) if s[1].isdigit() else 0, _stage_order(s[2])))
+    stages, holder = _run_stages(sizes, args.run), holder_of(store, args.run)
+    if not stages and holder is None:
+        raise _no_such_run(store, args.run)
+    for it, stage in stages:
+        skey = f"runs/{args.run}/{it}/{stage}"
+        state, problems = _stage_state(store, skey, sizes, checksums=False)  # existence and size only: cheap
+        extra = f"  ({'; '.join(problems[:3])}{'; ...' if len(problems) > 3 else ''})" if problems else ""
+        print(f"  {stage}[{it}]".ljust(20) + f"{state:<14} {store.uri(skey)}{extra}")
+    if holder is not None:
+        print(f"run {args.run} is being run by {holder.describe()} (its lease)")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from core.runner import open_store
+    from core.store import repair_command, safe_run_id
+
+    bp = _blueprint(args)
+    safe_run_id(args.run, "verify RUN")
+    store = open_store(bp)
+    stages = _run_stages(store.sizes("runs"), args.run)
     if not stages:
-        raise VerlflowError(f"--run {args.run}: no such run in {store.root_uri} (`verlflow ls` lists the runs).")
-    for run, it, stage in stages:
-        m = store.read_manifest(f"runs/{run}/{it}/{stage}")
-        state = ("pruned" if m.get("pruned") else "committed") if m else "NOT committed"
-        print(f"  {stage}[{it}]".ljust(20) + f"{state:<14} {store.uri(f'runs/{run}/{it}/{stage}')}")
+        raise _no_such_run(store, args.run)
+    damaged, files = [], 0  # (name, stage key) in pipeline order
+    for it, stage in stages:
+        skey, name = f"runs/{args.run}/{it}/{stage}", f"{stage}[{it}]"
+        state, problems = _stage_state(store, skey, None, checksums=True)
+        if state == "committed":
+            files += len(store.read_manifest(skey)["files"])
+        if problems:
+            damaged.append((name, skey))
+        print(f"  {name}".ljust(20) + f"{'ok' if state == 'committed' else state:<14}" + "; ".join(problems))
+    if damaged:
+        fix = repair_command(damaged[0][1], tuple([args.blueprint] if args.blueprint else []) + tuple(args.overrides))
+        raise VerlflowError(f"run {args.run}: {len(damaged)} damaged stage(s) in {store.root_uri}: "
+                            f"{', '.join(n for n, _ in damaged)}. Repair with `{fix}` (it runs {damaged[0][0]} and "
+                            "every later stage again and reuses the ones before it, which verified).")
+    print(f"run {args.run}: every committed stage matches its manifest ({files} files checked)")
     return 0
 
 
@@ -249,6 +359,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--run", help="run id")
     s.set_defaults(fn=cmd_ls)
 
+    s = sub.add_parser("verify", help="check every committed stage of a run against its manifest's checksums")
+    s.add_argument("run", help="run id")
+    _add_blueprint(s)
+    s.set_defaults(fn=cmd_verify)
+
     s = sub.add_parser("show", help="print a committed stage's manifest")
     s.add_argument("stage", help="stage path, e.g. runs/<run>/1/rollout")
     _add_blueprint(s)
@@ -270,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except VerlflowError as e:
         print(f"verlflow {args.verb}: error: {e}", file=sys.stderr)
+        if getattr(e, "log_file", None):
+            print(f"The stage's whole output, every rank's traceback included: {e.log_file}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("verlflow: interrupted", file=sys.stderr)

@@ -90,9 +90,10 @@ class StageResult:
 
 
 def stage_status(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[str, str], *,
-                 store: ArtifactStore | None = None, extra_key: dict | None = None):
+                 store: ArtifactStore | None = None, extra_key: dict | None = None, read_output: bool = True):
     """Read-only: (key, output stage path, committed manifest there or None, input manifests). The stage is
-    reusable when the committed manifest's key equals `key`."""
+    reusable when the committed manifest's key equals `key`. read_output=False: the output's manifest is not read
+    (a forced stage replaces it, even a damaged one)."""
     from core.pool import pending_manifest
 
     store = store or open_store(bp)
@@ -107,7 +108,7 @@ def stage_status(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict
         manifests[name] = m
     key = compute_key(stage, bp, iteration, {n: m["key"] for n, m in manifests.items()}, extra_key)
     out = stage_key(run_id, iteration, stage)
-    return key, out, store.read_manifest(out), manifests
+    return key, out, store.read_manifest(out) if read_output else None, manifests
 
 
 def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[str, str], *,
@@ -118,7 +119,7 @@ def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[st
     t0 = time.time()
     store = store or open_store(bp)
     key, out, existing, manifests = stage_status(stage, bp, run_id, iteration, inputs, store=store,
-                                                 extra_key=extra_key)
+                                                 extra_key=extra_key, read_output=not force)
     if existing is not None and existing.get("key") == key and not force:
         on_line(f"[verlflow] {stage}[{iteration}] is committed with the same key: reusing {store.uri(out)}")
         return StageResult(existing, True, time.time() - t0)
@@ -130,7 +131,7 @@ def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[st
     follower = multi_local and res.node_rank > 0
     if follower and single:
         return _await_commit(stage, iteration, store, out, key, res.stage_timeout_s, on_line, cancel, t0)
-    if existing is not None and not follower:
+    if (existing is not None or force) and not follower:
         store.uncommit(out)  # invisible first, then replaced
     if not follower:
         store.rm(out)

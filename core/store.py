@@ -4,6 +4,7 @@ Layout under the root:
     runs/<run_id>/<iteration>/<stage>/...            data files, then manifest.json (written LAST)
     index/<key>.json                                 {"manifest": "<stage_key>/manifest.json"}
     pointers/<name>.json                             e.g. the promoted `latest` iteration
+    leases/<run_id>.json                             who is running the run now (core/lease.py)
     _probe/                                          scratch objects of probe()
 
 A stage is *committed* once its manifest.json exists; readers trust manifests only and check every file's
@@ -62,13 +63,29 @@ def safe_name(name: str, what: str = "name") -> str:
     return name
 
 
+# The longest file name the store builds from a run id is the lease's temporary file, `.<run_id>.json.<8 hex>.tmp`
+# (run id + 19 characters), against the 255 bytes most filesystems allow; 128 also keeps a run's S3 keys and its
+# local cache paths far from S3's 1,024-byte key limit and PATH_MAX.
+RUN_ID_MAX = 128
+
+
+def safe_run_id(run_id: str, what: str = "run_id") -> str:
+    """A run id: one safe name of at most RUN_ID_MAX characters (the CLI and the flow refuse others up front)."""
+    safe_name(run_id, what)
+    if len(run_id) > RUN_ID_MAX:
+        raise UnsafeKeyError(f"{what} {run_id[:24]}... is refused: it has {len(run_id)} characters, at most "
+                             f"{RUN_ID_MAX} are allowed (letters, digits, '.', '_' or '-', starting with a letter "
+                             "or digit); choose a shorter run id.")
+    return run_id
+
+
 def stage_key(run_id: str, iteration: int | str, stage: str) -> str:
     """`runs/<run_id>/<iteration>/<stage>`; iteration is an int >= 0 or a name such as "init"."""
     if isinstance(iteration, bool) or not isinstance(iteration, (int, str)) or \
             (isinstance(iteration, int) and iteration < 0):
         raise UnsafeKeyError(f"iteration {iteration!r} is refused; allowed is an int >= 0 or a name like 'init'.")
     it = str(iteration) if isinstance(iteration, int) else safe_name(iteration, "iteration")
-    return f"runs/{safe_name(run_id, 'run_id')}/{it}/{safe_name(stage, 'stage')}"
+    return f"runs/{safe_run_id(run_id)}/{it}/{safe_name(stage, 'stage')}"
 
 
 def _secret_values(opts: dict) -> set[str]:
@@ -137,6 +154,48 @@ def bytes_digest(data: bytes, algorithm: str = "sha256") -> dict[str, Any]:
         return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
     pieces = [hashlib.sha256(data[i:i + TREE_PIECE]).digest() for i in range(0, max(len(data), 1), TREE_PIECE)]
     return {"sha256_64m": hashlib.sha256(b"".join(pieces)).hexdigest(), "size": len(data)}
+
+
+def stream_digest(f, algorithm: str = "sha256") -> dict[str, Any]:
+    """file_digest of an open binary stream (an S3 object read piece by piece), with no local copy."""
+    h, size, in_piece, pieces = hashlib.sha256(), 0, 0, []
+    while chunk := f.read(CHUNK * 8):
+        size += len(chunk)
+        if algorithm == "sha256":
+            h.update(chunk)
+            continue
+        while chunk:
+            take = chunk[:TREE_PIECE - in_piece]
+            h.update(take)
+            in_piece, chunk = in_piece + len(take), chunk[len(take):]
+            if in_piece == TREE_PIECE:
+                pieces.append(h.digest())
+                h, in_piece = hashlib.sha256(), 0
+    if algorithm == "sha256":
+        return {"sha256": h.hexdigest(), "size": size}
+    if in_piece or not pieces:
+        pieces.append(h.digest())
+    return {"sha256_64m": hashlib.sha256(b"".join(pieces)).hexdigest(), "size": size}
+
+
+def repair_command(stage_key: str, blueprint: tuple[str, ...] = ("BLUEPRINT",)) -> str:
+    """The rerun that rewrites the stage at `runs/<run>/<iteration>/<stage>` (and every later one), ready to paste
+    into a shell; `blueprint` is the blueprint file and overrides."""
+    import shlex
+
+    _, run, it, stage = stage_key.split("/")[:4]
+    return shlex.join(["verlflow", "rerun", run, *blueprint, "--from", f"{stage}[{it}]"])
+
+
+def _is_stage_key(key: str) -> bool:
+    parts = key.split("/")
+    return len(parts) >= 4 and parts[0] == "runs"
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    """An S3 conditional request lost: 412 PreconditionFailed, or 409 when another conditional write is in flight."""
+    response = getattr(exc.__cause__, "response", None) or {}
+    return response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict")
 
 
 def algorithm_of(entry: dict) -> str:
@@ -367,8 +426,99 @@ class ArtifactStore:
         try:
             return json.loads(raw)
         except ValueError as exc:
-            raise StoreError(f"{self.uri(key)} is not valid JSON ({exc}); delete it or rerun the stage "
-                             "that wrote it.") from exc
+            fix = (f"the stage is damaged: rerun it with `{repair_command(key)}`" if _is_stage_key(key)
+                   else "delete it, or rerun the stage that wrote it")
+            raise StoreError(f"{self.uri(key)} is not valid JSON ({exc}); {fix}.") from exc
+
+    # ---------- conditional writes (a run's lease): atomic on a local folder (flock) and on S3 (If-None-Match,
+    # If-Match). A version is what replace_if/delete_if compare: the sha256 of the bytes here, the ETag on S3.
+    def read_versioned(self, key: str) -> tuple[bytes, str] | None:
+        """The object's bytes and its version, or None if it does not exist."""
+        path = self._path(key)
+        with self._wrap("read", key):
+            if self.is_local:
+                try:
+                    data = Path(path).read_bytes()
+                except FileNotFoundError:
+                    return None
+                return data, hashlib.sha256(data).hexdigest()
+            for attempt in (1, 2):  # the object may change between the HEAD and the read (then If-Match fails)
+                self._fresh()
+                try:
+                    with self.fs.open(path, "rb") as f:
+                        return f.read(), f.details["ETag"]
+                except FileNotFoundError:
+                    return None
+                except OSError as exc:
+                    if attempt == 2 or not _precondition_failed(exc):
+                        raise
+
+    def create_exclusive(self, key: str, data: bytes) -> str | None:
+        """Write the object only if it does not exist (of two writers exactly one wins); its version, or None."""
+        if not self.is_local:
+            done = self._s3_conditional("put_object", key, Body=data, IfNoneMatch="*")
+            return done and done["ETag"]
+        with self._locked(key):
+            if os.path.exists(self._path(key)):
+                return None
+            self._write_atomic(key, data)
+        return hashlib.sha256(data).hexdigest()
+
+    def replace_if(self, key: str, data: bytes, version: str) -> str | None:
+        """Replace the object only if it is still at `version`; the new version, or None (it changed or went)."""
+        if not self.is_local:
+            done = self._s3_conditional("put_object", key, Body=data, IfMatch=version)
+            return done and done["ETag"]
+        with self._locked(key):
+            current = self.read_versioned(key)
+            if current is None or current[1] != version:
+                return None
+            self._write_atomic(key, data)
+        return hashlib.sha256(data).hexdigest()
+
+    def delete_if(self, key: str, version: str) -> bool:
+        """Delete the object only if it is still at `version`."""
+        if not self.is_local:
+            return self._s3_conditional("delete_object", key, IfMatch=version) is not None
+        with self._locked(key):
+            current = self.read_versioned(key)
+            if current is None or current[1] != version:
+                return False
+            with self._wrap("delete", key):
+                os.unlink(self._path(key))
+        return True
+
+    def _s3_conditional(self, method: str, key: str, **kwargs) -> dict | None:
+        bucket, obj, _ = self.fs.split_path(self._path(key))
+        with self._wrap("write" if method == "put_object" else "delete", key):
+            try:
+                out = self.fs.call_s3(method, Bucket=bucket, Key=obj, **kwargs)
+            except (FileExistsError, FileNotFoundError) as exc:  # If-None-Match lost / the object is gone
+                if type(exc.__cause__).__name__ == "NoSuchBucket":
+                    raise
+                return None
+            except OSError as exc:
+                if _precondition_failed(exc):
+                    return None
+                raise
+            finally:
+                self.fs.invalidate_cache(self._path(key))
+        return out
+
+    @contextmanager
+    def _locked(self, key: str) -> Iterator[None]:
+        """Serialises the conditional writes to one folder between this machine's processes: flock on the folder."""
+        import fcntl
+
+        folder = os.path.dirname(self._path(key))
+        with self._wrap("lock", key):
+            os.makedirs(folder, exist_ok=True)
+            fd = os.open(folder, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     # ---------- commit protocol
     def commit(self, stage_key: str, manifest: dict, files: dict[str, dict]) -> dict:
@@ -419,7 +569,10 @@ class ArtifactStore:
     def uncommit(self, stage_key: str) -> None:
         """Make a stage invisible (manifest first), then drop its index entry and its data."""
         manifest_key = f"{safe_key(stage_key)}/{MANIFEST}"
-        manifest = self.read_manifest(stage_key)
+        try:
+            manifest = self.read_manifest(stage_key)
+        except StoreError:  # a damaged manifest: its index entry cannot be known, and lookup() ignores a stale one
+            manifest = None
         self.rm(manifest_key)
         if manifest and isinstance(manifest.get("key"), str):
             index_key = _index_key(manifest["key"])
@@ -496,6 +649,44 @@ class ArtifactStore:
                                     f"`verlflow rerun --from {stage_key.rsplit('/', 1)[-1]}`.")
             self._check(stage_key, rel, expected, actual)
         return folder
+
+    # ---------- integrity of committed stages (verlflow verify, verlflow ls)
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """Every file key under `prefix` with its size in bytes (one listing)."""
+        with self._wrap("list", prefix):
+            self._fresh()
+            found = self.fs.find(self._path(prefix), detail=True)
+        cut = len(self.root.rstrip("/")) + 1
+        return {p[cut:]: int(info["size"]) for p, info in found.items()}
+
+    def damage(self, stage_key: str, *, checksums: bool, sizes: dict[str, int] | None = None) -> list[str]:
+        """What is wrong with a committed stage's files ([] if nothing): missing or of another size than the manifest
+        says, and with `checksums` also a different digest. `sizes` (from sizes()) saves a request per file."""
+        problems = []
+        for rel, expected in sorted(self._committed(stage_key)["files"].items()):
+            key = f"{stage_key}/{safe_key(rel)}"
+            size = sizes.get(key) if sizes is not None else self._size_or_none(key)
+            if size is None:
+                problems.append(f"{rel} is missing")
+            elif size != expected["size"]:
+                problems.append(f"{rel} has {size} bytes, its manifest says {expected['size']}")
+            elif checksums and not same_digest(self._digest(key, algorithm_of(expected)), expected):
+                problems.append(f"{rel} does not match its {algorithm_of(expected)} in the manifest")
+        return problems
+
+    def _size_or_none(self, key: str) -> int | None:
+        with self._wrap("check", key):
+            try:
+                return int(self.fs.size(self._path(key)))
+            except FileNotFoundError:
+                return None
+
+    def _digest(self, key: str, algorithm: str) -> dict:
+        with self._wrap("read", key):
+            if self.is_local:
+                return file_digest(self._path(key), algorithm)
+            with self.fs.open(self._path(key), "rb", block_size=TREE_PIECE) as f:
+                return stream_digest(f, algorithm)
 
     # ---------- pointers and probe
     def set_pointer(self, name: str, value: dict) -> None:

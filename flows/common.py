@@ -11,6 +11,7 @@ from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.context import get_run_context
 
 from core.blueprint import Blueprint, load_blueprint
+from core.errors import StoreError
 from core.pipeline import Step
 from core.runner import open_store
 from core.store import stage_key
@@ -95,7 +96,10 @@ def name_flow_run(run_id: str) -> None:
 def recomputed_here(bp: Blueprint, run_id: str, step: Step) -> bool:
     """Whether this flow run already recomputed `step` (committed after the flow run was created), so a Retry
     of a run started with from_step does not force the same stages again."""
-    m = open_store(bp).read_manifest(stage_key(run_id, step.iteration, step.stage))
+    try:
+        m = open_store(bp).read_manifest(stage_key(run_id, step.iteration, step.stage))
+    except StoreError:  # a damaged manifest was not recomputed here: the forced stage replaces it
+        return False
     if m is None or not m.get("committed_at"):
         return False
     created = int(get_run_context().flow_run.created.timestamp())  # committed_at has whole seconds

@@ -8,12 +8,15 @@ a rerun with the same run id, or the UI's Retry of a failed flow run, resumes at
 # No `from __future__ import annotations`: served runs need the real Blueprint annotation for the run form.
 
 from prefect import flow, get_run_logger
+from prefect.context import get_run_context
 from prefect.states import Cancelled
 
 from core.blueprint import Blueprint
 from core.launcher import FailureKind, StageFailure
+from core.lease import run_lease
 from core.pool import warm_pools
 from core.pipeline import parse_from, plan, warm_start_source
+from core.runner import open_store
 from flows.common import default_run_id, name_flow_run, recomputed_here, resolve_blueprint, wait_for_earlier_runs
 from tasks.report import RunReport, iteration_row
 from tasks.stages import pipeline_slots, stage_task
@@ -34,7 +37,8 @@ def finetune(blueprint: Blueprint = Blueprint(), run_id: str | None = None, blue
     try:
         # resources.warm_workers: the stage tasks share one torchrun job, which keeps its devices between stages,
         # so the flow holds their slots for as long (a task holding slots must never wait on an idle pool's GPUs).
-        with warm_pools(), pipeline_slots(bp):
+        with run_lease(open_store(bp), run_id, str(get_run_context().flow_run.id), get_run_logger().info), \
+                warm_pools(), pipeline_slots(bp):
             for i, step in enumerate(steps):
                 force = first_forced is not None and i >= first_forced and not recomputed_here(bp, run_id, step)
                 task = stage_task(step.stage, step.iteration, bp)

@@ -19,7 +19,8 @@ from prefect.exceptions import MissingContextError
 
 from core.blueprint import Blueprint
 from core.launcher import StageFailure
-from core.runner import SINGLE_PROCESS, StageResult, run_stage, stage_status
+from core.logsink import LineSink, stage_log_path
+from core.runner import SINGLE_PROCESS, StageResult, open_store, run_stage, stage_status
 from core.errors import StoreError
 from tasks.slots import device_slots, limit_name
 
@@ -82,16 +83,18 @@ def run_stage_task(stage: str, iteration, inputs: dict[str, str], bp: Blueprint,
                    force: bool = False) -> StageResult:
     log = get_run_logger()
     ranks = 1 if stage in SINGLE_PROCESS else bp.resources.nproc_per_node
-    with cancel_requested() as cancel:
+    # Every line to the stage's log file; a rank's traceback as one ERROR record in the task's logs.
+    sink = LineSink(stage_log_path(open_store(bp), run_id, stage, iteration), log.log)
+    with cancel_requested() as cancel, sink:
         # Slurm and Kubernetes allocate devices themselves; a reused stage needs none; a warm pool's slots are
         # held by its flow (pipeline_slots).
         if bp.resources.backend != "local" or warm_pool(bp) or (
                 not force and is_committed(stage, bp, run_id, iteration, inputs)):
-            res = run_stage(stage, bp, run_id, iteration, inputs, on_line=log.info, cancel=cancel, force=force)
+            res = run_stage(stage, bp, run_id, iteration, inputs, on_line=sink, cancel=cancel, force=force)
         else:
             log.info(f"[verlflow] {stage}[{iteration}] needs {ranks} slot(s) of {limit_name(bp.resources.device)}")
             with device_slots(bp.resources.device, ranks):
-                res = run_stage(stage, bp, run_id, iteration, inputs, on_line=log.info, cancel=cancel, force=force)
+                res = run_stage(stage, bp, run_id, iteration, inputs, on_line=sink, cancel=cancel, force=force)
     create_markdown_artifact(summary_markdown(f"{stage}[{iteration}]", res), description=f"{stage}[{iteration}]")
     return res
 

@@ -258,6 +258,13 @@ CASES = [
     C("run-run-id-with-space", ["@BP@", "--run-id", "my run"], ["--run-id 'my run' is refused"], verb="run"),
     C("rerun-bad-run-id", ["../x", "@BP@"], ["rerun RUN '../x' is refused"], verb="rerun"),
     C("run-bad-from", ["@BP@", "--from", "bogus"], ["--from bogus: no such step", "update[1]"], verb="run"),
+    # A run id longer than a file name may be (it was an OSError traceback from a rank): refused with the limit.
+    C("run-id-too-long", ["@BP@", "--run-id", "r" * 300], ["--run-id rrrr", "300 characters", "at most 128",
+                                                             "letters, digits, '.', '_' or '-'"], verb="run"),
+    C("rerun-run-id-too-long", ["r" * 129, "@BP@"], ["rerun RUN rrrr", "129 characters", "at most 128"], verb="rerun",
+      sub=True),
+    C("ls-run-id-too-long", ["@BP@", "--run", "r" * 300], ["--run rrrr", "at most 128"], verb="ls"),
+    C("verify-run-id-too-long", ["r" * 300, "@BP@"], ["verify RUN rrrr", "at most 128"], verb="verify"),
     C("run-missing-model", ["@BP@", "model.path=nope"], ["model.path", "is not a folder"], verb="run"),
     C("run-bad-yaml", BP, ["bp.yaml:14", "rollout.n", "valid integer"], replace=[("n: 4", "n: four")], verb="run"),
     C("run-store-under-a-file", ["@BP@", "storage.uri=blocker/store"],
@@ -478,3 +485,110 @@ def test_ls_lists_runs_and_stage_states(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[:2] for line in lines] == [["build[init]", "committed"], ["rollout[1]", "committed"],
                                                    ["update[1]", "NOT"]]
+
+
+def test_a_run_id_of_the_longest_allowed_length_makes_stage_keys():
+    from core.store import RUN_ID_MAX, stage_key
+
+    assert stage_key("r" * RUN_ID_MAX, 1, "checkpoint").startswith("runs/rrr")
+
+
+# ---------------------------------------------------------------------------------------------------
+# What a stage's failure shows: one message on the terminal, every line in the stage's log file.
+
+def test_line_sink_groups_a_traceback_into_one_error_record(tmp_path):
+    import logging
+
+    from core.logsink import LineSink
+
+    records = []
+    tb0 = ["Traceback (most recent call last):", '  File "a.py", line 1, in <module>', "    f()",
+           "ValueError: first", "", "During handling of the above exception, another exception occurred:", "",
+           "Traceback (most recent call last):", '  File "a.py", line 3, in <module>',
+           "core.errors.InputError: two problems:", "  rank 0: a", "  rank 1: b"]
+    lines = ["[verlflow] update[1] -> file:///s", "[rank0] 12:00:00 verlflow.stage: loading",
+             f"[rank0] {tb0[0]}", "[rank1] 12:00:01 verlflow.stage: still fine",
+             *[f"[rank0] {t}".rstrip() for t in tb0[1:]],
+             "[rank0] 12:00:02 verlflow.stage: after", "[torchrun] W1201 12:00:03.000 1 api.py:1] closing",
+             "[rank1] Traceback (most recent call last):", '[rank1]   File "b.py", line 9, in g', "[rank1] KeyError: 'x'"]
+    with LineSink(tmp_path / "logs" / "update-1.log", lambda level, text: records.append((level, text))) as sink:
+        for line in lines:
+            sink(line)
+    assert records == [
+        (logging.INFO, lines[0]), (logging.INFO, lines[1]), (logging.INFO, lines[3]),
+        (logging.ERROR, "[rank0] " + "\n".join(tb0)), (logging.INFO, "[rank0] 12:00:02 verlflow.stage: after"),
+        (logging.INFO, "[torchrun] W1201 12:00:03.000 1 api.py:1] closing"),
+        (logging.ERROR, "[rank1] Traceback (most recent call last):\n  File \"b.py\", line 9, in g\nKeyError: 'x'"),
+    ]  # rank 1's traceback was still open at the end: close() emitted it
+    text = (tmp_path / "logs" / "update-1.log").read_text().splitlines()
+    assert text[0].startswith("==== ") and text[1:] == lines  # the file has every line as it came
+
+
+BAD_REWARD = ("import os\nfrom core.errors import InputError\nfrom core.rewards import register_reward\n"
+              "if os.environ.get('RANK') is not None:  # in the stage's ranks only, not in the CLI's own checks\n"
+              "    raise InputError('badreward: the scoring service is unreachable')\n"
+              "@register_reward('bad')\ndef bad(data_source, solution_str, ground_truth, extra_info=None):\n"
+              "    return 0.0\n")
+
+
+def test_a_rank_traceback_is_one_error_record_in_the_task_logs(prefect_server, tiny_kit, tmp_path, monkeypatch):
+    """The stage task's logs in Prefect: validate's ranks fail with a traceback; each is one ERROR record, no frame
+    of it is an INFO record of its own, and the stage's log file has every line."""
+    import time
+
+    import httpx
+    from prefect import flow
+
+    from prefect_server import tiny_blueprint
+    from tasks.stages import stage_task
+
+    (tmp_path / "badreward.py").write_text(BAD_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("VERLFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", "reward.module=badreward", "reward.function=bad")
+
+    @flow
+    def one():
+        return stage_task("validate", "init", bp)("validate", "init", {}, bp, "tb1", False)
+
+    state = one(return_state=True)
+    assert state.is_failed()
+    body = {"logs": {"flow_run_id": {"any_": [str(state.state_details.flow_run_id)]}}, "limit": 200}
+    deadline = time.monotonic() + 30
+    while True:  # the API log handler sends in batches
+        records = httpx.post(f"{prefect_server.url}/logs/filter", json=body, timeout=30).json()
+        ranks = [r for r in records if re.match(r"\[rank\d+\] Traceback \(most recent call last\):\n", r["message"])]
+        if ranks or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert ranks and all(r["level"] == 40 for r in ranks), [r["message"][:80] for r in records]
+    assert all("InputError: validate found 1 problem(s)" in r["message"] for r in ranks)
+    assert not [r for r in records if re.match(r"\[rank\d+\]\s+(File |raise |Traceback)", r["message"])
+                and r["level"] < 40], "a traceback's line logged as a record of its own"
+    log = next((tmp_path / "cache" / "logs").rglob("tb1/validate-init.log")).read_text()
+    assert re.search(r"^\[rank0\] Traceback \(most recent call last\):$", log, re.M), log
+
+
+def test_a_user_error_in_a_stage_prints_one_message_and_the_log_file(tiny_kit, tmp_path):
+    """Both ranks of validate raise a verlflow error: the terminal shows the stage's ordinary lines (one rank prefix
+    each) and the one message with the log file's path; the ranks' tracebacks are in that file only."""
+    (tmp_path / "badreward.py").write_text(BAD_REWARD)
+    args = [f"model.path={tiny_kit['model_dir']}", f"data.train_files=[{tiny_kit['train_file']}]",
+            f"storage.uri={tmp_path / 'store'}", "reward.module=badreward", "reward.function=bad",
+            "resources.nproc_per_node=2", "iterations=1", "data.batch_size=4", "rollout.n=2"]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "HF_HUB_OFFLINE": "1", "VERLFLOW_CACHE_DIR": str(tmp_path)}
+    p = subprocess.run([VERLFLOW, "run", *args, "--run-id", "bad1"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "Traceback" not in p.stdout + p.stderr, p.stdout + p.stderr
+    assert len(re.findall(r"^verlflow[\w -]*: error: ", p.stderr, re.M)) == 1, p.stderr
+    assert "badreward: the scoring service is unreachable" in p.stderr and "USER_ERROR" in p.stderr
+    log = tmp_path / "logs" / "file" / str(tmp_path / "store").lstrip("/") / "bad1" / "validate-init.log"
+    assert f"every rank's traceback included: {log}" in p.stderr
+    assert not [f for f in (tmp_path / "store").rglob("*") if f.is_file()]  # the failed stage left nothing there
+    text = log.read_text()
+    assert re.search(r"^\[rank[01]\] Traceback \(most recent call last\):$", text, re.M), text
+    assert "[rank0] " in p.stdout and "| reward | NO |" in p.stdout  # the ordinary lines reached the terminal
+    for line in p.stdout.splitlines() + text.splitlines():
+        assert line.count("[rank") <= 1, line  # one rank prefix per line

@@ -376,3 +376,37 @@ def test_local_quick_check_skips_untouched_files_and_catches_changed_ones(tmp_pa
     os.utime(folder / "w2.bin", ns=(0, files["w2.bin"]["mtime_ns"] + 1))
     with pytest.raises(ChecksumError, match="w2.bin"):
         store.materialize(STAGE)
+
+
+def test_damage_checks_both_digests_without_a_local_copy(store, tmp_path, monkeypatch, request):
+    """verlflow verify's check: a chunked digest (TREE_MIN shrunk) streamed from the store, and a plain one; a file of
+    the right size with one flipped bit is named, a deleted one too, and the listing check sees only the latter."""
+    import io
+
+    import core.store as S
+
+    monkeypatch.setattr(S, "TREE_MIN", 1 << 20)
+    monkeypatch.setattr(S, "TREE_PIECE", 256 * 1024)
+    for n in (0, 1, 256 * 1024 - 1, 256 * 1024, 256 * 1024 + 1, 3 * 256 * 1024):
+        data = os.urandom(n)
+        assert S.stream_digest(io.BytesIO(data), "sha256_64m") == S.bytes_digest(data, "sha256_64m"), n
+        assert S.stream_digest(io.BytesIO(data)) == S.bytes_digest(data), n
+    write_stage(store, tmp_path)  # batch.bin (3 MiB + 7: chunked) and sub/stats.json (plain sha256)
+    assert store.damage(STAGE, checksums=True) == []
+    bad = bytearray(store.get_bytes(f"{STAGE}/batch.bin"))
+    bad[len(bad) // 2] ^= 1
+    store.put_bytes(f"{STAGE}/batch.bin", bytes(bad))
+    store.rm(f"{STAGE}/sub/stats.json")
+    assert store.damage(STAGE, checksums=False, sizes=store.sizes("runs")) == ["sub/stats.json is missing"]
+    assert store.damage(STAGE, checksums=True) == ["batch.bin does not match its sha256_64m in the manifest",
+                                                   "sub/stats.json is missing"]
+
+
+def test_a_stage_with_a_truncated_manifest_can_be_uncommitted(store, tmp_path):
+    write_stage(store, tmp_path)
+    text = store.get_bytes(f"{STAGE}/manifest.json")
+    store.put_bytes(f"{STAGE}/manifest.json", text[:40])
+    with pytest.raises(StoreError, match=r"not valid JSON.*verlflow rerun run1 BLUEPRINT --from 'rollout\[0\]'"):
+        store.read_manifest(STAGE)
+    store.uncommit(STAGE)  # what a forced rerun does first
+    assert store.read_manifest(STAGE) is None and store.ls(STAGE) == []

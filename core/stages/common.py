@@ -104,8 +104,9 @@ def setup_logging(rank: int) -> None:
 
     # DCP's single-process load (the inference copy, the HF export) warns on every call; it is intended here.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    # verl calls logging.basicConfig on import; force our format so every line carries the rank.
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank{rank}] %(name)s: %(message)s",
+    # verl calls logging.basicConfig on import; force our format. The rank is not in it: the launcher prefixes
+    # every line of a rank with `[rankN]` already (core/launcher.py), and core/logsink.py reads this format.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", force=True, stream=sys.stdout)
 
 

@@ -1,0 +1,113 @@
+"""`verlflow verify` and damaged stages in `verlflow ls`, on a local store and on S3 (moto server); and the repair
+that their messages advise, run for real on the tiny pipeline."""
+
+import re
+import shlex
+
+import pytest
+
+from core.cli import main
+from core.store import ArtifactStore, file_digest
+
+RUN = "r1"
+STAGES = (("init", "build"), ("1", "rollout"), ("1", "update"))
+
+
+@pytest.fixture(params=["file", "s3"])
+def store(request, tmp_path) -> ArtifactStore:
+    if request.param == "file":
+        return ArtifactStore(tmp_path / "store")
+    return ArtifactStore(f"{request.getfixturevalue('s3_bucket').uri}/prefix")
+
+
+def commit_stages(store: ArtifactStore, tmp_path) -> None:
+    """Committed stages as a worker leaves them (files uploaded, then the manifest), without running one."""
+    for it, stage in STAGES:
+        out = tmp_path / f"out-{stage}"
+        out.mkdir()
+        (out / "a.bin").write_bytes(bytes(range(256)) * 40)
+        (out / "b.json").write_text('{"ok": true}')
+        skey = f"runs/{RUN}/{it}/{stage}"
+        names = store.upload_dir(out, skey)
+        store.commit(skey, {"key": f"k-{stage}"}, {rel: file_digest(out / rel) for rel in names})
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def states(out: str) -> dict:
+    return {line.split()[0]: line.split()[1] for line in out.splitlines() if line.startswith("  ")}
+
+
+def test_verify_and_ls_name_damaged_stages_and_the_rerun_that_repairs_them(store, tmp_path, capsys):
+    uri = f"storage.uri={store.root_uri if not store.is_local else store.root}"
+    commit_stages(store, tmp_path)
+    rc, out, err = cli(capsys, "verify", RUN, uri)
+    assert rc == 0, err
+    assert states(out) == {"build[init]": "ok", "rollout[1]": "ok", "update[1]": "ok"}
+    assert "every committed stage matches its manifest (6 files checked)" in out
+
+    store.rm(f"runs/{RUN}/1/update/b.json")  # deleted: ls sees it (existence and size)
+    flipped = bytearray(store.get_bytes(f"runs/{RUN}/1/rollout/a.bin"))
+    flipped[100] ^= 1
+    store.put_bytes(f"runs/{RUN}/1/rollout/a.bin", bytes(flipped))  # same size: only checksums see it
+    rc, out, err = cli(capsys, "ls", uri, "--run", RUN)
+    assert rc == 0, err
+    assert states(out) == {"build[init]": "committed", "rollout[1]": "committed", "update[1]": "DAMAGED"}
+    assert "(b.json is missing)" in out
+
+    rc, out, err = cli(capsys, "verify", RUN, uri)
+    assert rc == 2
+    assert states(out) == {"build[init]": "ok", "rollout[1]": "DAMAGED", "update[1]": "DAMAGED"}
+    assert "a.bin does not match its sha256 in the manifest" in out and "b.json is missing" in out
+    assert f"2 damaged stage(s) in {store.root_uri}: rollout[1], update[1]" in err
+    assert f"Repair with `verlflow rerun {RUN} {uri} --from 'rollout[1]'`" in err
+
+
+def test_a_truncated_manifest_shows_as_damaged(store, tmp_path, capsys):
+    uri = f"storage.uri={store.root_uri if not store.is_local else store.root}"
+    commit_stages(store, tmp_path)
+    text = store.get_bytes(f"runs/{RUN}/1/update/manifest.json")
+    store.put_bytes(f"runs/{RUN}/1/update/manifest.json", text[: len(text) // 2])
+    rc, out, err = cli(capsys, "ls", uri, "--run", RUN)
+    assert rc == 0, err
+    assert states(out)["update[1]"] == "DAMAGED" and "manifest.json is not valid JSON" in out
+    rc, out, err = cli(capsys, "verify", RUN, uri)
+    assert rc == 2 and "--from 'update[1]'`" in err
+
+
+def test_the_advised_reruns_repair_a_truncated_manifest_and_a_deleted_file(tiny_kit, tmp_path, capsys, monkeypatch):
+    """The tiny pipeline (1 iteration, 1 rank, warm workers); then its checkpoint's manifest is truncated, later a file
+    of its export deleted. Each message's advised command is run as printed (with the blueprint) and works. (The
+    last stage, so that each repair is one cheap export.)"""
+    from prefect_server import TINY
+
+    monkeypatch.setenv("VERLFLOW_CACHE_DIR", str(tmp_path / "cache"))  # the stages' log files
+    store = tmp_path / "store"
+    bp = [f"model.path={tiny_kit['model_dir']}", f"data.train_files=[{tiny_kit['train_file']}]",
+          f"storage.uri={store}", *TINY, "resources.warm_workers=true"]
+    rc, out, err = cli(capsys, "run", *bp, "--run-id", RUN)
+    assert rc == 0, out + err
+
+    manifest = store / "runs" / RUN / "1" / "checkpoint" / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:100])
+    rc, out, err = cli(capsys, "rerun", RUN, *bp)  # reuses everything up to the damaged manifest
+    assert rc == 2
+    advised = re.search(r"rerun it with `verlflow rerun r1 BLUEPRINT (--from 'checkpoint\[1\]')`", err)
+    assert advised, err
+    rc, out, err = cli(capsys, "rerun", RUN, *bp, *shlex.split(advised[1]))
+    assert rc == 0, out + err
+
+    victim = store / "runs" / RUN / "1" / "checkpoint" / "hf" / "config.json"
+    victim.unlink()
+    rc, out, err = cli(capsys, "verify", RUN, *bp)
+    assert rc == 2 and "checkpoint[1]" in out and "hf/config.json is missing" in out
+    fix = shlex.split(re.search(r"Repair with `verlflow (rerun .*?)`", err)[1])
+    rc, out, err = cli(capsys, *fix)
+    assert rc == 0, out + err
+    rc, out, err = cli(capsys, "verify", RUN, *bp)
+    assert rc == 0, out + err
