@@ -111,3 +111,18 @@ def test_the_advised_reruns_repair_a_truncated_manifest_and_a_deleted_file(tiny_
     assert rc == 0, out + err
     rc, out, err = cli(capsys, "verify", RUN, *bp)
     assert rc == 0, out + err
+
+
+def test_a_flow_rerun_from_a_damaged_stage_forces_it(tmp_path):
+    """`rerun --prefect --from update[1]` asks whether this flow run already recomputed update[1] (a Retry must
+    not force it twice); a truncated manifest there means no, not an error that stops the repair."""
+    from core.blueprint import load_blueprint
+    from core.pipeline import Step
+    from flows.common import recomputed_here
+
+    store = ArtifactStore(tmp_path / "store")
+    commit_stages(store, tmp_path)
+    text = store.get_bytes(f"runs/{RUN}/1/update/manifest.json")
+    store.put_bytes(f"runs/{RUN}/1/update/manifest.json", text[: len(text) // 2])
+    bp = load_blueprint(None, [f"storage.uri={store.root}"])
+    assert recomputed_here(bp, RUN, Step("update", 1)) is False
