@@ -232,9 +232,19 @@ class ResourcesSpec(Section):
                 problems.append(f"rdzv_endpoint '{self.rdzv_endpoint}' must be host:port")
         if self.backend == "kubernetes" and not self.kubernetes.image:
             problems.append("backend kubernetes needs kubernetes.image (an image with verlflow installed)")
+        if self.warm_workers and (self.backend != "local" or self.nnodes > 1):
+            problems.append(f"resources.warm_workers: true is served by backend local on one node only (got "
+                            f"resources.backend={self.backend}, resources.nnodes={self.nnodes}); set "
+                            "resources.warm_workers: false (each stage is then its own job), or use backend local "
+                            "with nnodes 1")
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    @property
+    def warm_pool(self) -> bool:
+        """Whether stages run in a warm worker pool (core.pool): the one rule the runner and the flow's slots follow."""
+        return self.warm_workers and self.backend == "local" and self.nnodes == 1
 
     @property
     def world_size(self) -> int:

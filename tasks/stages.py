@@ -72,7 +72,7 @@ def run_stage_task(stage: str, iteration, inputs: dict[str, str], bp: Blueprint,
     with cancel_requested() as cancel:
         # Slurm and Kubernetes allocate devices themselves; a reused stage needs none; a warm pool's slots are
         # held by its flow (pipeline_slots).
-        if bp.resources.backend != "local" or warm_pool(bp) or (
+        if bp.resources.backend != "local" or bp.resources.warm_pool or (
                 not force and is_committed(stage, bp, run_id, iteration, inputs)):
             res = run_stage(stage, bp, run_id, iteration, inputs, on_line=log.info, cancel=cancel, force=force)
         else:
@@ -83,16 +83,11 @@ def run_stage_task(stage: str, iteration, inputs: dict[str, str], bp: Blueprint,
     return res
 
 
-def warm_pool(bp: Blueprint) -> bool:
-    res = bp.resources
-    return res.warm_workers and res.backend == "local" and res.nnodes == 1
-
-
 @contextmanager
 def pipeline_slots(bp: Blueprint):
     """With warm workers, this host's device slots for the pool, held for the whole flow; otherwise nothing (each
     stage task takes its own)."""
-    if not warm_pool(bp):
+    if not bp.resources.warm_pool:
         yield
         return
     n = bp.resources.nproc_per_node
