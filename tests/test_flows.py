@@ -5,6 +5,7 @@ serve`, a failure in update resumed by the UI's Retry, a warm start from the pre
 import datetime as dt
 import os
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -316,3 +317,44 @@ def test_next_scheduled_run_warm_starts_and_cancel_kills_its_job(prefect_server,
         assert time.monotonic() < deadline, "the cancelled run still holds its device slots"
         time.sleep(0.5)
     print(f"\ncancel -> job gone in {took:.1f} s, slots released {time.monotonic() - t0:.1f} s after the cancel")
+
+
+def test_summaries_link_final_locations_and_the_policy_and_a_rerun_shows_cached(prefect_server, tiny_kit, tmp_path):
+    """Warm workers with background commits: every stage summary links the stage's final location (never an empty
+    link), the checkpoint's and the run's summaries link the promoted policy (URI and local path); a rerun of the
+    same run id reuses every stage and its task runs end in the state named Cached, the flow still gets results."""
+    from flows.finetune import finetune
+
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", "name=tiny-links", "resources.warm_workers=true")
+    first = finetune(blueprint=bp, run_id="links1", return_state=True)
+    assert first.is_completed(), first.message
+    fr = first.state_details.flow_run_id
+    arts = api(prefect_server, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [str(fr)]}}})
+    stage_md = {a["description"]: a["data"] for a in arts if a["type"] == "markdown" and not a["key"]}
+    assert "in the warm pool's background" in stage_md["update[1]"]  # the case that linked the server's root
+    root = bp.storage.uri.removeprefix("file://")
+    for name, md in stage_md.items():
+        assert "[]()" not in md and "](/manifest.json)" not in md, name
+        stage, it = name.rstrip("]").split("[")
+        uri = f"file://{root}/runs/links1/{it}/{stage}"
+        assert f"[{uri}]({uri})" in md and f"({uri}/manifest.json)" in md, (name, md)
+    hf = f"{root}/runs/links1/1/checkpoint/hf"
+    pointer = f"file://{root}/pointers/runs/links1/latest.json"
+    assert f"(file://{hf})" in stage_md["checkpoint[1]"] and f"`{hf}`" in stage_md["checkpoint[1]"]
+    assert f"({pointer})" in stage_md["checkpoint[1]"]
+    summary = next(a["data"] for a in arts if a["key"] == "links1-summary")
+    assert f"(file://{hf})" in summary and f"`{hf}`" in summary and f"({pointer})" in summary
+    assert (Path(hf) / "config.json").is_file() and open_store_pointer(bp, "links1")["hf_uri"] == f"file://{hf}"
+
+    again = finetune(blueprint=bp, run_id="links1", return_state=True)
+    assert again.is_completed(), again.message
+    assert again.result()["iterations"][0]["reused"] == "rollout,update,checkpoint"
+    names = task_runs(prefect_server, again.state_details.flow_run_id)
+    assert {n: r["state_name"] for n, r in names.items()} == {n: "Cached" for n in names}, names
+    assert {r["state_type"] for r in names.values()} == {"COMPLETED"}
+
+
+def open_store_pointer(bp, run_id: str) -> dict:
+    from core.runner import open_store
+
+    return open_store(bp).get_pointer(f"runs/{run_id}/latest")
