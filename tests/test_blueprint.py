@@ -259,3 +259,25 @@ def test_the_example_blueprints_use_the_warm_pool_they_ask_for():
         res = load_blueprint(f).resources
         assert res.warm_workers and res.warm_pool, f
     assert not Blueprint().resources.warm_pool  # warm_workers defaults to off
+
+
+def undescribed(schema: dict, where: str = "") -> list[str]:
+    """Every property, at any depth (sections, $defs, items), that has no description."""
+    missing = []
+    for name, spec in schema.get("properties", {}).items():
+        if not spec.get("description"):
+            missing.append(f"{where}{name}")
+        missing += undescribed(spec, f"{where}{name}.")
+    for name, sub in {**schema.get("$defs", {}), **schema.get("definitions", {})}.items():
+        missing += undescribed(sub, f"{name}:")
+    return missing
+
+
+def test_every_field_of_the_schema_has_a_description_and_optionals_are_labelled():
+    schema = json_schema()
+    assert undescribed(schema) == []
+    region = schema["$defs"]["StorageSpec"]["properties"]["region"]["anyOf"]
+    assert [b["title"] for b in region] == ["set", "none"]  # the form's toggle, not `str | None`
+    res = schema["$defs"]["ResourcesSpec"]["properties"]
+    assert "only for backend: slurm" in res["slurm"]["description"].lower()
+    assert "only for backend: kubernetes" in res["kubernetes"]["description"].lower()

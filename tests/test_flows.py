@@ -358,3 +358,15 @@ def open_store_pointer(bp, run_id: str) -> dict:
     from core.runner import open_store
 
     return open_store(bp).get_pointer(f"runs/{run_id}/latest")
+
+
+def test_every_flow_parameter_of_the_run_form_has_a_description():
+    """The run form: the flow's own parameters (from its docstring) and every blueprint field, at any depth."""
+    from prefect.utilities.callables import parameter_schema
+    from test_blueprint import undescribed
+
+    from flows.finetune import finetune
+
+    schema = parameter_schema(finetune.fn).model_dump()
+    assert set(schema["properties"]) == {"blueprint", "run_id", "blueprint_file", "from_step"}
+    assert undescribed(schema) == []
