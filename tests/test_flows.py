@@ -370,3 +370,35 @@ def test_every_flow_parameter_of_the_run_form_has_a_description():
     schema = parameter_schema(finetune.fn).model_dump()
     assert set(schema["properties"]) == {"blueprint", "run_id", "blueprint_file", "from_step"}
     assert undescribed(schema) == []
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_one_warm_pool_rule_drives_the_runner_and_the_flow_slots(prefect_server, tiny_kit, tmp_path, monkeypatch,
+                                                                 pooled):
+    """ResourcesSpec.warm_pool alone decides whether a stage runs in the warm pool (the runner) and who holds the
+    device slots (the flow for a pool, else the stage task): set against warm_workers, both follow it."""
+    from prefect import flow
+
+    import tasks.stages as ts
+    from core.blueprint import ResourcesSpec
+    from core.pool import warm_pools
+    from tasks.slots import limit_name
+
+    monkeypatch.setattr(ResourcesSpec, "warm_pool", property(lambda self: pooled))
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", f"name=rule-{str(pooled).lower()}",
+                        f"resources.warm_workers={str(not pooled).lower()}")
+
+    @flow
+    def one() -> int:
+        with warm_pools(), ts.pipeline_slots(bp):
+            held = api(prefect_server, f"/v2/concurrency_limits/{limit_name('cpu')}")["active_slots"]
+            ts.stage_task("validate", "init", bp)("validate", "init", {}, bp, "rule", True)
+        return held
+
+    state = one(return_state=True)
+    assert state.is_completed(), state.message
+    msgs = logs(prefect_server, state.state_details.flow_run_id, "validate[init] -> ")
+    launch = next(m for m in msgs if "validate[init] -> " in m)
+    assert ("warm pool" in launch) == pooled, launch
+    assert (state.result() == bp.resources.nproc_per_node) == pooled  # the flow holds the pool's slots
+    assert any("needs 1 slot(s)" in m for m in msgs) == (not pooled)  # else the task takes its own
