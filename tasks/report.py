@@ -1,5 +1,6 @@
-"""Run-level Prefect artifacts: a metrics table and a progress bar over iterations, and a PNG of the
-reward/KL curves written into the artifact store (drawn with PIL, no plotting dependency)."""
+"""Run-level Prefect artifacts: a metrics table and a progress bar over iterations, a summary linking the promoted
+policy, and a PNG of the reward/KL curves written into the artifact store (drawn with PIL, no plotting
+dependency)."""
 
 import base64
 import io
@@ -47,10 +48,11 @@ def location(store: ArtifactStore, key: str) -> str:
     return link(store.uri(key)) + (f" (local path `{path}`)" if path is not None else "")
 
 
-def run_summary(bp: Blueprint, run_id: str, rows: list[dict]) -> str:
+def run_summary(store: ArtifactStore, bp: Blueprint, run_id: str, rows: list[dict]) -> str:
     """Where the run's promoted policy is (the latest iteration's export) and how far the run got."""
-    store, it = open_store(bp), rows[-1]["iteration"]
+    it = rows[-1]["iteration"]
     pointer = store.get_pointer(f"runs/{run_id}/latest") or {}
+    # a checkpoint committing in a warm pool's background is promoted when it lands (the run ends after that)
     state = "promoted" if pointer.get("iteration") == it else "promoted when its checkpoint's background commit lands"
     hf = f"{stage_key(run_id, it, 'checkpoint')}/hf"
     return "\n".join([
@@ -74,10 +76,10 @@ class RunReport:
         create_table_artifact([{c: row.get(c) for c in COLUMNS} for row in self.rows], key=f"{self.key}-metrics",
                               description=f"{self.run_id}: metrics per iteration")
         update_progress_artifact(self.progress_id, 100.0 * len(self.rows) / self.bp.iterations)
-        create_markdown_artifact(run_summary(self.bp, self.run_id, self.rows), key=f"{self.key}-summary",
+        store = open_store(self.bp)
+        create_markdown_artifact(run_summary(store, self.bp, self.run_id, self.rows), key=f"{self.key}-summary",
                                  description=f"{self.run_id}: the promoted policy")
         png = plot_curves(self.rows)
-        store = open_store(self.bp)
         key = f"reports/{self.run_id}/curves.png"
         store.put_bytes(key, png)
         create_link_artifact(store.uri(key), link_text="reward / KL curves (PNG)", key=f"{self.key}-curves",
