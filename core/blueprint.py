@@ -8,10 +8,10 @@ import difflib
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
 from core.errors import BlueprintError
 
@@ -27,6 +27,11 @@ def _readable_optionals(schema: dict, cls) -> None:
         if len(branches) == 2 and {"type": "null"} in branches:
             for b in branches:
                 b.setdefault("title", "none" if b == {"type": "null"} else "set")
+
+
+# A flow parameter that may be left empty, shown by the run form as a set/none toggle like the sections' fields.
+OptionalText = Union[Annotated[str, WithJsonSchema({"type": "string", "title": "set"})],
+                     Annotated[None, WithJsonSchema({"type": "null", "title": "none"})]]
 
 
 class Section(BaseModel):

@@ -10,7 +10,7 @@ a rerun with the same run id, or the UI's Retry of a failed flow run, resumes at
 from prefect import flow, get_run_logger
 from prefect.states import Cancelled
 
-from core.blueprint import Blueprint
+from core.blueprint import Blueprint, OptionalText
 from core.launcher import FailureKind, StageFailure
 from core.pool import warm_pools
 from core.pipeline import parse_from, plan, warm_start_source
@@ -21,8 +21,8 @@ from tasks.stages import pipeline_slots, stage_task
 
 @flow(name="finetune", description="PPO/GRPO fine-tune of a blueprint: validate, build, then rollout -> update "
       "-> checkpoint per iteration. Stages committed with the same key are reused.")
-def finetune(blueprint: Blueprint = Blueprint(), run_id: str | None = None, blueprint_file: str | None = None,
-             from_step: str | None = None) -> dict:
+def finetune(blueprint: Blueprint = Blueprint(), run_id: OptionalText = None, blueprint_file: OptionalText = None,
+             from_step: OptionalText = None) -> dict:
     """The run form's fields (Prefect reads their descriptions from here).
 
     Args:

@@ -370,6 +370,8 @@ def test_every_flow_parameter_of_the_run_form_has_a_description():
     schema = parameter_schema(finetune.fn).model_dump()
     assert set(schema["properties"]) == {"blueprint", "run_id", "blueprint_file", "from_step"}
     assert undescribed(schema) == []
+    for name in ("run_id", "blueprint_file", "from_step"):  # a set/none toggle in the form, not str/None
+        assert [b.get("title") for b in schema["properties"][name]["anyOf"]] == ["set", "none"], name
 
 
 @pytest.mark.parametrize("pooled", [True, False])
