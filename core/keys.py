@@ -54,7 +54,7 @@ def stage_modules(root: Path, stage: str) -> list[str]:
 def _version(root: Path, stage: str, number: int) -> str:
     h = hashlib.sha256(f"{stage}/{number}".encode())
     for name in stage_modules(root, stage):
-        h.update(b"\0" + name.encode() + b"\0" + _code_tokens(_file(root, name)).encode())
+        h.update(b"\0" + name.encode() + b"\0" + _code_text(_file(root, name)).encode())
     return h.hexdigest()[:16]
 
 
@@ -86,20 +86,30 @@ def _imports(root: Path, module: str) -> list[str]:
     return [m for m in found if m == PACKAGE or m.startswith(PACKAGE + ".")]
 
 
-def _code_tokens(path: Path) -> str:
-    """The file's tokens without comments, blank lines and docstrings (bare string statements): an edit of
-    those changes no output."""
-    out, line = [], []
-    for tok in tokenize.generate_tokens(io.StringIO(path.read_text(encoding="utf-8")).readline):
-        if tok.type in (tokenize.COMMENT, tokenize.NL):
-            continue
-        if tok.type == tokenize.NEWLINE:
-            if not (len(line) == 1 and line[0].type == tokenize.STRING):
-                out += [t.string for t in line] + ["\n"]
-            line = []
-        elif tok.type in (tokenize.INDENT, tokenize.DEDENT):
-            out.append(f"<{tok.type}>")
-        else:
-            line.append(tok)
-    out += [t.string for t in line]
-    return " ".join(out)
+def _code_text(path: Path) -> str:
+    """The file's source without comments, docstrings (bare string statements) and blank lines: an edit of those
+    changes no output. Cut from the text itself, so the result is the same under every Python version."""
+    text = path.read_text(encoding="utf-8")
+    starts = [0]
+    for line in text.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+
+    def offset(pos: tuple[int, int]) -> int:
+        return starts[pos[0] - 1] + pos[1]
+
+    cuts, statement = [], []
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type == tokenize.COMMENT:
+            cuts.append((offset(tok.start), offset(tok.end)))
+        elif tok.type == tokenize.NEWLINE:
+            if len(statement) == 1 and statement[0].type == tokenize.STRING:
+                cuts.append((offset(statement[0].start), offset(statement[0].end)))
+            statement = []
+        elif tok.type not in (tokenize.NL, tokenize.INDENT, tokenize.DEDENT):
+            statement.append(tok)
+    kept, at = [], 0
+    for a, b in cuts:
+        kept.append(text[at:a])
+        at = b
+    kept.append(text[at:])
+    return "\n".join(line.rstrip() for line in "".join(kept).splitlines() if line.strip())

@@ -63,6 +63,7 @@ def test_comments_and_docstrings_of_the_maths_keep_every_key(pkg, bp):
     edit(pkg / "ppo.py", '"""', '"""A docstring typo fixed. ')
     text = (pkg / "ppo.py").read_text()
     (pkg / "ppo.py").write_text(text.replace("\n\n\ndef ", "\n\n\n# a new comment\ndef ", 1))
+    edit(pkg / "ppo.py", 'log = logging.getLogger("verlflow.ppo")', 'log = logging.getLogger("verlflow.ppo")  # why')
     assert stage_code_versions(pkg) == before
 
 
