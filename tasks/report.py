@@ -57,10 +57,10 @@ def run_summary(store: ArtifactStore, bp: Blueprint, run_id: str, rows: list[dic
     hf = f"{stage_key(run_id, it, 'checkpoint')}/hf"
     return "\n".join([
         f"### {run_id}: {len(rows)} of {bp.iterations} iterations done", "",
-        f"Policy of iteration {it} (HF folder), {state}: {location(store, hf)}",
-        f"Pointer: {link(store.uri(f'pointers/runs/{run_id}/latest.json'))} (the blueprint's: "
+        f"- Policy of iteration {it} (HF folder), {state}: {location(store, hf)}",
+        f"- Pointer: {link(store.uri(f'pointers/runs/{run_id}/latest.json'))} (the blueprint's: "
         f"{link(store.uri(f'pointers/blueprints/{bp.name}/latest.json'))})",
-        f"Reward mean per iteration: {', '.join(str(r.get('reward_mean')) for r in rows)}"])
+        f"- Reward mean per iteration: {', '.join(str(r.get('reward_mean')) for r in rows)}"])
 
 
 class RunReport:

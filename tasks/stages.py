@@ -136,14 +136,14 @@ def summary_markdown(name: str, res: StageResult, store: ArtifactStore, out: str
     out_md += ["", "| timing | seconds |", "|---|---|"]
     out_md += [f"| {k} | {v} |" for k, v in sorted(m.get("timings", {}).items())]
     committed = m.get("committed_at") or "in the background (the manifest appears there when the commit lands)"
-    out_md += ["", f"Artifacts: {location(store, out)}, manifest {link(store.uri(out + '/manifest.json'))}",
-               f"key `{m.get('key')}`, committed {committed}, world size {m.get('world_size')}"]
+    out_md += ["", f"- Artifacts: {location(store, out)}, manifest {link(store.uri(out + '/manifest.json'))}",
+               f"- key `{m.get('key')}`, committed {committed}, world size {m.get('world_size')}"]
     if m.get("stage") == "checkpoint":
         pointer = store.uri(f"pointers/runs/{m['run_id']}/latest.json")
         when = "when its background commit lands" if res.pending else "at its commit"
-        out_md.append(f"Policy (HF folder): {location(store, out + '/hf')}, promoted as the run's latest {when} "
+        out_md.append(f"- Policy (HF folder): {location(store, out + '/hf')}, promoted as the run's latest {when} "
                       f"(pointer {link(pointer)})")
     if m.get("lineage"):
         src = m["lineage"][-1]
-        out_md.append(f"warm-started from `{src['stage']}` (run {src['run_id']}, iteration {src['iteration']})")
+        out_md.append(f"- warm-started from `{src['stage']}` (run {src['run_id']}, iteration {src['iteration']})")
     return "\n".join(out_md)
