@@ -9,10 +9,10 @@ import hashlib
 import json
 import posixpath
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
 from core.errors import BlueprintError
 
@@ -20,32 +20,58 @@ ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "gae")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 
+def _readable_optionals(schema: dict, cls) -> None:
+    """The run form shows an optional field as a toggle between its anyOf branches, labelled by their titles (else
+    by type names such as `str`/`None`): label them for what they mean."""
+    for prop in schema.get("properties", {}).values():
+        branches = prop.get("anyOf", [])
+        if len(branches) == 2 and {"type": "null"} in branches:
+            for b in branches:
+                b.setdefault("title", "none" if b == {"type": "null"} else "set")
+
+
+# A flow parameter that may be left empty, shown by the run form as a set/none toggle like the sections' fields.
+OptionalText = Union[Annotated[str, WithJsonSchema({"type": "string", "title": "set"})],
+                     Annotated[None, WithJsonSchema({"type": "null", "title": "none"})]]
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False,
+                              json_schema_extra=_readable_optionals)
 
 
 class ModelSpec(Section):
+    model_config = ConfigDict(title="model")
+
     path: str = Field("tiny/qwen2/model", description="Hugging Face model folder (config, weights, tokenizer).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype the weights are loaded in; training keeps fp32 master weights when float32."
     )
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
-    trust_remote_code: bool = False
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="Attention kernels of the HF model (flash_attention_2 needs CUDA and flash-attn).")
+    trust_remote_code: bool = Field(
+        False, description="Run Python code shipped in the model folder (custom architectures); only for models "
+        "you trust.")
 
 
 class DataSpec(Section):
+    model_config = ConfigDict(title="data")
+
     train_files: list[str] = Field(
         ["tiny/qwen2/data/train.parquet"],
         min_length=1,
         description="Parquet files in verl's RL schema: prompt (chat messages), data_source, reward_model.ground_truth.",
     )
-    prompt_key: str = "prompt"
+    prompt_key: str = Field("prompt", description="Column of the parquet files holding each prompt's chat messages.")
     max_prompt_length: int = Field(128, ge=1, description="Prompt tokens after the chat template; longer is an error.")
     batch_size: int = Field(8, ge=1, description="Prompts per iteration (each sampled rollout.n times).")
-    shuffle: bool = True
+    shuffle: bool = Field(True, description="Visit the prompts in a seeded random order, reshuffled every epoch; "
+                          "false: file order.")
 
 
 class RewardSpec(Section):
+    model_config = ConfigDict(title="reward")
+
     function: str = Field(
         "tiny_digits",
         description="Reward function from the registry: verl_default (verl's default_compute_score by data_source), "
@@ -55,27 +81,38 @@ class RewardSpec(Section):
 
 
 class AlgorithmSpec(Section):
+    model_config = ConfigDict(title="algorithm")
+
     adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "gae"] = Field(
         "grpo", description="verl core_algos advantage estimator; gae trains a critic (PPO)."
     )
     policy_loss: Literal["vanilla"] = Field("vanilla", description="verl core_algos policy loss (PPO clip).")
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        "token-mean"
+        Field("token-mean", description="How token losses become one number (verl agg_loss): mean over all tokens, "
+              "or per sequence first (sum or mean of its tokens), then mean over sequences.")
     )
-    gamma: float = Field(1.0, ge=0.0, le=1.0)
-    lam: float = Field(1.0, ge=0.0, le=1.0)
-    norm_adv_by_std_in_grpo: bool = True
-    clip_ratio_low: float = Field(0.2, gt=0.0, lt=1.0)
-    clip_ratio_high: float = Field(0.2, gt=0.0)
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount of later token rewards (gae, "
+                         "reinforce_plus_plus); 1 = none.")
+    lam: float = Field(1.0, ge=0.0, le=1.0, description="GAE lambda (adv_estimator gae): 1 = Monte-Carlo returns, "
+                       "lower trusts the critic more.")
+    norm_adv_by_std_in_grpo: bool = Field(
+        True, description="grpo: divide each sample's advantage by its group's reward std (false: subtract the mean "
+        "only, as Dr. GRPO).")
+    clip_ratio_low: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip: the probability ratio is kept above "
+                                  "1 - clip_ratio_low.")
+    clip_ratio_high: float = Field(0.2, gt=0.0, description="PPO clip: the probability ratio is kept below "
+                                   "1 + clip_ratio_high (above clip_ratio_low: DAPO's clip-higher).")
     clip_ratio_c: float = Field(3.0, gt=1.0, description="Dual-clip lower bound for negative advantages.")
     use_kl_loss: bool = Field(True, description="KL to the reference policy as a loss term (GRPO style).")
-    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
-    kl_loss_coef: float = Field(0.001, ge=0.0)
+    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = Field(
+        "low_var_kl", description="KL estimator of the KL loss (verl kl_penalty names; low_var_kl = k3, clamped).")
+    kl_loss_coef: float = Field(0.001, ge=0.0, description="Weight of the KL loss (with use_kl_loss).")
     use_kl_in_reward: bool = Field(False, description="Subtract kl_coef * KL(policy||ref) from token rewards.")
-    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "kl"
-    kl_coef: float = Field(0.001, ge=0.0)
-    entropy_coeff: float = Field(0.0, ge=0.0)
-    ppo_epochs: int = Field(1, ge=1)
+    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = Field(
+        "kl", description="KL estimator subtracted from the token rewards (with use_kl_in_reward).")
+    kl_coef: float = Field(0.001, ge=0.0, description="Weight of the KL in the reward (with use_kl_in_reward).")
+    entropy_coeff: float = Field(0.0, ge=0.0, description="Entropy bonus weight (0: none).")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over the iteration's batch in the update.")
     ppo_mini_batch_size: int = Field(4, ge=1, description="Prompts per optimizer step (x rollout.n samples).")
     ppo_micro_batch_size_per_gpu: int = Field(4, ge=1, description="Samples per forward/backward on one rank.")
     use_remove_padding: bool = Field(
@@ -92,21 +129,26 @@ class AlgorithmSpec(Section):
         False, description="Policy log-probs and entropies from the hidden states a chunk of tokens at a time "
         "(verl's FusedLinearForPPO), never holding fp32 logits over the whole vocabulary: less memory, so bigger "
         "token budgets fit. Same maths; the chunk's logits are recomputed in the backward.")
-    lr: float = Field(1e-6, gt=0.0)
-    weight_decay: float = Field(0.01, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = Field(1.0, gt=0.0)
-    critic_lr: float = Field(1e-5, gt=0.0)
-    cliprange_value: float = Field(0.5, gt=0.0)
-    vf_coef: float = Field(0.5, gt=0.0)
+    lr: float = Field(1e-6, gt=0.0, description="AdamW learning rate of the policy.")
+    weight_decay: float = Field(0.01, ge=0.0, description="AdamW weight decay (policy and critic).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas (policy and critic).")
+    grad_clip: float = Field(1.0, gt=0.0, description="Gradient norm clip per optimizer step; a non-finite norm "
+                             "fails the stage.")
+    critic_lr: float = Field(1e-5, gt=0.0, description="AdamW learning rate of the critic (adv_estimator gae).")
+    cliprange_value: float = Field(0.5, gt=0.0, description="Value clip of the critic loss (adv_estimator gae).")
+    vf_coef: float = Field(0.5, gt=0.0, description="Weight of the critic's value loss (adv_estimator gae).")
 
 
 class RolloutSpec(Section):
+    model_config = ConfigDict(title="rollout")
+
     n: int = Field(4, ge=1, description="Samples per prompt (the GRPO group size).")
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: sample among the most likely tokens "
+                         "holding this probability mass; 1 disables it.")
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
-    max_new_tokens: int = Field(16, ge=1)
+    max_new_tokens: int = Field(16, ge=1, description="Response tokens generated per sample at most (EOS ends "
+                                "one earlier).")
     micro_batch_size: int = Field(32, ge=1, description="Sequences generated together on one rank.")
     engine: Literal["hf", "static"] = Field(
         "hf", description="hf: transformers generate (dynamic cache). static: core.fastgen, a static KV cache "
@@ -114,17 +156,25 @@ class RolloutSpec(Section):
 
 
 class FSDPSpec(Section):
+    model_config = ConfigDict(title="fsdp")
+
     version: Literal[1, 2] = Field(2, description="2: fully_shard per decoder layer; 1: FullyShardedDataParallel.")
-    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] = "FULL_SHARD"
+    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] = Field(
+        "FULL_SHARD", description="FSDP1: what is sharded (params, grads and optimizer state with FULL_SHARD; "
+        "HYBRID_SHARD shards within a node and replicates across nodes).")
     use_orig_params: bool = Field(True, description="FSDP1 only.")
     mixed_precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Compute dtype of sharded params.")
-    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
-    cpu_offload: bool = False
-    forward_prefetch: bool = True
-    backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "NONE"] = "BACKWARD_PRE"
-    reshard_after_forward: bool = True
+    reduce_dtype: Literal["fp32", "bf16"] = Field("fp32", description="dtype of the gradient reduce-scatter.")
+    cpu_offload: bool = Field(False, description="Keep sharded parameters in host memory between uses (less device "
+                              "memory, slower).")
+    forward_prefetch: bool = Field(True, description="FSDP1: gather the next unit's parameters during this forward.")
+    backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "NONE"] = Field(
+        "BACKWARD_PRE", description="FSDP1: when the next unit's parameters are gathered in the backward.")
+    reshard_after_forward: bool = Field(True, description="FSDP2: free gathered parameters after each forward "
+                                        "(false keeps them until the backward: more memory, fewer all-gathers).")
     wrap_class: Optional[str] = Field(None, description="Decoder-layer class to wrap; default: model._no_split_modules.")
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = Field(False, description="Recompute each decoder layer's activations in the "
+                                           "backward (less memory, about a third more compute).")
     compile: bool = Field(False, description="torch.compile each decoder layer's forward (update stage; the first "
                           "steps pay the compile, cached in TORCHINDUCTOR_CACHE_DIR).")
     defer_grad_sync: bool = Field(
@@ -134,6 +184,8 @@ class FSDPSpec(Section):
 
 class SlurmSpec(Section):
     """backend: slurm. Each stage is one sbatch job: one srun task per node running torchrun (c10d)."""
+
+    model_config = ConfigDict(title="slurm (only for backend: slurm)")
 
     partition: Optional[str] = Field(None, description="#SBATCH --partition (default: the cluster's default).")
     account: Optional[str] = Field(None, description="#SBATCH --account.")
@@ -155,7 +207,8 @@ class SlurmSpec(Section):
     python: Optional[str] = Field(None, description="Python on the nodes; default: the submitting interpreter.")
     rdzv_port_base: int = Field(20000, ge=1024, le=65000,
                                 description="Rendezvous port = base + job id mod rdzv_port_span (unique per job).")
-    rdzv_port_span: int = Field(10000, ge=1, le=40000)
+    rdzv_port_span: int = Field(10000, ge=1, le=40000, description="How many ports the rendezvous port is picked "
+                                "from (above rdzv_port_base).")
 
     @model_validator(mode="after")
     def _port_range(self):
@@ -167,10 +220,14 @@ class SlurmSpec(Section):
 class KubernetesSpec(Section):
     """backend: kubernetes. Each stage is an indexed batch/v1 Job (one pod per node) plus a headless Service."""
 
+    model_config = ConfigDict(title="kubernetes (only for backend: kubernetes)")
+
     namespace: str = Field("default", description="Namespace of the Job, Service and ConfigMap.")
     image: Optional[str] = Field(None, description="Container image with verlflow installed (required).")
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    service_account: Optional[str] = None
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="The pods' imagePullPolicy.")
+    service_account: Optional[str] = Field(None, description="serviceAccountName of the pods (empty: the "
+                                           "namespace's default).")
     gpus_per_node: int = Field(0, ge=0, description="nvidia.com/gpu limit per pod.")
     cpu: Optional[str] = Field(None, description="CPU request and limit per pod, e.g. '8'.")
     memory: Optional[str] = Field(None, description="Memory request and limit per pod, e.g. '64Gi'.")
@@ -178,22 +235,25 @@ class KubernetesSpec(Section):
         None, description="Secret whose keys become env vars (e.g. AWS_ACCESS_KEY_ID); secrets never go in a manifest."
     )
     pvc: Optional[str] = Field(None, description="PersistentVolumeClaim mounted at pvc_mount (file:// stores, models).")
-    pvc_mount: str = "/data"
-    node_selector: dict[str, str] = {}
-    tolerations: list[dict[str, Any]] = []
+    pvc_mount: str = Field("/data", description="Where the pvc is mounted in the pods.")
+    node_selector: dict[str, str] = Field({}, description="nodeSelector of the pods (label: value).")
+    tolerations: list[dict[str, Any]] = Field([], description="Tolerations of the pods, as in a pod spec.")
     labels: dict[str, str] = Field({}, description="Extra labels on the Job and its pods.")
     python: str = Field("python", description="Python in the image.")
-    rdzv_port: int = Field(29400, ge=1024, le=65535)
-    ttl_seconds_after_finished: int = Field(3600, ge=0)
+    rdzv_port: int = Field(29400, ge=1024, le=65535, description="Port of the c10d rendezvous on pod 0.")
+    ttl_seconds_after_finished: int = Field(3600, ge=0, description="Kubernetes deletes a finished Job after this "
+                                            "many seconds.")
     context: Optional[str] = Field(None, description="kubeconfig context; default: in-cluster, else the current one.")
 
 
 class ResourcesSpec(Section):
+    model_config = ConfigDict(title="resources")
+
     backend: Literal["local", "slurm", "kubernetes"] = Field(
         "local", description="Where stage jobs run: local torchrun, sbatch on Slurm, or a Kubernetes Job."
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu runs gloo; cuda runs nccl for CUDA tensors and gloo for CPU ones.")
-    nnodes: int = Field(1, ge=1)
+    nnodes: int = Field(1, ge=1, description="Nodes (machines) per stage job.")
     nproc_per_node: int = Field(2, ge=1, description="Ranks per node (one per GPU on cuda).")
     node_rank: int = Field(
         0, ge=0, description="backend local with nnodes > 1: this agent's node (0 runs the store and single-process "
@@ -207,16 +267,17 @@ class ResourcesSpec(Section):
         "first (a hang shows where each rank waits); it then fails as TIMEOUT (retryable).")
     retries: int = Field(1, ge=0, description="Retries of a stage whose failure is retryable (timeouts, kills).")
     warm_workers: bool = Field(
-        False, description="backend local, one node: keep one torchrun job alive for a whole pipeline and run each "
-        "stage in it (no spawn or imports per stage; each stage still commits its own artifact). A failed stage "
-        "ends the pool and the next stage starts a fresh one.")
+        False, description="backend local, one node only (refused otherwise): keep one torchrun job alive for a "
+        "whole pipeline and run each stage in it (no spawn or imports per stage; each stage still commits its own "
+        "artifact). A failed stage ends the pool and the next stage starts a fresh one.")
     async_checkpoint: bool = Field(
         True, description="with warm_workers: the update copies its checkpoint to CPU memory and the pool writes, "
         "digests and commits it in the background while the next stages run. Commits keep the stages' order (a "
         "stage is never visible before its inputs); the run ends only when every commit has landed. Needs host "
         "memory for one copy of each rank's checkpoint shard (pinned on CUDA).")
-    slurm: SlurmSpec = SlurmSpec()
-    kubernetes: KubernetesSpec = KubernetesSpec()
+    slurm: SlurmSpec = Field(SlurmSpec(), description="Only for backend: slurm (ignored otherwise).")
+    kubernetes: KubernetesSpec = Field(KubernetesSpec(), description="Only for backend: kubernetes (ignored "
+                                       "otherwise).")
 
     @model_validator(mode="after")
     def _backend_settings(self):
@@ -235,9 +296,19 @@ class ResourcesSpec(Section):
                 problems.append(f"rdzv_endpoint '{self.rdzv_endpoint}' must be host:port")
         if self.backend == "kubernetes" and not self.kubernetes.image:
             problems.append("backend kubernetes needs kubernetes.image (an image with verlflow installed)")
+        if self.warm_workers and (self.backend != "local" or self.nnodes > 1):
+            problems.append(f"resources.warm_workers: true is served by backend local on one node only (got "
+                            f"resources.backend={self.backend}, resources.nnodes={self.nnodes}); set "
+                            "resources.warm_workers: false (each stage is then its own job), or use backend local "
+                            "with nnodes 1")
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    @property
+    def warm_pool(self) -> bool:
+        """Whether stages run in a warm worker pool (core.pool): the one rule the runner and the flow's slots follow."""
+        return self.warm_workers and self.backend == "local" and self.nnodes == 1
 
     @property
     def world_size(self) -> int:
@@ -250,34 +321,42 @@ class ResourcesSpec(Section):
 
 
 class StorageSpec(Section):
+    model_config = ConfigDict(title="storage")
+
     uri: str = Field("artifacts", description="Artifact root: a folder, file:///abs, or s3://bucket/prefix.")
     endpoint_url: Optional[str] = Field(None, description="S3-compatible endpoint (MinIO...). Keys come from env.")
-    region: Optional[str] = None
+    region: Optional[str] = Field(None, description="S3 region (empty: the endpoint's or the environment's).")
     keep_last: int = Field(3, ge=1, description="Promoted checkpoints kept besides the best one.")
     keep_best_metric: Optional[str] = Field("reward_mean", description="Also keep the checkpoint best by this metric.")
 
 
 class ScheduleSpec(Section):
+    model_config = ConfigDict(title="schedule")
+
     cron: Optional[str] = Field(None, description="Cron expression for recurring fine-tunes (verlflow deploy).")
-    timezone: str = "UTC"
+    timezone: str = Field("UTC", description="IANA timezone of the cron, e.g. Europe/Paris.")
     init_from: Literal["base", "previous"] = Field(
         "base", description="previous: warm-start from the last promoted policy of this deployment."
     )
 
 
 class Blueprint(Section):
-    name: str = Field("tiny-grpo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    model: ModelSpec = ModelSpec()
-    data: DataSpec = DataSpec()
-    reward: RewardSpec = RewardSpec()
-    algorithm: AlgorithmSpec = AlgorithmSpec()
-    rollout: RolloutSpec = RolloutSpec()
-    fsdp: FSDPSpec = FSDPSpec()
-    resources: ResourcesSpec = ResourcesSpec()
-    storage: StorageSpec = StorageSpec()
-    schedule: ScheduleSpec = ScheduleSpec()
-    iterations: int = Field(2, ge=1)
-    seed: int = 0
+    model_config = ConfigDict(title="blueprint")
+
+    name: str = Field("tiny-grpo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                      description="Names the run ids, deployments and the blueprint's promoted-policy pointer.")
+    model: ModelSpec = Field(ModelSpec(), description="The policy to fine-tune.")
+    data: DataSpec = Field(DataSpec(), description="The prompts.")
+    reward: RewardSpec = Field(RewardSpec(), description="How a response is scored.")
+    algorithm: AlgorithmSpec = Field(AlgorithmSpec(), description="Advantages, losses and the optimizer (verl "
+                                     "core_algos).")
+    rollout: RolloutSpec = Field(RolloutSpec(), description="Sampling of the responses.")
+    fsdp: FSDPSpec = Field(FSDPSpec(), description="How the model is sharded and computed in training.")
+    resources: ResourcesSpec = Field(ResourcesSpec(), description="Where and on what the stage jobs run.")
+    storage: StorageSpec = Field(StorageSpec(), description="The artifact store.")
+    schedule: ScheduleSpec = Field(ScheduleSpec(), description="Recurring fine-tunes (verlflow serve / deploy).")
+    iterations: int = Field(2, ge=1, description="rollout -> update -> checkpoint rounds.")
+    seed: int = Field(0, description="Seeds prompt order, sampling and initialisation.")
     deterministic: bool = Field(False, description="Deterministic kernels (slower); for exact reproducibility.")
 
     @model_validator(mode="after")

@@ -49,8 +49,9 @@ def response_lengths(responses: torch.Tensor, eos_ids: set[int]) -> torch.Tensor
 
 @torch.no_grad()
 def sample(model, tok, prompts: list[list[int]], cfg: RolloutSpec, device: torch.device, seed: int,
-           progress=None) -> list[list[int]]:
-    """Responses (without padding, EOS kept) for each prompt, in micro-batches of cfg.micro_batch_size."""
+           progress=None, timings: dict | None = None) -> list[list[int]]:
+    """Responses (without padding, EOS kept) for each prompt, in micro-batches of cfg.micro_batch_size.
+    `timings["setup_s"]` is where an engine adds its set-up time; HF generate has none to add."""
     model.eval()
     eos = tok.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos])

@@ -36,12 +36,15 @@ def generate_share(model, tok, bp: Blueprint, prompts: Prompts, rows: list[int],
     p_idx = [j // n for j in mine]
     enc = encode_prompts(tok, [prompts.messages[p] for p in p_idx], bp.data.max_prompt_length,
                          [rows[p] for p in p_idx])
-    t0 = time.perf_counter()
     sampler = sample
     if bp.rollout.engine == "static":
         from core.fastgen import sample as sampler
-    responses = sampler(model, tok, enc, bp.rollout, device, sample_seed(bp, iteration) + mine.start, progress)
-    gen_s = time.perf_counter() - t0
+    timings = {"setup_s": 0.0}  # the engine's own set-up (build, compile, graph capture), filled by the sampler
+    t0 = time.perf_counter()
+    responses = sampler(model, tok, enc, bp.rollout, device, sample_seed(bp, iteration) + mine.start, progress,
+                        timings=timings)
+    setup_s = timings["setup_s"]
+    gen_s = time.perf_counter() - t0 - setup_s  # generation only: tokens_per_s must not pay for the set-up
     reward = load_reward(bp.reward.function, bp.reward.module)
     out = []
     for j, p, ids, resp in zip(mine, p_idx, enc, responses):
@@ -50,7 +53,8 @@ def generate_share(model, tok, bp: Blueprint, prompts: Prompts, rows: list[int],
         if not math.isfinite(score):
             raise ValueError(f"reward.function={bp.reward.function} returned {score} for sample {j}")
         out.append({"sample": j, "group": p, "row": rows[p], "prompt_ids": ids, "response_ids": resp,
-                    "response": text, "ground_truth": prompts.ground_truth[p], "score": score, "gen_s": gen_s})
+                    "response": text, "ground_truth": prompts.ground_truth[p], "score": score, "gen_s": gen_s,
+                    "setup_s": setup_s})
     return out
 
 
@@ -74,12 +78,13 @@ def save_batch(samples: list[dict], folder: Path, pad_id: int, max_new_tokens: i
                    folder / "samples.parquet")
     scores = tensors["scores"]
     lens = response_mask.sum(1).float()
-    gen_s = max(s["gen_s"] for s in samples)
+    gen_s = max(s["gen_s"] for s in samples)  # the slowest rank's generation (set-up excluded)
     return {
         "reward_mean": round(scores.mean().item(), 6), "reward_std": round(scores.std().item(), 6),
         "reward_max": round(scores.max().item(), 6), "response_len_mean": round(lens.mean().item(), 3),
         "samples": len(samples), "tokens": int(lens.sum().item()),
-        "tokens_per_s": round(lens.sum().item() / max(gen_s, 1e-9), 1),
+        "tokens_per_s": round(lens.sum().item() / max(gen_s, 1e-9), 1), "sampling_s": round(gen_s, 4),
+        "engine_setup_s": round(max(s.get("setup_s", 0.0) for s in samples), 4),
     }
 
 

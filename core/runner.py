@@ -1,7 +1,8 @@
 """run_stage: the one core every orchestrator calls. Key -> skip if committed -> torchrun job -> manifest.
 
-A stage's key hashes the blueprint sections it reads, its inputs' keys, its iteration and the code version, so
-a committed stage with the same key is reused (that is how reruns resume) and a changed field reruns it.
+A stage's key hashes the blueprint sections it reads, its inputs' keys, its iteration and its code version (the
+sources its worker computes with, core.keys), so a committed stage with the same key is reused (that is how
+reruns resume) and a changed field reruns it.
 """
 
 import hashlib
@@ -43,23 +44,20 @@ SECTIONS = {
 SINGLE_PROCESS = {"checkpoint"}  # an export needs no process group beyond one rank
 
 
-def code_version() -> str:
-    """Hash of the core package's sources: any change to the maths invalidates committed stages."""
-    h = hashlib.sha256()
-    root = Path(__file__).parent
-    for f in sorted(root.rglob("*.py")):
-        h.update(f.relative_to(root).as_posix().encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()[:16]
+def code_version(stage: str) -> str:
+    """The code this stage's outputs depend on (core.keys): its worker's maths, not the CLI, backends or store."""
+    return _code_version()[stage]
 
 
-_CODE_VERSION = None
+_CODE_VERSION = None  # {stage: version}, computed once per process (a child may be given its parent's)
 
 
-def _code_version() -> str:
+def _code_version() -> dict[str, str]:
     global _CODE_VERSION
     if _CODE_VERSION is None:
-        _CODE_VERSION = code_version()
+        from core.keys import stage_code_versions
+
+        _CODE_VERSION = stage_code_versions()
     return _CODE_VERSION
 
 
@@ -69,7 +67,7 @@ def open_store(bp: Blueprint) -> ArtifactStore:
 
 def compute_key(stage: str, bp: Blueprint, iteration, input_keys: dict[str, str], extra: dict | None = None) -> str:
     payload = {"stage": stage, "iteration": iteration, "sections": bp.section_hash(*SECTIONS[stage]),
-               "inputs": dict(sorted(input_keys.items())), "code": _code_version(), "extra": extra or {}}
+               "inputs": dict(sorted(input_keys.items())), "code": code_version(stage), "extra": extra or {}}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -145,12 +143,13 @@ def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[st
         "manifest": {
             "stage": stage, "run_id": run_id, "iteration": iteration, "key": key,
             "inputs": {n: {"stage": inputs[n], "key": m["key"]} for n, m in manifests.items()},
-            "blueprint_hash": bp.hash(), "blueprint_name": bp.name, "code_version": _code_version(),
+            "blueprint_hash": bp.hash(), "blueprint_name": bp.name, "code_version": code_version(stage),
             "lineage": _lineage(manifests, inputs),
         },
         "launched_at": time.time(),
     }
-    pool = _warm_pool(res, on_line) if res.warm_workers and not multi_local and not env else None
+    # A job with its own environment needs its own processes: a pool's environment was fixed at its start.
+    pool = _warm_pool(res, on_line) if res.warm_pool and not env else None
     pending = sorted(n for n, m in manifests.items() if m.get("pending"))
     if pending:
         # Only the pool that commits an input can wait for it inside the job; any other job starts after it landed.

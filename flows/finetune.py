@@ -11,7 +11,7 @@ from prefect import flow, get_run_logger
 from prefect.context import get_run_context
 from prefect.states import Cancelled
 
-from core.blueprint import Blueprint
+from core.blueprint import Blueprint, OptionalText
 from core.launcher import FailureKind, StageFailure
 from core.lease import run_lease
 from core.pool import warm_pools
@@ -24,8 +24,20 @@ from tasks.stages import pipeline_slots, stage_task
 
 @flow(name="finetune", description="PPO/GRPO fine-tune of a blueprint: validate, build, then rollout -> update "
       "-> checkpoint per iteration. Stages committed with the same key are reused.")
-def finetune(blueprint: Blueprint = Blueprint(), run_id: str | None = None, blueprint_file: str | None = None,
-             from_step: str | None = None) -> dict:
+def finetune(blueprint: Blueprint = Blueprint(), run_id: OptionalText = None, blueprint_file: OptionalText = None,
+             from_step: OptionalText = None) -> dict:
+    """The run form's fields (Prefect reads their descriptions from here).
+
+    Args:
+        blueprint: The whole blueprint, section by section; a deployment fills it with its blueprint's values.
+        run_id: The run to create or resume (its stages live under runs/<run_id>/ in the artifact store). Empty:
+            a new id from the blueprint's name and this flow run. Give an earlier run's id to resume it: its
+            committed stages with the same key are reused.
+        blueprint_file: A blueprint YAML to use instead of the form: a path on the machine that runs the flow, or
+            an fsspec URI such as s3://bucket/bp.yaml. Empty: the form's blueprint.
+        from_step: Force a restart at this step and rerun every later one even if committed, e.g. update[2],
+            rollout:3 or build. Empty: resume at the first missing stage.
+    """
     bp = resolve_blueprint(blueprint, blueprint_file)
     run_id = run_id or default_run_id(bp)
     name_flow_run(run_id)

@@ -1,5 +1,6 @@
-"""Run-level Prefect artifacts: a metrics table and a progress bar over iterations, and a PNG of the
-reward/KL curves written into the artifact store (drawn with PIL, no plotting dependency)."""
+"""Run-level Prefect artifacts: a metrics table and a progress bar over iterations, a summary linking the promoted
+policy, and a PNG of the reward/KL curves written into the artifact store (drawn with PIL, no plotting
+dependency)."""
 
 import base64
 import io
@@ -10,6 +11,7 @@ from prefect.artifacts import (create_link_artifact, create_markdown_artifact, c
 
 from core.blueprint import Blueprint
 from core.runner import StageResult, open_store
+from core.store import ArtifactStore, stage_key
 
 COLUMNS = ("iteration", "reward_mean", "reward_std", "kl", "entropy", "clipfrac", "grad_norm", "rollout_tok_s",
            "update_tok_s", "rollout_s", "update_s", "checkpoint_s", "reused")
@@ -36,6 +38,31 @@ def iteration_row(it: int, rollout: StageResult, update: StageResult, checkpoint
                                if s.skipped)}
 
 
+def link(uri: str) -> str:
+    return f"[{uri}]({uri})"
+
+
+def location(store: ArtifactStore, key: str) -> str:
+    """A store location as a link, and for a local store the path to open on this machine."""
+    path = store.local_path(key)
+    return link(store.uri(key)) + (f" (local path `{path}`)" if path is not None else "")
+
+
+def run_summary(store: ArtifactStore, bp: Blueprint, run_id: str, rows: list[dict]) -> str:
+    """Where the run's promoted policy is (the latest iteration's export) and how far the run got."""
+    it = rows[-1]["iteration"]
+    pointer = store.get_pointer(f"runs/{run_id}/latest") or {}
+    # a checkpoint committing in a warm pool's background is promoted when it lands (the run ends after that)
+    state = "promoted" if pointer.get("iteration") == it else "promoted when its checkpoint's background commit lands"
+    hf = f"{stage_key(run_id, it, 'checkpoint')}/hf"
+    return "\n".join([
+        f"### {run_id}: {len(rows)} of {bp.iterations} iterations done", "",
+        f"- Policy of iteration {it} (HF folder), {state}: {location(store, hf)}",
+        f"- Pointer: {link(store.uri(f'pointers/runs/{run_id}/latest.json'))} (the blueprint's: "
+        f"{link(store.uri(f'pointers/blueprints/{bp.name}/latest.json'))})",
+        f"- Reward mean per iteration: {', '.join(str(r.get('reward_mean')) for r in rows)}"])
+
+
 class RunReport:
     """Created at the start of a flow run; `iteration_done` refreshes the table, progress and plot."""
 
@@ -49,8 +76,10 @@ class RunReport:
         create_table_artifact([{c: row.get(c) for c in COLUMNS} for row in self.rows], key=f"{self.key}-metrics",
                               description=f"{self.run_id}: metrics per iteration")
         update_progress_artifact(self.progress_id, 100.0 * len(self.rows) / self.bp.iterations)
-        png = plot_curves(self.rows)
         store = open_store(self.bp)
+        create_markdown_artifact(run_summary(store, self.bp, self.run_id, self.rows), key=f"{self.key}-summary",
+                                 description=f"{self.run_id}: the promoted policy")
+        png = plot_curves(self.rows)
         key = f"reports/{self.run_id}/curves.png"
         store.put_bytes(key, png)
         create_link_artifact(store.uri(key), link_text="reward / KL curves (PNG)", key=f"{self.key}-curves",

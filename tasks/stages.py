@@ -16,12 +16,15 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
 from prefect.context import get_run_context
 from prefect.exceptions import MissingContextError
+from prefect.states import Completed, State
 
 from core.blueprint import Blueprint
 from core.launcher import StageFailure
 from core.logsink import LineSink, stage_log_path
 from core.runner import SINGLE_PROCESS, StageResult, open_store, run_stage, stage_status
 from core.errors import StoreError
+from core.store import ArtifactStore, stage_key
+from tasks.report import link, location
 from tasks.slots import device_slots, limit_name
 
 
@@ -80,7 +83,7 @@ def cancel_requested(every_s: float = 2.0, flow_run_id=None):
 @task(name="stage", cache_policy=NO_CACHE, persist_result=False, retries=1, retry_delay_seconds=5,
       retry_condition_fn=retryable)
 def run_stage_task(stage: str, iteration, inputs: dict[str, str], bp: Blueprint, run_id: str,
-                   force: bool = False) -> StageResult:
+                   force: bool = False) -> "StageResult | State":
     log = get_run_logger()
     ranks = 1 if stage in SINGLE_PROCESS else bp.resources.nproc_per_node
     # Every line to the stage's log file; a rank's traceback as one ERROR record in the task's logs.
@@ -88,27 +91,26 @@ def run_stage_task(stage: str, iteration, inputs: dict[str, str], bp: Blueprint,
     with cancel_requested() as cancel, sink:
         # Slurm and Kubernetes allocate devices themselves; a reused stage needs none; a warm pool's slots are
         # held by its flow (pipeline_slots).
-        if bp.resources.backend != "local" or warm_pool(bp) or (
+        if bp.resources.backend != "local" or bp.resources.warm_pool or (
                 not force and is_committed(stage, bp, run_id, iteration, inputs)):
             res = run_stage(stage, bp, run_id, iteration, inputs, on_line=sink, cancel=cancel, force=force)
         else:
             log.info(f"[verlflow] {stage}[{iteration}] needs {ranks} slot(s) of {limit_name(bp.resources.device)}")
             with device_slots(bp.resources.device, ranks):
                 res = run_stage(stage, bp, run_id, iteration, inputs, on_line=sink, cancel=cancel, force=force)
-    create_markdown_artifact(summary_markdown(f"{stage}[{iteration}]", res), description=f"{stage}[{iteration}]")
+    store, out = open_store(bp), stage_key(run_id, iteration, stage)
+    create_markdown_artifact(summary_markdown(f"{stage}[{iteration}]", res, store, out),
+                             description=f"{stage}[{iteration}]")
+    if res.skipped:  # named in the task list; StageTask hands the result to the flow
+        return Completed(name="Cached", message=f"reused: committed with the same key at {store.uri(out)}", data=res)
     return res
-
-
-def warm_pool(bp: Blueprint) -> bool:
-    res = bp.resources
-    return res.warm_workers and res.backend == "local" and res.nnodes == 1
 
 
 @contextmanager
 def pipeline_slots(bp: Blueprint):
     """With warm workers, this host's device slots for the pool, held for the whole flow; otherwise nothing (each
     stage task takes its own)."""
-    if not warm_pool(bp):
+    if not bp.resources.warm_pool:
         yield
         return
     n = bp.resources.nproc_per_node
@@ -118,27 +120,46 @@ def pipeline_slots(bp: Blueprint):
         yield
 
 
-def stage_task(stage: str, iteration, bp: Blueprint):
+def stage_task(stage: str, iteration, bp: Blueprint) -> "StageTask":
     """The task named for this step (`rollout[3]`), with the blueprint's retry count."""
-    return run_stage_task.with_options(name=stage, task_run_name=f"{stage}[{iteration}]",
-                                       retries=bp.resources.retries)
+    return StageTask(run_stage_task.with_options(name=stage, task_run_name=f"{stage}[{iteration}]",
+                                                 retries=bp.resources.retries))
 
 
-def summary_markdown(name: str, res: StageResult) -> str:
+class StageTask:
+    """A step's task: calling it returns the StageResult. A reused stage's task run ends in the state named Cached,
+    and Prefect hands a task's returned State back to its caller as is: its result is taken here."""
+
+    def __init__(self, task):
+        self.task = task
+
+    def with_options(self, **options) -> "StageTask":
+        return StageTask(self.task.with_options(**options))
+
+    def __call__(self, *args, **kwargs) -> StageResult:
+        return self.task(*args, return_state=True, **kwargs).result()
+
+
+def summary_markdown(name: str, res: StageResult, store: ArtifactStore, out: str) -> str:
+    """Metrics, timings and where the stage lives (its final location, known before a background commit lands)."""
     m = res.manifest
     how = "**reused**: committed with the same key" if res.skipped else f"ran in {res.seconds:.1f} s"
     if res.pending:
         how += "; its checkpoint is written and committed in the warm pool's background"
     metrics = {k: v for k, v in m.get("metrics", {}).items() if isinstance(v, (int, float, str, bool))}
-    uri = m.get("stage_uri", "")
-    out = [f"### {name}: {how}", "", "| metric | value |", "|---|---|"]
-    out += [f"| {k} | {v} |" for k, v in sorted(metrics.items())]
-    out += ["", "| timing | seconds |", "|---|---|"]
-    out += [f"| {k} | {v} |" for k, v in sorted(m.get("timings", {}).items())]
-    out += ["", f"Artifacts: [{uri}]({uri}) ([manifest.json]({uri}/manifest.json))",
-            f"key `{m.get('key')}`, committed {m.get('committed_at') or 'in the background'}, "
-            f"world size {m.get('world_size')}"]
+    out_md = [f"### {name}: {how}", "", "| metric | value |", "|---|---|"]
+    out_md += [f"| {k} | {v} |" for k, v in sorted(metrics.items())]
+    out_md += ["", "| timing | seconds |", "|---|---|"]
+    out_md += [f"| {k} | {v} |" for k, v in sorted(m.get("timings", {}).items())]
+    committed = m.get("committed_at") or "in the background (the manifest appears there when the commit lands)"
+    out_md += ["", f"- Artifacts: {location(store, out)}, manifest {link(store.uri(out + '/manifest.json'))}",
+               f"- key `{m.get('key')}`, committed {committed}, world size {m.get('world_size')}"]
+    if m.get("stage") == "checkpoint":
+        pointer = store.uri(f"pointers/runs/{m['run_id']}/latest.json")
+        when = "when its background commit lands" if res.pending else "at its commit"
+        out_md.append(f"- Policy (HF folder): {location(store, out + '/hf')}, promoted as the run's latest {when} "
+                      f"(pointer {link(pointer)})")
     if m.get("lineage"):
         src = m["lineage"][-1]
-        out.append(f"warm-started from `{src['stage']}` (run {src['run_id']}, iteration {src['iteration']})")
-    return "\n".join(out)
+        out_md.append(f"- warm-started from `{src['stage']}` (run {src['run_id']}, iteration {src['iteration']})")
+    return "\n".join(out_md)

@@ -238,3 +238,46 @@ def test_json_schema_has_descriptions_enums_and_plain_defaults():
             assert "default" in spec, f"{name}.{prop} has no plain default (the Prefect form would not show it)"
     for section in ("model", "data", "reward", "algorithm", "rollout", "fsdp", "resources", "storage", "schedule"):
         assert "default" in schema["properties"][section], section
+
+
+@pytest.mark.parametrize("resources", [["resources.backend=slurm"],
+                                       ["resources.backend=kubernetes", "resources.kubernetes.image=r/v:1"],
+                                       ["resources.nnodes=2", "resources.rdzv_endpoint=h:29400"]])
+def test_warm_workers_are_refused_where_no_pool_serves_them(resources):
+    """A warm pool is one local torchrun job on one node: other backends and multi-node runs are refused up front
+    (they used to validate and then run their stages in a local pool), with the fix."""
+    msg = error_of(None, ["resources.warm_workers=true", *resources])
+    assert "resources.warm_workers: true is served by backend local on one node only" in msg
+    backend = resources[0].removeprefix("resources.backend=") if "backend" in resources[0] else "local"
+    assert f"resources.backend={backend}" in msg and "resources.nnodes=" in msg
+    assert "set resources.warm_workers: false" in msg
+    assert not load_blueprint(None, ["resources.warm_workers=false", *resources]).resources.warm_pool
+
+
+def test_the_example_blueprints_use_the_warm_pool_they_ask_for():
+    for f in (TINY, GPU):
+        res = load_blueprint(f).resources
+        assert res.warm_workers and res.warm_pool, f
+    assert not Blueprint().resources.warm_pool  # warm_workers defaults to off
+
+
+def undescribed(schema: dict, where: str = "") -> list[str]:
+    """Every property, at any depth (sections, $defs, items), that has no description."""
+    missing = []
+    for name, spec in schema.get("properties", {}).items():
+        if not spec.get("description"):
+            missing.append(f"{where}{name}")
+        missing += undescribed(spec, f"{where}{name}.")
+    for name, sub in {**schema.get("$defs", {}), **schema.get("definitions", {})}.items():
+        missing += undescribed(sub, f"{name}:")
+    return missing
+
+
+def test_every_field_of_the_schema_has_a_description_and_optionals_are_labelled():
+    schema = json_schema()
+    assert undescribed(schema) == []
+    region = schema["$defs"]["StorageSpec"]["properties"]["region"]["anyOf"]
+    assert [b["title"] for b in region] == ["set", "none"]  # the form's toggle, not `str | None`
+    res = schema["$defs"]["ResourcesSpec"]["properties"]
+    assert "only for backend: slurm" in res["slurm"]["description"].lower()
+    assert "only for backend: kubernetes" in res["kubernetes"]["description"].lower()

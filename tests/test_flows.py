@@ -5,6 +5,7 @@ serve`, a failure in update resumed by the UI's Retry, a warm start from the pre
 import datetime as dt
 import os
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -407,3 +408,90 @@ def test_cancel_watcher_logs_an_api_error_once_and_still_sees_the_cancel(prefect
     warned = [r for r in caplog.records if r.levelname == "WARNING" and "cancel watcher" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in warned]
     assert "500" in warned[0].getMessage() and run["id"] in warned[0].getMessage()
+
+
+def test_summaries_link_final_locations_and_the_policy_and_a_rerun_shows_cached(prefect_server, tiny_kit, tmp_path):
+    """Warm workers with background commits: every stage summary links the stage's final location (never an empty
+    link), the checkpoint's and the run's summaries link the promoted policy (URI and local path); a rerun of the
+    same run id reuses every stage and its task runs end in the state named Cached, the flow still gets results."""
+    from flows.finetune import finetune
+
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", "name=tiny-links", "resources.warm_workers=true")
+    first = finetune(blueprint=bp, run_id="links1", return_state=True)
+    assert first.is_completed(), first.message
+    fr = first.state_details.flow_run_id
+    arts = api(prefect_server, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [str(fr)]}}})
+    stage_md = {a["description"]: a["data"] for a in arts if a["type"] == "markdown" and not a["key"]}
+    assert "in the warm pool's background" in stage_md["update[1]"]  # the case that linked the server's root
+    root = bp.storage.uri.removeprefix("file://")
+    for name, md in stage_md.items():
+        assert "[]()" not in md and "](/manifest.json)" not in md, name
+        stage, it = name.rstrip("]").split("[")
+        uri = f"file://{root}/runs/links1/{it}/{stage}"
+        assert f"[{uri}]({uri})" in md and f"({uri}/manifest.json)" in md, (name, md)
+    hf = f"{root}/runs/links1/1/checkpoint/hf"
+    pointer = f"file://{root}/pointers/runs/links1/latest.json"
+    assert f"(file://{hf})" in stage_md["checkpoint[1]"] and f"`{hf}`" in stage_md["checkpoint[1]"]
+    assert f"({pointer})" in stage_md["checkpoint[1]"]
+    summary = next(a["data"] for a in arts if a["key"] == "links1-summary")
+    assert f"(file://{hf})" in summary and f"`{hf}`" in summary and f"({pointer})" in summary
+    assert (Path(hf) / "config.json").is_file() and open_store_pointer(bp, "links1")["hf_uri"] == f"file://{hf}"
+
+    again = finetune(blueprint=bp, run_id="links1", return_state=True)
+    assert again.is_completed(), again.message
+    assert again.result()["iterations"][0]["reused"] == "rollout,update,checkpoint"
+    names = task_runs(prefect_server, again.state_details.flow_run_id)
+    assert {n: r["state_name"] for n, r in names.items()} == {n: "Cached" for n in names}, names
+    assert {r["state_type"] for r in names.values()} == {"COMPLETED"}
+
+
+def open_store_pointer(bp, run_id: str) -> dict:
+    from core.runner import open_store
+
+    return open_store(bp).get_pointer(f"runs/{run_id}/latest")
+
+
+def test_every_flow_parameter_of_the_run_form_has_a_description():
+    """The run form: the flow's own parameters (from its docstring) and every blueprint field, at any depth."""
+    from prefect.utilities.callables import parameter_schema
+    from test_blueprint import undescribed
+
+    from flows.finetune import finetune
+
+    schema = parameter_schema(finetune.fn).model_dump()
+    assert set(schema["properties"]) == {"blueprint", "run_id", "blueprint_file", "from_step"}
+    assert undescribed(schema) == []
+    for name in ("run_id", "blueprint_file", "from_step"):  # a set/none toggle in the form, not str/None
+        assert [b.get("title") for b in schema["properties"][name]["anyOf"]] == ["set", "none"], name
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_one_warm_pool_rule_drives_the_runner_and_the_flow_slots(prefect_server, tiny_kit, tmp_path, monkeypatch,
+                                                                 pooled):
+    """ResourcesSpec.warm_pool alone decides whether a stage runs in the warm pool (the runner) and who holds the
+    device slots (the flow for a pool, else the stage task): set against warm_workers, both follow it."""
+    from prefect import flow
+
+    import tasks.stages as ts
+    from core.blueprint import ResourcesSpec
+    from core.pool import warm_pools
+    from tasks.slots import limit_name
+
+    monkeypatch.setattr(ResourcesSpec, "warm_pool", property(lambda self: pooled))
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", f"name=rule-{str(pooled).lower()}",
+                        f"resources.warm_workers={str(not pooled).lower()}")
+
+    @flow
+    def one() -> int:
+        with warm_pools(), ts.pipeline_slots(bp):
+            held = api(prefect_server, f"/v2/concurrency_limits/{limit_name('cpu')}")["active_slots"]
+            ts.stage_task("validate", "init", bp)("validate", "init", {}, bp, "rule", True)
+        return held
+
+    state = one(return_state=True)
+    assert state.is_completed(), state.message
+    msgs = logs(prefect_server, state.state_details.flow_run_id, "validate[init] -> ")
+    launch = next(m for m in msgs if "validate[init] -> " in m)
+    assert ("warm pool" in launch) == pooled, launch
+    assert (state.result() == bp.resources.nproc_per_node) == pooled  # the flow holds the pool's slots
+    assert any("needs 1 slot(s)" in m for m in msgs) == (not pooled)  # else the task takes its own

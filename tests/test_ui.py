@@ -60,3 +60,29 @@ def test_flow_run_artifacts_and_metrics_table(prefect_server, tiny_flow_run):
                       json={"artifacts": {"key": {"any_": ["flow1-plot"]}}}).json()[0]
     dom = page(f"{prefect_server.ui}/v2/artifacts/artifact/{plot['id']}", "reward-kl-plot.png")
     assert 'src="data:image/png;base64,' in dom
+
+
+def test_run_form_describes_every_flow_parameter_and_the_backend_sections(prefect_server, tiny_kit, tmp_path):
+    from flows.deploy import deploy
+
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", "name=ui-form-help")
+    dep_id = deploy(bp)
+    dom = page(f"{prefect_server.ui}/v2/deployments/deployment/{dep_id}/run", "deployment-run-form-help.png")
+    for text in ("The run to create or resume", "A blueprint YAML to use instead of the form",
+                 "Force a restart at this step", "Only for backend: slurm", "Only for backend: kubernetes",
+                 "AdamW learning rate of the policy", "Nucleus sampling"):
+        assert text in dom, text
+
+
+def test_a_reused_stage_shows_as_cached_in_the_task_list(prefect_server, tiny_flow_run):
+    """A rerun of a finished run reuses every stage: the flow run's task list shows each as Cached."""
+    from flows.finetune import finetune
+
+    state = finetune(blueprint=tiny_flow_run.bp, run_id=tiny_flow_run.run_id, return_state=True)
+    assert state.is_completed(), state.message
+    fr = str(state.state_details.flow_run_id)
+    dom = page(f"{prefect_server.ui}/v2/runs/flow-run/{fr}?tab=TaskRuns", "flow-run-task-runs-cached.png")
+    assert "Finished in state" not in dom  # the task list, not the logs
+    for name in ("validate[init]", "build[init]", "rollout[1]", "update[1]", "checkpoint[1]"):
+        assert name in dom, name
+    assert dom.count("Cached") >= 5, dom.count("Cached")

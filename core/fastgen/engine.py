@@ -426,10 +426,12 @@ def engine_for(model, batch_size: int, max_prompt_len: int, max_new_tokens: int)
 
 
 @torch.no_grad()
-def sample(model, tok, prompts: list[list[int]], cfg, device, seed: int, progress=None) -> list[list[int]]:
+def sample(model, tok, prompts: list[list[int]], cfg, device, seed: int, progress=None,
+           timings: dict | None = None) -> list[list[int]]:
     """Same contract as ``core.generate.sample`` (responses without padding, EOS kept), on the static engine.
 
-    cfg: a RolloutSpec (temperature, top_p, top_k, max_new_tokens, micro_batch_size). top_k=0 means off."""
+    cfg: a RolloutSpec (temperature, top_p, top_k, max_new_tokens, micro_batch_size). top_k=0 means off.
+    The engine's set-up (building it, compiling, capturing graphs) is added to ``timings["setup_s"]``."""
     from core.generate import in_micro_batches
 
     model.eval()
@@ -438,6 +440,16 @@ def sample(model, tok, prompts: list[list[int]], cfg, device, seed: int, progres
     scfg = SamplingConfig(temperature=float(cfg.temperature), top_p=float(cfg.top_p), top_k=int(cfg.top_k or 0))
     mb = min(cfg.micro_batch_size, max(1, len(prompts)))
     width = max((len(p) for p in prompts), default=1)
+    t0 = time.perf_counter()
     eng = engine_for(model, mb, width, cfg.max_new_tokens)
-    return in_micro_batches(lambda ids, mask: eng.generate(ids, mask, scfg, eos_ids, tok.pad_token_id), tok,
-                            prompts, cfg.micro_batch_size, set(eos_ids), seed, progress)
+    setup_s = [time.perf_counter() - t0]
+
+    def generate(ids, mask):
+        out = eng.generate(ids, mask, scfg, eos_ids, tok.pad_token_id)
+        setup_s[0] += eng.last_stats["setup_s"]  # this micro-batch's compile and captures
+        return out
+
+    responses = in_micro_batches(generate, tok, prompts, cfg.micro_batch_size, set(eos_ids), seed, progress)
+    if timings is not None:
+        timings["setup_s"] = timings.get("setup_s", 0.0) + setup_s[0]
+    return responses

@@ -54,6 +54,8 @@ def run(ctx: StageContext) -> dict:
         return {}
     stats = save_batch([s for p in parts for s in p], ctx.out, tok.pad_token_id, bp.rollout.max_new_tokens)
     stats["data_cursor"] = state["data_cursor"]
+    # generate_s is the whole phase; tokens_per_s counts sampling_s only, without the engine's set-up
+    ctx.timings.update(sampling_s=stats.pop("sampling_s"), engine_setup_s=stats.pop("engine_setup_s"))
     log.info("rollout[%s]: reward mean %.4f std %.4f, %d samples, %.0f tok/s", ctx.iteration, stats["reward_mean"],
              stats["reward_std"], stats["samples"], stats["tokens_per_s"])
     return stats
