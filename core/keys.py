@@ -29,7 +29,7 @@ STAGE_VERSION = {"validate": 1, "build": 1, "rollout": 1, "update": 1, "checkpoi
 # model cache returns what a load would (bit-identical, tested); faults are inert test hooks.
 PLUMBING = frozenset({
     "core", "core.blueprint", "core.errors", "core.store", "core.launcher", "core.faults", "core.modelcache",
-    "core.pool", "core.devices", "core.stages", "core.stages.committer", "core.stages.pool",
+    "core.pool", "core.devices", "core.stages", "core.stages.agree", "core.stages.committer", "core.stages.pool",
 })
 
 
@@ -47,8 +47,16 @@ def stage_modules(root: Path, stage: str) -> list[str]:
         if name in seen or name in PLUMBING or _file(root, name) is None:
             continue
         seen.add(name)
-        todo += _imports(root, name)
+        todo += _imports(root, name) + _submodules(root, name)
     return sorted(seen)
+
+
+def _submodules(root: Path, module: str) -> list[str]:
+    """A package's own modules: a package may load them lazily (core.fastgen), out of the import statements' sight."""
+    f = _file(root, module)
+    if f.name != "__init__.py":
+        return []
+    return [f"{module}.{p.stem}" for p in sorted(f.parent.glob("*.py")) if p.name != "__init__.py"]
 
 
 def _version(root: Path, stage: str, number: int) -> str:

@@ -589,6 +589,6 @@ def test_a_user_error_in_a_stage_prints_one_message_and_the_log_file(tiny_kit, t
     assert not [f for f in (tmp_path / "store").rglob("*") if f.is_file()]  # the failed stage left nothing there
     text = log.read_text()
     assert re.search(r"^\[rank[01]\] Traceback \(most recent call last\):$", text, re.M), text
-    assert "[rank0] " in p.stdout and "| reward | NO |" in p.stdout  # the ordinary lines reached the terminal
+    assert "[rank0] " in p.stdout and "| inputs | NO |" in p.stdout  # the ordinary lines reached the terminal
     for line in p.stdout.splitlines() + text.splitlines():
         assert line.count("[rank") <= 1, line  # one rank prefix per line
