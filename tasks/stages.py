@@ -144,6 +144,8 @@ def summary_markdown(name: str, res: StageResult, store: ArtifactStore, out: str
     """Metrics, timings and where the stage lives (its final location, known before a background commit lands)."""
     m = res.manifest
     how = "**reused**: committed with the same key" if res.skipped else f"ran in {res.seconds:.1f} s"
+    if not res.skipped and (start := m.get("timings", {}).get("pool_start_s")):
+        how += f" ({start:.1f} s of it starting the warm worker pool)"
     if res.pending:
         how += "; its checkpoint is written and committed in the warm pool's background"
     metrics = {k: v for k, v in m.get("metrics", {}).items() if isinstance(v, (int, float, str, bool))}
