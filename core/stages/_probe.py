@@ -4,7 +4,7 @@ import argparse
 import os
 import time
 
-from core.launcher import worker_guard
+from core.launcher import exit_on_error, worker_guard
 
 worker_guard()  # before the slow imports: a worker must never outlive torchrun
 
@@ -49,4 +49,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_error(main)

@@ -190,16 +190,19 @@ def stage_main(run: Callable[[StageContext], dict],
     """The torchrun entry point of a stage module: one job (sys.argv[1]) in a fresh process group."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from core.launcher import worker_guard
+    from core.launcher import exit_on_error, worker_guard
 
     @record
-    def main() -> None:
+    def job() -> None:
         worker_guard()
         try:
             run_job(Path(sys.argv[1]), run, after_commit)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+    def main() -> None:
+        exit_on_error(job)
 
     main.run, main.after_commit = run, after_commit  # what the warm pool (core.stages.pool) calls per job
     return main

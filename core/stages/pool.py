@@ -30,7 +30,7 @@ def next_message(pool_dir: Path, n: int) -> dict:
 def main() -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from core.launcher import worker_guard
+    from core.launcher import exit_on_error, worker_guard
 
     @record
     def serve() -> None:
@@ -67,7 +67,7 @@ def main() -> None:
             if dist.is_initialized():
                 dist.destroy_process_group()
 
-    serve()
+    exit_on_error(serve)
 
 
 if __name__ == "__main__":
