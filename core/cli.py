@@ -327,14 +327,14 @@ def parser() -> argparse.ArgumentParser:
     _add_blueprint(s)
     s.add_argument("--run-id", help="reuse a run id to resume it (default: <name>-<timestamp>)")
     s.add_argument("--from", dest="from_step", metavar="STAGE[ITER]", help="force a restart at this step")
-    s.add_argument("--prefect", action="store_true", help="run it as a Prefect flow run (see flows/README.md)")
+    s.add_argument("--prefect", action="store_true", help="run it as a Prefect flow run (README: Prefect)")
     s.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("rerun", help="resume a run: committed stages with the same key are reused")
     s.add_argument("run", help="run id")
     _add_blueprint(s)
     s.add_argument("--from", dest="from_step", metavar="STAGE[ITER]", help="force a restart at this step")
-    s.add_argument("--prefect", action="store_true", help="run it as a Prefect flow run (see flows/README.md)")
+    s.add_argument("--prefect", action="store_true", help="run it as a Prefect flow run (README: Prefect)")
     s.set_defaults(fn=cmd_rerun)
 
     s = sub.add_parser("deploy", help="create a Prefect deployment of a blueprint on a process work pool",

@@ -198,7 +198,7 @@ def _fsdp1(model, layer_cls, f, device):
         backward_prefetch=prefetch,
         forward_prefetch=f.forward_prefetch,
         use_orig_params=f.use_orig_params,
-        # FSDP1 on CPU needs an explicit cpu device_id (DESIGN.md §3).
+        # FSDP1 on CPU needs an explicit cpu device_id (checked on torch 2.13 with gloo).
         device_id=device if device.type == "cuda" else torch.device("cpu"),
     )
     units = sum(1 for m in wrapped.modules() if isinstance(m, FSDP))
