@@ -42,7 +42,7 @@ def make_kit(root: Path, shape: str) -> dict:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from core.tinykit import make_tiny
+    from verlflow.core.testing.tinykit import make_tiny
 
     kit = make_tiny(root / "kit")
     if shape == "tiny":
@@ -83,9 +83,9 @@ def main(argv=None) -> int:
         args.shape, args.prompts, args.n, args.new_tokens, args.nproc = "tiny", 4, 4, 8, 2
         args.pools = "async"
 
-    from core.blueprint import load_blueprint
-    from core.pipeline import run_pipeline
-    from core.runner import run_stage
+    from verlflow.core.blueprint import load_blueprint
+    from verlflow.core.orchestrate.pipeline import run_pipeline
+    from verlflow.core.orchestrate.runner import run_stage
 
     root = Path(tempfile.mkdtemp(prefix="verlflow-bound-"))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))  # persistent across stage jobs
@@ -244,7 +244,7 @@ def main(argv=None) -> int:
 
 
 def _hash_rate(folder: Path) -> float:
-    from core.store import file_digest
+    from verlflow.core.store.artifacts import file_digest
 
     files = [f for f in folder.rglob("*") if f.is_file()]
     t = time.perf_counter()

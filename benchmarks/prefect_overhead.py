@@ -5,7 +5,7 @@
 1. no-op stages: the stage task with run_stage replaced by a no-op (device slots, the cancel watcher, log lines,
    the markdown artifact and the task run's states stay) against the same calls without Prefect;
 2. an empty flow run (in-process), start to finish;
-3. --real: the tiny pipeline (1 iteration, 1 rank) once plainly (core.pipeline.run_pipeline) and once as a flow
+3. --real: the tiny pipeline (1 iteration, 1 rank) once plainly (verlflow.core.orchestrate.pipeline.run_pipeline) and once as a flow
    run: flow wall time against the time spent inside run_stage.
 """
 
@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prefect import flow  # noqa: E402
 
-import tasks.stages as ts  # noqa: E402
-from core.blueprint import load_blueprint  # noqa: E402
-from core.runner import StageResult, run_stage  # noqa: E402
+import verlflow.tasks.stages as ts  # noqa: E402
+from verlflow.core.blueprint import load_blueprint  # noqa: E402
+from verlflow.core.orchestrate.runner import StageResult, run_stage  # noqa: E402
 
 TINY = ["iterations=1", "data.batch_size=4", "rollout.n=2", "rollout.max_new_tokens=4",
         "algorithm.ppo_mini_batch_size=2", "algorithm.ppo_micro_batch_size_per_gpu=2", "resources.nproc_per_node=1"]
@@ -80,8 +80,8 @@ def empty_flow(k: int = 5) -> None:
 
 
 def real(kit_bp: str) -> None:
-    from core.pipeline import run_pipeline
-    from flows.finetune import finetune
+    from verlflow.core.orchestrate.pipeline import run_pipeline
+    from verlflow.flows.finetune import finetune
 
     store = tempfile.mkdtemp(prefix="verlflow-bench-")
     bp = load_blueprint(kit_bp, [f"storage.uri={store}", *TINY])

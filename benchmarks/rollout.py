@@ -1,4 +1,4 @@
-"""Rollout benchmark: HF ``generate`` (dynamic cache) against ``core.fastgen`` (rollout.engine=static), in one
+"""Rollout benchmark: HF ``generate`` (dynamic cache) against ``verlflow.core.ml.fastgen`` (rollout.engine=static), in one
 process, at the same shape, with random weights (nothing is downloaded).
 
     python benchmarks/rollout.py                         # GPU: Qwen2.5-1.5B shape, batch 256, prompt 128, 256 new
@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core.fastgen import FastGen, SamplingConfig  # noqa: E402
+from verlflow.core.ml.fastgen import FastGen, SamplingConfig  # noqa: E402
 
 SHAPES = {  # Qwen2.5 shapes (Qwen2Config); "tiny" is the CPU smoke
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -241,7 +241,7 @@ def micro_attention(B, nh, nkv, hd, T, dtype, dev) -> dict:
 
 
 def micro_sampler(B, V, dtype, dev, prof_path: Path | None = None) -> dict:
-    from core.fastgen import sample_logits
+    from verlflow.core.ml.fastgen import sample_logits
 
     logits = (torch.randn(B, V, device=dev) * 0.8).to(dtype)
     out = {}

@@ -1,4 +1,4 @@
-"""Update benchmark: the update stage's own code (core.model.wrap_fsdp, core.ppo.score_all and core.ppo.train with
+"""Update benchmark: the update stage's own code (verlflow.core.ml.model.wrap_fsdp, verlflow.core.ml.ppo.score_all and verlflow.core.ml.ppo.train with
 verl's losses) under several blueprint settings, against the issue's baseline (FSDP2, activation checkpointing,
 padded micro-batches of 8, no compile), in one process, at the same shape, with random weights.
 
@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rollout import SHAPES  # noqa: E402  (one table of model shapes for both benchmarks)
 
-from core import model as M, ppo  # noqa: E402
-from core.blueprint import load_blueprint  # noqa: E402
-from core.optim import make_optimizer  # noqa: E402
+from verlflow.core.ml import model as M, ppo  # noqa: E402
+from verlflow.core.blueprint import load_blueprint  # noqa: E402
+from verlflow.core.ml.optim import make_optimizer  # noqa: E402
 
 BASE = {"model.dtype": "float32", "fsdp.mixed_precision": "bf16", "fsdp.reduce_dtype": "fp32",
         "fsdp.version": 2, "fsdp.activation_checkpointing": True, "algorithm.ppo_micro_batch_size_per_gpu": 8,

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
-from core.errors import BlueprintError
+from verlflow.core.errors import BlueprintError
 
 ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "gae")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -151,7 +151,7 @@ class RolloutSpec(Section):
                                 "one earlier).")
     micro_batch_size: int = Field(32, ge=1, description="Sequences generated together on one rank.")
     engine: Literal["hf", "static"] = Field(
-        "hf", description="hf: transformers generate (dynamic cache). static: core.fastgen, a static KV cache "
+        "hf", description="hf: transformers generate (dynamic cache). static: verlflow.core.ml.fastgen, a static KV cache "
         "with the decode step captured as a CUDA graph (Llama/Qwen2 models; eager on CPU).")
 
 
@@ -307,7 +307,7 @@ class ResourcesSpec(Section):
 
     @property
     def warm_pool(self) -> bool:
-        """Whether stages run in a warm worker pool (core.pool): the one rule the runner and the flow's slots follow."""
+        """Whether stages run in a warm worker pool (verlflow.core.orchestrate.pool): the one rule the runner and the flow's slots follow."""
         return self.warm_workers and self.backend == "local" and self.nnodes == 1
 
     @property
@@ -630,10 +630,10 @@ def json_schema() -> dict:
 def missing_inputs(bp: Blueprint) -> list[str]:
     """Files, URIs and names the blueprint refers to that are not usable, each with the fix (cheap: no torch
     or verl import; the datasets are read with pyarrow, the reward function is resolved)."""
-    from core import preflight
-    from core.data import load_prompts
-    from core.errors import VerlflowError
-    from core.rewards import load_reward
+    from verlflow.core.orchestrate import preflight
+    from verlflow.core.ml.data import load_prompts
+    from verlflow.core.errors import VerlflowError
+    from verlflow.core.ml.rewards import load_reward
 
     problems = []
     m = Path(bp.model.path)
@@ -673,8 +673,8 @@ def missing_inputs(bp: Blueprint) -> list[str]:
 
 def _model_problems(bp: Blueprint, model_dir: Path) -> list[str]:
     """What the later stages would refuse in a model folder that has a config.json."""
-    from core import preflight
-    from core.errors import VerlflowError
+    from verlflow.core.orchestrate import preflight
+    from verlflow.core.errors import VerlflowError
 
     try:
         config = preflight.model_config(model_dir)

@@ -10,11 +10,11 @@ from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterDeployme
 from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.context import get_run_context
 
-from core.blueprint import Blueprint, load_blueprint
-from core.errors import StoreError
-from core.pipeline import Step
-from core.runner import open_store
-from core.store import stage_key
+from verlflow.core.blueprint import Blueprint, load_blueprint
+from verlflow.core.errors import StoreError
+from verlflow.core.orchestrate.pipeline import Step
+from verlflow.core.orchestrate.runner import open_store
+from verlflow.core.store.artifacts import stage_key
 
 
 def resolve_blueprint(blueprint: Blueprint, blueprint_file: str | None) -> Blueprint:

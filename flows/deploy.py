@@ -10,9 +10,9 @@ from prefect.deployments.runner import EntrypointType, RunnerDeployment
 from prefect.exceptions import ObjectNotFound
 from prefect.schedules import Cron
 
-from core.blueprint import Blueprint
-from flows.finetune import finetune
-from flows.validate import validate
+from verlflow.core.blueprint import Blueprint
+from verlflow.flows.finetune import finetune
+from verlflow.flows.validate import validate
 
 
 BLUEPRINT_SCHEDULE = "blueprint-cron"  # slug of the one schedule the blueprint (or --cron) owns
@@ -75,7 +75,7 @@ def ensure_process_pool(pool: str) -> None:
 
 def deploy(bp: Blueprint, name: str | None = None, cron: str | None = None, pool: str = "verlflow") -> str:
     """Create or update the deployment `finetune/<name>` on a process work pool; returns its id. The worker
-    imports `flows.finetune` (the project installed in its environment), so no code is uploaded."""
+    imports `verlflow.flows.finetune` (the project installed in its environment), so no code is uploaded."""
     ensure_process_pool(pool)
     d = finetune_deployment(bp, name, cron, work_pool_name=pool, entrypoint_type=EntrypointType.MODULE_PATH)
     return str(keep_other_schedules(d).apply())

@@ -11,15 +11,15 @@ from prefect import flow, get_run_logger
 from prefect.context import get_run_context
 from prefect.states import Cancelled
 
-from core.blueprint import Blueprint, OptionalText
-from core.launcher import FailureKind, StageFailure
-from core.lease import run_lease
-from core.pool import warm_pools
-from core.pipeline import parse_from, plan, warm_start_source
-from core.runner import open_store
-from flows.common import default_run_id, name_flow_run, recomputed_here, resolve_blueprint, wait_for_earlier_runs
-from tasks.report import RunReport, iteration_row
-from tasks.stages import pipeline_slots, stage_task
+from verlflow.core.blueprint import Blueprint, OptionalText
+from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
+from verlflow.core.store.lease import run_lease
+from verlflow.core.orchestrate.pool import warm_pools
+from verlflow.core.orchestrate.pipeline import parse_from, plan, warm_start_source
+from verlflow.core.orchestrate.runner import open_store
+from verlflow.flows.common import default_run_id, name_flow_run, recomputed_here, resolve_blueprint, wait_for_earlier_runs
+from verlflow.tasks.report import RunReport, iteration_row
+from verlflow.tasks.stages import pipeline_slots, stage_task
 
 
 @flow(name="finetune", description="PPO/GRPO fine-tune of a blueprint: validate, build, then rollout -> update "

@@ -1,15 +1,15 @@
 """Validate-only flow: the `validate` stage (environment, devices, FSDP shard check, store, model, memory, and the
-inputs: model config and weight files, dataset size, prompt lengths, a sample reward call; core/preflight.py)."""
+inputs: model config and weight files, dataset size, prompt lengths, a sample reward call; core/orchestrate/preflight.py)."""
 # No `from __future__ import annotations`: served runs need the real Blueprint annotation for the run form.
 
 from prefect import flow
 from prefect.states import Cancelled
 
-from core.blueprint import Blueprint
-from core.launcher import FailureKind, StageFailure
-from core.pipeline import plan
-from flows.common import default_run_id, name_flow_run, resolve_blueprint
-from tasks.stages import stage_task
+from verlflow.core.blueprint import Blueprint
+from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
+from verlflow.core.orchestrate.pipeline import plan
+from verlflow.flows.common import default_run_id, name_flow_run, resolve_blueprint
+from verlflow.tasks.stages import stage_task
 
 
 @flow(name="validate", description="Check a blueprint against this machine (always runs; nothing is reused).")

@@ -9,9 +9,9 @@ import re
 from prefect.artifacts import (create_link_artifact, create_markdown_artifact, create_progress_artifact,
                                create_table_artifact, update_progress_artifact)
 
-from core.blueprint import Blueprint
-from core.runner import StageResult, open_store
-from core.store import ArtifactStore, stage_key
+from verlflow.core.blueprint import Blueprint
+from verlflow.core.orchestrate.runner import StageResult, open_store
+from verlflow.core.store.artifacts import ArtifactStore, stage_key
 
 COLUMNS = ("iteration", "reward_mean", "reward_std", "kl", "entropy", "clipfrac", "grad_norm", "rollout_tok_s",
            "update_tok_s", "rollout_s", "update_s", "checkpoint_s", "reused")

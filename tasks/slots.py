@@ -16,7 +16,7 @@ from prefect.concurrency.sync import concurrency
 from prefect.context import TaskRunContext
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
-from core.errors import VerlflowError
+from verlflow.core.errors import VerlflowError
 
 LEASE_S = 120.0
 

@@ -1,4 +1,4 @@
-"""The stage task: one thin Prefect task per (stage, iteration) around core.runner.run_stage.
+"""The stage task: one thin Prefect task per (stage, iteration) around verlflow.core.orchestrate.runner.run_stage.
 
 Retries are declared here and decided by the launcher's failure class; the torchrun output streams into the
 task run's logs; a local job holds this host's device slots while it runs; every stage leaves a markdown summary.
@@ -18,14 +18,14 @@ from prefect.context import get_run_context
 from prefect.exceptions import MissingContextError
 from prefect.states import Completed, State
 
-from core.blueprint import Blueprint
-from core.launcher import StageFailure
-from core.logsink import LineSink, stage_log_path
-from core.runner import SINGLE_PROCESS, StageResult, open_store, run_stage, stage_status
-from core.errors import StoreError
-from core.store import ArtifactStore, stage_key
-from tasks.report import link, location
-from tasks.slots import device_slots, limit_name
+from verlflow.core.blueprint import Blueprint
+from verlflow.core.orchestrate.launcher import StageFailure
+from verlflow.core.orchestrate.logsink import LineSink, stage_log_path
+from verlflow.core.orchestrate.runner import SINGLE_PROCESS, StageResult, open_store, run_stage, stage_status
+from verlflow.core.errors import StoreError
+from verlflow.core.store.artifacts import ArtifactStore, stage_key
+from verlflow.tasks.report import link, location
+from verlflow.tasks.slots import device_slots, limit_name
 
 
 def retryable(task, task_run, state) -> bool:

@@ -13,14 +13,14 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_kit(tmp_path_factory) -> dict:
-    from core.tinykit import make_tiny
+    from verlflow.core.testing.tinykit import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("kit") / "qwen2")
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_kit(tmp_path_factory) -> dict:
-    from core.tinykit import make_tiny
+    from verlflow.core.testing.tinykit import make_tiny
 
     # Tied output layer, as in Qwen2.5-0.5B/1.5B: the stage tests then cover a shared parameter under FSDP2's
     # meta-initialised ranks, DCP and the fused log-prob head.

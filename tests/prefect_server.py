@@ -122,15 +122,15 @@ def api(server: PrefectServer, path: str, body=None, method: str | None = None):
 
 
 def tiny_blueprint(kit: dict, store, *overrides: str):
-    from core.blueprint import load_blueprint
+    from verlflow.core.blueprint import load_blueprint
 
     return load_blueprint(None, [f"model.path={kit['model_dir']}", f"data.train_files=[{kit['train_file']}]",
                                  f"storage.uri={store}", *TINY, *overrides])
 
 
 def manifest(bp, run_id: str, iteration, stage: str) -> dict | None:
-    from core.runner import open_store
-    from core.store import stage_key
+    from verlflow.core.orchestrate.runner import open_store
+    from verlflow.core.store.artifacts import stage_key
 
     return open_store(bp).read_manifest(stage_key(run_id, iteration, stage))
 
@@ -161,7 +161,7 @@ class FinishedRun:
 
 @pytest.fixture(scope="session")
 def tiny_flow_run(prefect_server, tiny_kit, tmp_path_factory) -> FinishedRun:
-    from flows.finetune import finetune
+    from verlflow.flows.finetune import finetune
 
     bp = tiny_blueprint(tiny_kit, tmp_path_factory.mktemp("store-inproc"), "name=tiny-flow")
     t0 = time.perf_counter()

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_update_benchmark_smoke_two_ranks(tmp_path):
-    """torchrun, 2 ranks (gloo): the baseline and the packed/deferred-sync paths of core.ppo on a ragged batch."""
+    """torchrun, 2 ranks (gloo): the baseline and the packed/deferred-sync paths of verlflow.core.ml.ppo on a ragged batch."""
     out = tmp_path / "u.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "benchmarks/update.py"),
            "--smoke", "--configs", "baseline,packed_no_ac,best_defer,fused_32k_keep", "--json", str(out)]

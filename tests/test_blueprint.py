@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from core.blueprint import (
+from verlflow.core.blueprint import (
     ADV_ESTIMATORS,
     KL_TYPES,
     Blueprint,
@@ -15,7 +15,7 @@ from core.blueprint import (
     missing_inputs,
     parse_override,
 )
-from core.errors import BlueprintError
+from verlflow.core.errors import BlueprintError
 
 REPO = Path(__file__).resolve().parents[1]
 GPU = REPO / "blueprints/gpu-qwen2.5-1.5b.yaml"
@@ -172,7 +172,7 @@ def test_python_tags_are_refused_and_not_run(tmp_path):
     msg = error_of(f)
     assert f"{f}:1: not valid YAML" in msg and "python/object/apply:os.system" in msg
     assert not marker.exists()
-    f = write(tmp_path / "bp2.yaml", "model: !!python/object:core.blueprint.ModelSpec {path: x}\n")
+    f = write(tmp_path / "bp2.yaml", "model: !!python/object:verlflow.core.blueprint.ModelSpec {path: x}\n")
     assert "could not determine a constructor" in error_of(f)
 
 

@@ -4,7 +4,7 @@ Every case asserts: exit code != 0; exactly one `verlflow ...: error:` paragraph
 or file and says what is allowed or how to fix it; no Python traceback; nothing on stdout; and nothing written
 to the artifact store (storage.uri points at a folder under tmp_path that must not exist afterwards).
 
-Most cases call `core.cli.main()` in-process (fast); the ones marked `sub=True` run the installed console
+Most cases call `verlflow.core.orchestrate.cli.main()` in-process (fast); the ones marked `sub=True` run the installed console
 script as a subprocess, as a user would.
 """
 
@@ -23,8 +23,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from core import rewards
-from core.cli import main, parser
+from verlflow.core.ml import rewards
+from verlflow.core.orchestrate.cli import main, parser
 from s3server import FAKE_SECRET
 from tinybp import prompt_rows
 
@@ -358,7 +358,7 @@ def test_base_blueprint_is_valid(case_dir: Path, capsys):
 
 def test_reward_registered_by_module_validates(case_dir: Path, capsys):
     (case_dir / "my_rewards_ok.py").write_text(
-        "from core.rewards import register_reward\n\n"
+        "from verlflow.core.ml.rewards import register_reward\n\n"
         "@register_reward('my_reward')\n"
         "def my_reward(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
     (case_dir / "bp.yaml").write_text(BASE)
@@ -462,7 +462,7 @@ def test_s3_without_credentials(s3_bucket, case_dir: Path, capsys, monkeypatch):
 
 def test_validate_blueprint_stays_cheap(tiny_kit):
     """Checking files, datasets and the reward imports neither torch nor verl (seconds each)."""
-    code = ("import sys; from core.cli import main; "
+    code = ("import sys; from verlflow.core.orchestrate.cli import main; "
             f"rc = main(['validate-blueprint', {str(REPO / 'blueprints/gpu-qwen2.5-1.5b.yaml')!r}, "
             f"'model.path={tiny_kit['model_dir']}', 'data.train_files=[{tiny_kit['train_file']}]']); "
             "print(rc, sorted(m for m in ('torch', 'verl', 'transformers', 'prefect') if m in sys.modules))")
@@ -471,8 +471,8 @@ def test_validate_blueprint_stays_cheap(tiny_kit):
 
 
 def test_ls_lists_runs_and_stage_states(tmp_path, capsys):
-    from core.cli import main
-    from core.store import ArtifactStore
+    from verlflow.core.orchestrate.cli import main
+    from verlflow.core.store.artifacts import ArtifactStore
 
     store = ArtifactStore(tmp_path / "s")
     for it, stage in (("init", "build"), ("1", "rollout")):
@@ -488,7 +488,7 @@ def test_ls_lists_runs_and_stage_states(tmp_path, capsys):
 
 
 def test_a_run_id_of_the_longest_allowed_length_makes_stage_keys():
-    from core.store import RUN_ID_MAX, stage_key
+    from verlflow.core.store.artifacts import RUN_ID_MAX, stage_key
 
     assert stage_key("r" * RUN_ID_MAX, 1, "checkpoint").startswith("runs/rrr")
 
@@ -499,13 +499,13 @@ def test_a_run_id_of_the_longest_allowed_length_makes_stage_keys():
 def test_line_sink_groups_a_traceback_into_one_error_record(tmp_path):
     import logging
 
-    from core.logsink import LineSink
+    from verlflow.core.orchestrate.logsink import LineSink
 
     records = []
     tb0 = ["Traceback (most recent call last):", '  File "a.py", line 1, in <module>', "    f()",
            "ValueError: first", "", "During handling of the above exception, another exception occurred:", "",
            "Traceback (most recent call last):", '  File "a.py", line 3, in <module>',
-           "core.errors.InputError: two problems:", "  rank 0: a", "  rank 1: b"]
+           "verlflow.core.errors.InputError: two problems:", "  rank 0: a", "  rank 1: b"]
     lines = ["[verlflow] update[1] -> file:///s", "[rank0] 12:00:00 verlflow.stage: loading",
              f"[rank0] {tb0[0]}", "[rank1] 12:00:01 verlflow.stage: still fine",
              *[f"[rank0] {t}".rstrip() for t in tb0[1:]],
@@ -524,7 +524,7 @@ def test_line_sink_groups_a_traceback_into_one_error_record(tmp_path):
     assert text[0].startswith("==== ") and text[1:] == lines  # the file has every line as it came
 
 
-BAD_REWARD = ("import os\nfrom core.errors import InputError\nfrom core.rewards import register_reward\n"
+BAD_REWARD = ("import os\nfrom verlflow.core.errors import InputError\nfrom verlflow.core.ml.rewards import register_reward\n"
               "if os.environ.get('RANK') is not None:  # in the stage's ranks only, not in the CLI's own checks\n"
               "    raise InputError('badreward: the scoring service is unreachable')\n"
               "@register_reward('bad')\ndef bad(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -540,7 +540,7 @@ def test_a_rank_traceback_is_one_error_record_in_the_task_logs(prefect_server, t
     from prefect import flow
 
     from prefect_server import tiny_blueprint
-    from tasks.stages import stage_task
+    from verlflow.tasks.stages import stage_task
 
     (tmp_path / "badreward.py").write_text(BAD_REWARD)
     monkeypatch.syspath_prepend(str(tmp_path))

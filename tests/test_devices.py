@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from core.devices import claim
+from verlflow.core.orchestrate.devices import claim
 
 
 def test_two_jobs_get_disjoint_devices_and_the_second_waits(tmp_path):
@@ -43,9 +43,9 @@ def test_claim_fits_beside_another_and_refuses_too_many(tmp_path):
 
 
 def test_runner_sets_cuda_visible_devices_for_local_cuda_jobs(monkeypatch, tmp_path):
-    from core import devices, runner
-    from core.blueprint import Blueprint
-    from core.launcher import LaunchSpec
+    from verlflow.core.orchestrate import devices, runner
+    from verlflow.core.blueprint import Blueprint
+    from verlflow.core.orchestrate.launcher import LaunchSpec
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
     monkeypatch.setattr(devices, "LOCK_DIR", tmp_path)

@@ -1,4 +1,4 @@
-"""core.fastgen (rollout.engine=static) on CPU, fp32: greedy decoding identical to HF generate, sampling
+"""verlflow.core.ml.fastgen (rollout.engine=static) on CPU, fp32: greedy decoding identical to HF generate, sampling
 that matches HF's warpers (directly and in distribution), EOS, top_k, the rollout dispatch, and the
 benchmark's smoke run (so benchmarks/rollout.py cannot rot)."""
 
@@ -13,11 +13,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from core.fastgen import (  # noqa: E402
+from verlflow.core.ml.fastgen import (  # noqa: E402
     FastGen, SamplingConfig, _Stats, nucleus_member, sample_logits, topk_filter, topk_values,
 )
 
-EOS, PAD = 3, 0  # core.tinykit's special-token ids
+EOS, PAD = 3, 0  # verlflow.core.testing.tinykit's special-token ids
 
 
 @pytest.fixture(scope="module")
@@ -206,8 +206,8 @@ def test_top_k_holds_at_every_step_and_seed_reproduces(models):
 def test_rollout_engine_static_matches_hf_path(tiny_kit):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from core import fastgen, generate
-    from core.blueprint import RolloutSpec
+    from verlflow.core.ml import fastgen, generate
+    from verlflow.core.blueprint import RolloutSpec
 
     with pytest.raises(Exception):
         RolloutSpec(engine="vllm")
@@ -225,14 +225,14 @@ def test_rollout_engine_static_matches_hf_path(tiny_kit):
 
 
 def test_generate_share_dispatches_on_engine(monkeypatch):
-    import core.fastgen
-    import core.rollout
+    import verlflow.core.ml.fastgen
+    import verlflow.core.ml.rollout
 
     called = []
-    monkeypatch.setattr(core.fastgen, "sample", lambda *a, **k: called.append("static") or [])
-    monkeypatch.setattr(core.rollout, "sample", lambda *a, **k: called.append("hf") or [])
-    monkeypatch.setattr(core.rollout, "encode_prompts", lambda *a, **k: [])
-    monkeypatch.setattr(core.rollout, "load_reward", lambda *a, **k: None)
+    monkeypatch.setattr(verlflow.core.ml.fastgen, "sample", lambda *a, **k: called.append("static") or [])
+    monkeypatch.setattr(verlflow.core.ml.rollout, "sample", lambda *a, **k: called.append("hf") or [])
+    monkeypatch.setattr(verlflow.core.ml.rollout, "encode_prompts", lambda *a, **k: [])
+    monkeypatch.setattr(verlflow.core.ml.rollout, "load_reward", lambda *a, **k: None)
 
     class BP:
         class rollout:
@@ -252,9 +252,9 @@ def test_generate_share_dispatches_on_engine(monkeypatch):
         def __len__(self):
             return 0
 
-    core.rollout.generate_share(None, None, BP, Prompts(), [], 0, 0, 1, None)
+    verlflow.core.ml.rollout.generate_share(None, None, BP, Prompts(), [], 0, 0, 1, None)
     BP.rollout.engine = "hf"
-    core.rollout.generate_share(None, None, BP, Prompts(), [], 0, 0, 1, None)
+    verlflow.core.ml.rollout.generate_share(None, None, BP, Prompts(), [], 0, 0, 1, None)
     assert called == ["static", "hf"]
 
 

@@ -12,7 +12,7 @@ the new run id, as if that run had committed them), and jobs run on 1 rank unles
 tiny kit an update on 1 rank and on 2 ranks of the same rollout give bit-identical weights (checked when the
 suite was written), so the 2-rank fault of test 1 is compared with the 1-rank reference.
 
-Fault hooks (core/faults.py, read by the stage workers): VERLFLOW_FAULT=kill_rank<N>_in_update | hang_in_<stage>
+Fault hooks (core/testing/faults.py, read by the stage workers): VERLFLOW_FAULT=kill_rank<N>_in_update | hang_in_<stage>
 | nan_loss, and VERLFLOW_FAULT_ONCE=<marker file> so only the first job fires it.
 """
 
@@ -35,12 +35,12 @@ import pytest
 import torch
 from tinybp import prompt_rows, tiny_blueprint
 
-from core import checkpoint, model as M
-from core.errors import ChecksumError, StoreError
-from core.launcher import FailureKind, StageFailure
-from core.pipeline import plan, run_pipeline
-from core.runner import STAGES, run_stage
-from core.store import MANIFEST, ArtifactStore, stage_key
+from verlflow.core.ml import checkpoint, model as M
+from verlflow.core.errors import ChecksumError, StoreError
+from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
+from verlflow.core.orchestrate.pipeline import plan, run_pipeline
+from verlflow.core.orchestrate.runner import STAGES, run_stage
+from verlflow.core.store.artifacts import MANIFEST, ArtifactStore, stage_key
 
 REPO = Path(__file__).resolve().parents[1]
 ALL = [("init", "validate"), ("init", "build"), (1, "rollout"), (1, "update"), (1, "checkpoint")]
@@ -162,7 +162,7 @@ def _alive(p: psutil.Process) -> bool:
 
 
 def find_job(root_pid: int, stage: str, still=lambda: True, timeout_s: float = 120) -> list[psutil.Process]:
-    """[torchrun, *workers] of the `core.stages.<stage>` job below root_pid, once its workers exist."""
+    """[torchrun, *workers] of the `verlflow.core.stages.<stage>` job below root_pid, once its workers exist."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert still(), f"the process running the pipeline ended before the {stage} job started"
@@ -173,7 +173,7 @@ def find_job(root_pid: int, stage: str, still=lambda: True, timeout_s: float = 1
         for p in kids:
             try:
                 cmd = p.cmdline()
-                if "torch.distributed.run" in cmd and f"core.stages.{stage}" in cmd:
+                if "torch.distributed.run" in cmd and f"verlflow.core.stages.{stage}" in cmd:
                     workers = [w for w in p.children(recursive=True) if _alive(w)]
                     if workers:
                         return [p, *workers]
@@ -212,9 +212,9 @@ def own_slot_pool(monkeypatch, slots: int = 4) -> str:
 
 def code_pin() -> str:
     """Child processes use this process's code version: core/ may be edited by others while the suite runs."""
-    from core.runner import _code_version
+    from verlflow.core.orchestrate.runner import _code_version
 
-    return f"import core.runner as _r; _r._CODE_VERSION = {_code_version()!r}\n"
+    return f"import verlflow.core.orchestrate.runner as _r; _r._CODE_VERSION = {_code_version()!r}\n"
 
 
 # ------------------------------------------------------------------------ 1. SIGKILL of one rank in update
@@ -384,7 +384,7 @@ def endpoint(own_s3, monkeypatch):
 
 
 def test_s3_retries_are_bounded_with_backoff(endpoint, own_s3, monkeypatch):
-    """The store's own contract (core/store.py): at most 2 x VERLFLOW_S3_MAX_ATTEMPTS requests per call, with
+    """The store's own contract (core/store/artifacts.py): at most 2 x VERLFLOW_S3_MAX_ATTEMPTS requests per call, with
     backoff between them, then a StoreError naming the URI and the endpoint."""
     s3_bucket = own_s3
     store = ArtifactStore(f"{s3_bucket.uri}/p")
@@ -506,7 +506,7 @@ def test_cancel_through_the_prefect_api(prefect_server, ref, tmp_path, monkeypat
     from prefect.states import Cancelling
     from prefect_server import wait_state
 
-    from flows.finetune import finetune
+    from verlflow.flows.finetune import finetune
 
     ref.clone("cancel", UP_TO_UPDATE)
     bp = ref.variant(name="faults-cancel")
@@ -548,8 +548,8 @@ def test_cancel_through_the_prefect_api(prefect_server, ref, tmp_path, monkeypat
 CHILD_PIPELINE = """\
 import json, sys
 {pin}
-from core.blueprint import Blueprint
-from core.pipeline import run_pipeline
+from verlflow.core.blueprint import Blueprint
+from verlflow.core.orchestrate.pipeline import run_pipeline
 bp = Blueprint.model_validate(json.load(open({bp!r})))
 run_pipeline(bp, {run!r}, on_line=lambda line: print(line, flush=True))
 """
@@ -601,8 +601,8 @@ def _cmdline(p: psutil.Process) -> list[str]:
 CHILD_FLOW = """\
 import json, sys
 {pin}
-from core.blueprint import Blueprint
-from flows.finetune import finetune
+from verlflow.core.blueprint import Blueprint
+from verlflow.flows.finetune import finetune
 bp = Blueprint.model_validate(json.load(open({bp!r})))
 state = finetune(blueprint=bp, run_id={run!r}, return_state=True)
 print("FINAL", state.type.value, flush=True)
@@ -736,7 +736,7 @@ def test_stage_timeout_is_killed_classified_and_retried(prefect_server, ref, tmp
     the retry commits and promotes."""
     from prefect import flow
 
-    import tasks.stages as ts
+    import verlflow.tasks.stages as ts
 
     limit_s = 25
     ref.clone("slow", UP_TO_UPDATE)
@@ -773,7 +773,7 @@ def test_stage_timeout_is_killed_classified_and_retried(prefect_server, ref, tmp
     assert limit_s <= took < limit_s + 15, took  # killed at the limit (+ SIGTERM grace), not later
     assert not second.skipped and res.manifest["stage"] == "checkpoint"
     assert not [p for p in psutil.Process().children(recursive=True)
-                if "core.stages.checkpoint" in _cmdline(p) and _alive(p)]
+                if "verlflow.core.stages.checkpoint" in _cmdline(p) and _alive(p)]
     assert_nothing_lost(ref.store, "slow", ALL)
     assert ref.store.get_pointer("runs/slow/latest")["iteration"] == 1
 
@@ -869,7 +869,7 @@ BAD = [
 def test_bad_input_is_refused_clearly(case: Bad, tiny_kit, tmp_path, monkeypatch, capsys):
     """Each: exit code != 0, one `verlflow <verb>: error:` paragraph on stderr naming the field or file and the
     fix, no Python traceback in it, and no file written to the store (a refused job leaves no artifact)."""
-    from core.cli import main
+    from verlflow.core.orchestrate.cli import main
 
     for k, v in (case.env or {}).items():
         monkeypatch.setenv(k, v)

@@ -11,7 +11,7 @@ import psutil
 import pytest
 from prefect_server import api, manifest, tiny_blueprint, wait_state, write_blueprint
 
-from core.launcher import FailureKind, StageFailure
+from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
 
 CRON = "0 */12 * * *"  # two occurrences a day: each test run backfills one past occurrence at a time
 
@@ -36,7 +36,7 @@ def run_id_of(name: str, run: dict) -> str:
     """The default run id of a flow run (as the API returns it)."""
     from prefect.client.schemas.objects import FlowRun
 
-    from flows.common import run_id_for
+    from verlflow.flows.common import run_id_for
 
     return run_id_for(name, FlowRun.model_validate(run))
 
@@ -54,8 +54,8 @@ def test_retries_follow_the_failure_class(prefect_server, tiny_kit, tmp_path, mo
     """A collective timeout is retried; a NaN is not (the launcher's classification decides)."""
     from prefect import flow
 
-    import tasks.stages as ts
-    from core.runner import StageResult
+    import verlflow.tasks.stages as ts
+    from verlflow.core.orchestrate.runner import StageResult
 
     bp = tiny_blueprint(tiny_kit, tmp_path / "store")
     calls = []
@@ -109,8 +109,8 @@ def test_pipeline_flow_run_with_artifacts(prefect_server, tiny_flow_run):
 def test_warm_workers_flow_holds_the_slots_and_runs_the_stages_in_one_job(prefect_server, tiny_kit, tmp_path):
     """resources.warm_workers in a flow: the flow takes the device slots once for its pool (a stage task never
     waits for slots while an idle pool holds the devices), the stages run warm, and all is given back at the end."""
-    from flows.finetune import finetune
-    from tasks.slots import limit_name
+    from verlflow.flows.finetune import finetune
+    from verlflow.tasks.slots import limit_name
 
     bp = tiny_blueprint(tiny_kit, tmp_path / "store", "name=tiny-warm", "resources.warm_workers=true")
     state = finetune(blueprint=bp, run_id="warm1", return_state=True)
@@ -121,13 +121,13 @@ def test_warm_workers_flow_holds_the_slots_and_runs_the_stages_in_one_job(prefec
     waits = [manifest(bp, "warm1", 1, st)["timings"]["launch_to_worker_s"] for st in ("rollout", "update", "checkpoint")]
     assert max(waits) < 0.5, waits
     assert api(prefect_server, f"/v2/concurrency_limits/{limit_name('cpu')}")["active_slots"] == 0
-    left = [p for p in psutil.Process().children(recursive=True) if "core.stages" in " ".join(p.cmdline())]
+    left = [p for p in psutil.Process().children(recursive=True) if "verlflow.core.stages" in " ".join(p.cmdline())]
     assert not left, "the warm pool outlived its flow"
 
 
 def test_changed_field_reruns_its_stage_and_later_ones(prefect_server, tiny_flow_run, tmp_path, capsys):
     """`verlflow rerun RUN --prefect` with rollout.temperature changed: build is reused, rollout on rerun."""
-    from core.cli import main
+    from verlflow.core.orchestrate.cli import main
 
     bp, before = tiny_flow_run.bp, {s: committed_at(tiny_flow_run.bp, "flow1", it, s)
                                     for it, s in (("init", "build"), (1, "rollout"), (1, "update"), (1, "checkpoint"))}
@@ -142,7 +142,7 @@ def test_changed_field_reruns_its_stage_and_later_ones(prefect_server, tiny_flow
 
 
 def test_from_step_forces_a_restart_there(prefect_server, tiny_flow_run):
-    from flows.finetune import finetune
+    from verlflow.flows.finetune import finetune
 
     bp = tiny_flow_run.bp.model_copy(deep=True)
     bp.rollout.temperature = 0.7  # as the previous test left the run
@@ -162,7 +162,7 @@ def test_in_process_validate_flow_is_cancelled_through_the_api(prefect_server, t
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
 
-    from flows.validate import validate
+    from verlflow.flows.validate import validate
 
     f = write_blueprint(tiny_blueprint(tiny_kit, tmp_path / "store", "name=vcancel"), tmp_path / "v.yaml")
     result = {}
@@ -187,7 +187,7 @@ def test_in_process_validate_flow_is_cancelled_through_the_api(prefect_server, t
 
 def test_lr_change_keeps_validate_build_and_rollout_keys(tiny_kit, tmp_path):
     """algorithm.lr is read by update only (optimizer hyperparameters are re-applied after every load)."""
-    from core.runner import compute_key
+    from verlflow.core.orchestrate.runner import compute_key
 
     a, b = tiny_blueprint(tiny_kit, tmp_path), tiny_blueprint(tiny_kit, tmp_path, "algorithm.lr=0.01")
     for stage, it in (("validate", "init"), ("build", "init"), ("rollout", 1), ("checkpoint", 1)):
@@ -198,12 +198,12 @@ def test_lr_change_keeps_validate_build_and_rollout_keys(tiny_kit, tmp_path):
 
 
 def test_deploy_creates_a_work_pool_deployment_with_the_blueprint(prefect_server, tiny_kit, tmp_path):
-    from core.cli import main
+    from verlflow.core.orchestrate.cli import main
 
     bp = tiny_blueprint(tiny_kit, tmp_path / "store", "name=nightly", "algorithm.lr=0.004")
     assert main(["deploy", str(write_blueprint(bp, tmp_path / "bp.yaml")), "--cron", "0 4 * * *"]) == 0
     dep = api(prefect_server, "/deployments/name/finetune/nightly")
-    assert dep["work_pool_name"] == "verlflow" and dep["entrypoint"] == "flows.finetune.finetune"
+    assert dep["work_pool_name"] == "verlflow" and dep["entrypoint"] == "verlflow.flows.finetune.finetune"
     assert dep["parameters"]["blueprint"] == bp.model_dump(mode="json")  # the full object: the form shows it
     assert [s["schedule"]["cron"] for s in dep["schedules"]] == ["0 4 * * *"]
     assert api(prefect_server, "/work_pools/verlflow")["type"] == "process"
@@ -270,10 +270,10 @@ def sched_served(serve, sched):
 
 
 def _stage_job(root_pid: int, stage: str) -> list[psutil.Process]:
-    """The torchrun process running `core.stages.<stage>` below root_pid, with its workers."""
+    """The torchrun process running `verlflow.core.stages.<stage>` below root_pid, with its workers."""
     for p in psutil.Process(root_pid).children(recursive=True):
         try:
-            if "torch.distributed.run" in " ".join(p.cmdline()) and f"core.stages.{stage}" in p.cmdline():
+            if "torch.distributed.run" in " ".join(p.cmdline()) and f"verlflow.core.stages.{stage}" in p.cmdline():
                 workers = p.children(recursive=True)
                 if workers:
                     return [p, *workers]
@@ -328,9 +328,9 @@ def test_s3_blueprint_file_paths_are_relative_to_its_folder_and_leave_no_temp_fi
 
     import yaml
 
-    from core.blueprint import Blueprint
-    from core.errors import BlueprintError
-    from flows.common import resolve_blueprint
+    from verlflow.core.blueprint import Blueprint
+    from verlflow.core.errors import BlueprintError
+    from verlflow.flows.common import resolve_blueprint
 
     spill = tmp_path / "tmp"
     spill.mkdir()
@@ -388,7 +388,7 @@ class FlakyApi:
 def test_cancel_watcher_logs_an_api_error_once_and_still_sees_the_cancel(prefect_server, caplog):
     from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
-    from tasks.stages import cancel_requested
+    from verlflow.tasks.stages import cancel_requested
 
     flow_id = api(prefect_server, "/flows/", {"name": "cancel-watch"})["id"]
     run = api(prefect_server, "/flow_runs/", {"flow_id": flow_id, "state": {"type": "RUNNING"}})
@@ -414,7 +414,7 @@ def test_summaries_link_final_locations_and_the_policy_and_a_rerun_shows_cached(
     """Warm workers with background commits: every stage summary links the stage's final location (never an empty
     link), the checkpoint's and the run's summaries link the promoted policy (URI and local path); a rerun of the
     same run id reuses every stage and its task runs end in the state named Cached, the flow still gets results."""
-    from flows.finetune import finetune
+    from verlflow.flows.finetune import finetune
 
     bp = tiny_blueprint(tiny_kit, tmp_path / "store", "name=tiny-links", "resources.warm_workers=true")
     first = finetune(blueprint=bp, run_id="links1", return_state=True)
@@ -446,7 +446,7 @@ def test_summaries_link_final_locations_and_the_policy_and_a_rerun_shows_cached(
 
 
 def open_store_pointer(bp, run_id: str) -> dict:
-    from core.runner import open_store
+    from verlflow.core.orchestrate.runner import open_store
 
     return open_store(bp).get_pointer(f"runs/{run_id}/latest")
 
@@ -456,7 +456,7 @@ def test_every_flow_parameter_of_the_run_form_has_a_description():
     from prefect.utilities.callables import parameter_schema
     from test_blueprint import undescribed
 
-    from flows.finetune import finetune
+    from verlflow.flows.finetune import finetune
 
     schema = parameter_schema(finetune.fn).model_dump()
     assert set(schema["properties"]) == {"blueprint", "run_id", "blueprint_file", "from_step"}
@@ -472,10 +472,10 @@ def test_one_warm_pool_rule_drives_the_runner_and_the_flow_slots(prefect_server,
     device slots (the flow for a pool, else the stage task): set against warm_workers, both follow it."""
     from prefect import flow
 
-    import tasks.stages as ts
-    from core.blueprint import ResourcesSpec
-    from core.pool import warm_pools
-    from tasks.slots import limit_name
+    import verlflow.tasks.stages as ts
+    from verlflow.core.blueprint import ResourcesSpec
+    from verlflow.core.orchestrate.pool import warm_pools
+    from verlflow.tasks.slots import limit_name
 
     monkeypatch.setattr(ResourcesSpec, "warm_pool", property(lambda self: pooled))
     bp = tiny_blueprint(tiny_kit, tmp_path / "store", f"name=rule-{str(pooled).lower()}",

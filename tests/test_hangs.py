@@ -13,10 +13,10 @@ import pytest
 import torch
 from tinybp import tiny_blueprint
 
-from core import checkpoint, model as M
-from core.launcher import FailureKind, StageFailure
-from core.pipeline import run_pipeline
-from core.runner import run_stage
+from verlflow.core.ml import checkpoint, model as M
+from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
+from verlflow.core.orchestrate.pipeline import run_pipeline
+from verlflow.core.orchestrate.runner import run_stage
 
 QUIET = dict(on_line=lambda line: None)
 
@@ -48,7 +48,7 @@ def _stage_processes() -> list:
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if "core.stages" in " ".join(p.cmdline()) or "torch.distributed.run" in " ".join(p.cmdline()):
+            if "verlflow.core.stages" in " ".join(p.cmdline()) or "torch.distributed.run" in " ".join(p.cmdline()):
                 out.append(p)
         except psutil.Error:
             pass
@@ -97,7 +97,7 @@ def _pool_ranks(root_pid: int) -> list[psutil.Process]:
     """The warm pool's torchrun and its ranks below root_pid."""
     for p in psutil.Process(root_pid).children(recursive=True):
         try:
-            if "torch.distributed.run" in " ".join(p.cmdline()) and "core.stages.pool" in p.cmdline():
+            if "torch.distributed.run" in " ".join(p.cmdline()) and "verlflow.core.stages.pool" in p.cmdline():
                 return [p, *p.children(recursive=True)]
         except psutil.Error:
             pass

@@ -32,9 +32,9 @@ from tinybp import tiny_blueprint
 
 pytest.importorskip("kubernetes")
 
-from core.backends.kubernetes import INDEX_KEY, KubernetesBackend, render  # noqa: E402
-from core.blueprint import KubernetesSpec  # noqa: E402
-from core.launcher import FailureKind, LaunchSpec, StageFailure  # noqa: E402
+from verlflow.core.orchestrate.backends.kubernetes import INDEX_KEY, KubernetesBackend, render  # noqa: E402
+from verlflow.core.blueprint import KubernetesSpec  # noqa: E402
+from verlflow.core.orchestrate.launcher import FailureKind, LaunchSpec, StageFailure  # noqa: E402
 
 SCHEMAS = Path(__file__).parent / "data" / "k8s-schemas"
 KIND_SCHEMA = {"ConfigMap": "configmap-v1.json", "Service": "service-v1.json", "Job": "job-batch-v1.json"}
@@ -68,7 +68,7 @@ def _roundtrip(manifest):
 def test_manifests_match_the_kubernetes_schemas(tmp_path):
     job_file = tmp_path / "job.json"
     job_file.write_text(json.dumps({"stage": "update", "scratch": "/tmp/x"}))
-    spec = LaunchSpec("core.stages.update", [str(job_file)], nproc_per_node=8, nnodes=4, timeout_s=3600,
+    spec = LaunchSpec("verlflow.core.stages.update", [str(job_file)], job_arg=0, nproc_per_node=8, nnodes=4, timeout_s=3600,
                       env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
     m = render(spec, _cfg(), "vf-update-1234abcd", "rid1")
     for manifest in m.values():
@@ -93,7 +93,7 @@ def test_manifests_match_the_kubernetes_schemas(tmp_path):
 
 
 def test_schema_check_catches_a_misspelled_field(tmp_path):
-    m = render(LaunchSpec("core.stages._probe", [], nnodes=2), _cfg(), "vf-probe-1", "r")
+    m = render(LaunchSpec("verlflow.core.testing.probe", [], nnodes=2), _cfg(), "vf-probe-1", "r")
     bad = json.loads(json.dumps(m["job"]))
     bad["spec"]["completionsMode"] = "Indexed"
     with pytest.raises(jsonschema.ValidationError, match="completionsMode"):
@@ -107,8 +107,8 @@ def test_schema_check_catches_a_misspelled_field(tmp_path):
 
 
 def test_blueprint_needs_an_image():
-    from core.blueprint import load_blueprint
-    from core.errors import BlueprintError
+    from verlflow.core.blueprint import load_blueprint
+    from verlflow.core.errors import BlueprintError
 
     with pytest.raises(BlueprintError, match="needs kubernetes.image"):
         load_blueprint(None, ["resources.backend=kubernetes"])
@@ -370,7 +370,7 @@ class Lines(list):
 
 def test_stage_runs_as_two_pods_through_the_api(fake_k8s, tiny_kit, tmp_path):
     """run_stage('validate') with backend kubernetes: 2 pods x 1 process, the real client, logs streamed."""
-    from core.runner import run_stage
+    from verlflow.core.orchestrate.runner import run_stage
 
     bp = tiny_blueprint(tiny_kit, tmp_path / "store", resources__backend="kubernetes", resources__nnodes=2,
                         resources__nproc_per_node=1, resources__kubernetes__image="verlflow:test",
@@ -398,14 +398,14 @@ def test_stage_runs_as_two_pods_through_the_api(fake_k8s, tiny_kit, tmp_path):
 
 def test_failing_rank_names_its_pod_node_and_rank(fake_k8s):
     lines = Lines()
-    spec = LaunchSpec("core.stages._probe", ["--mode", "raise"], nproc_per_node=1, nnodes=2, timeout_s=120)
+    spec = LaunchSpec("verlflow.core.testing.probe", ["--mode", "raise"], nproc_per_node=1, nnodes=2, timeout_s=120)
     with pytest.raises(StageFailure) as info:
         KubernetesBackend(_cfg(gpus_per_node=0)).launch(spec, on_line=lines)
     exc = info.value
     print(f"\n{str(exc)[:300]}")  # what the task's log shows (pytest -s)
     # rank 1 raised; its exit code is 1, or -6 when gloo aborts in the interpreter's shutdown after the error
     assert exc.kind is FailureKind.USER_ERROR and exc.rank == 1 and exc.exitcode in (1, -6)
-    assert "ValueError: boom-123" in str(exc) and "_probe.py" in exc.traceback
+    assert "ValueError: boom-123" in str(exc) and "probe.py" in exc.traceback
     node = str(exc).split(" on node ")[1].split(" (")[0]
     task = int(str(exc).split(", task ")[1].split(")")[0])
     assert node == f"node-{'ab'[task]}"
@@ -417,7 +417,7 @@ def test_cancel_deletes_the_job_and_its_pods(fake_k8s):
     lines = Lines()
     cancel = threading.Event()
     rdzv_id = f"vfk8s-cancel-{os.getpid()}"
-    spec = LaunchSpec("core.stages._probe", ["--mode", "hang"], nproc_per_node=1, nnodes=2, rdzv_id=rdzv_id,
+    spec = LaunchSpec("verlflow.core.testing.probe", ["--mode", "hang"], nproc_per_node=1, nnodes=2, rdzv_id=rdzv_id,
                       timeout_s=300)
     box = {}
 
@@ -462,7 +462,7 @@ def test_example_blueprint_renders_the_shipped_manifests(tmp_path):
     its update stage (VERLFLOW_REGEN_EXAMPLES=1 rewrites the file); every document matches the schemas."""
     import yaml
 
-    from core.blueprint import load_blueprint
+    from verlflow.core.blueprint import load_blueprint
 
     bp = load_blueprint(ROOT / "infra/k8s/qwen2.5-1.5b-2nodes.yaml")
     res = bp.resources
@@ -470,7 +470,7 @@ def test_example_blueprint_renders_the_shipped_manifests(tmp_path):
     job_file = tmp_path / "job.json"
     job_file.write_text(json.dumps({"stage": "update", "run_id": "qwen-nightly-1a2b3c4d", "iteration": 3,
                                     "note": "the whole job file (blueprint, inputs, manifest skeleton) goes here"}))
-    spec = LaunchSpec("core.stages.update", [str(job_file)], nproc_per_node=8, nnodes=2,
+    spec = LaunchSpec("verlflow.core.stages.update", [str(job_file)], job_arg=0, nproc_per_node=8, nnodes=2,
                       timeout_s=res.stage_timeout_s, env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
     m = render(spec, res.kubernetes, "vf-update-0123abcd", "vf-0123abcd")
     text = "# What verlflow creates for one stage (update, 2 pods x 8 GPUs) of infra/k8s/qwen2.5-1.5b-2nodes.yaml.\n" \

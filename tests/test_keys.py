@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from tinybp import tiny_blueprint
 
-import core.runner as runner
-from core.keys import STAGE_VERSION, stage_code_versions
-from core.pipeline import plan
+import verlflow.core.orchestrate.runner as runner
+from verlflow.core.store.keys import STAGE_VERSION, stage_code_versions
+from verlflow.core.orchestrate.pipeline import plan
 
-CORE = Path(runner.__file__).parent
+CORE = Path(runner.__file__).parents[1]
 
 
 @pytest.fixture
@@ -50,26 +50,26 @@ def bp(tiny_kit, tmp_path):
 
 def test_editing_the_cli_backends_runner_and_store_keeps_every_key(pkg, bp):
     before = plan_keys(bp, stage_code_versions(pkg))
-    edit(pkg / "cli.py", "\nimport ", "\n# a typo fixed in a comment\nimport ")
-    edit(pkg / "backends/slurm.py", "\nimport ", "\nSBATCH_POLL_S = 2.5  # a behaviour change of the backend\nimport ")
-    edit(pkg / "runner.py", "\nimport ", "\nRUNNER_NOTE = 'changed'\nimport ")
-    edit(pkg / "store.py", "\nimport ", "\nSTORE_NOTE = 'changed'\nimport ")
-    edit(pkg / "launcher.py", "\nimport ", "\nLAUNCH_NOTE = 'changed'\nimport ")
+    edit(pkg / "orchestrate/cli.py", "\nimport ", "\n# a typo fixed in a comment\nimport ")
+    edit(pkg / "orchestrate/backends/slurm.py", "\nimport ", "\nSBATCH_POLL_S = 2.5  # a behaviour change of the backend\nimport ")
+    edit(pkg / "orchestrate/runner.py", "\nimport ", "\nRUNNER_NOTE = 'changed'\nimport ")
+    edit(pkg / "store/artifacts.py", "\nimport ", "\nSTORE_NOTE = 'changed'\nimport ")
+    edit(pkg / "orchestrate/launcher.py", "\nimport ", "\nLAUNCH_NOTE = 'changed'\nimport ")
     assert plan_keys(bp, stage_code_versions(pkg)) == before
 
 
 def test_comments_and_docstrings_of_the_maths_keep_every_key(pkg, bp):
     before = stage_code_versions(pkg)
-    edit(pkg / "ppo.py", '"""', '"""A docstring typo fixed. ')
-    text = (pkg / "ppo.py").read_text()
-    (pkg / "ppo.py").write_text(text.replace("\n\n\ndef ", "\n\n\n# a new comment\ndef ", 1))
-    edit(pkg / "ppo.py", 'log = logging.getLogger("verlflow.ppo")', 'log = logging.getLogger("verlflow.ppo")  # why')
+    edit(pkg / "ml/ppo.py", '"""', '"""A docstring typo fixed. ')
+    text = (pkg / "ml/ppo.py").read_text()
+    (pkg / "ml/ppo.py").write_text(text.replace("\n\n\ndef ", "\n\n\n# a new comment\ndef ", 1))
+    edit(pkg / "ml/ppo.py", 'log = logging.getLogger("verlflow.ppo")', 'log = logging.getLogger("verlflow.ppo")  # why')
     assert stage_code_versions(pkg) == before
 
 
 def test_editing_the_update_maths_changes_the_update_key_and_every_later_one(pkg, bp):
     before = plan_keys(bp, stage_code_versions(pkg))
-    edit(pkg / "ppo.py", "\nimport ", "\nEXTRA_SCALE = 1.0001\nimport ")
+    edit(pkg / "ml/ppo.py", "\nimport ", "\nEXTRA_SCALE = 1.0001\nimport ")
     after = plan_keys(bp, stage_code_versions(pkg))
     same = {name for name in before if before[name] == after[name]}
     assert same == {"validate[init]", "build[init]", "rollout[1]"}, same  # update[1] and all after it changed
@@ -77,7 +77,7 @@ def test_editing_the_update_maths_changes_the_update_key_and_every_later_one(pkg
 
 def test_editing_fastgen_changes_the_rollout_key(pkg, bp):
     before = stage_code_versions(pkg)
-    edit(pkg / "fastgen/sampling.py", "\nimport ", "\nEXTRA = 1\nimport ")  # reached through a function-level import
+    edit(pkg / "ml/fastgen/sampling.py", "\nimport ", "\nEXTRA = 1\nimport ")  # reached through a function-level import
     after = stage_code_versions(pkg)
     assert before["rollout"] != after["rollout"] and before["build"] == after["build"]
 

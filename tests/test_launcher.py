@@ -1,4 +1,4 @@
-"""core.launcher against a real torchrun: 2 ranks, gloo on CPU, core.stages._probe as the worker."""
+"""verlflow.core.orchestrate.launcher against a real torchrun: 2 ranks, gloo on CPU, verlflow.core.testing.probe as the worker."""
 
 import os
 import pickle
@@ -12,9 +12,9 @@ import time
 import psutil
 import pytest
 
-from core.launcher import FailureKind, LaunchSpec, StageFailure, _classify, build_command, launch
+from verlflow.core.orchestrate.launcher import FailureKind, LaunchSpec, StageFailure, _classify, build_command, launch
 
-PROBE = "core.stages._probe"
+PROBE = "verlflow.core.testing.probe"
 
 
 def _spec(mode, pid_dir=None, **kw):
@@ -55,9 +55,9 @@ def _assert_tree_gone(pids, within=0.0):
 
 
 def test_build_command():
-    cmd = build_command(LaunchSpec("core.stages.x", ["--a", "1"], nproc_per_node=2, rdzv_id="r1", log_dir="/l"))
+    cmd = build_command(LaunchSpec("verlflow.core.stages.x", ["--a", "1"], nproc_per_node=2, rdzv_id="r1", log_dir="/l"))
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
-    assert cmd[-4:] == ["-m", "core.stages.x", "--a", "1"]
+    assert cmd[-4:] == ["-m", "verlflow.core.stages.x", "--a", "1"]
     flags = dict(zip(cmd[3:-4:2], cmd[4:-4:2]))
     assert flags["--nproc-per-node"] == "2" and flags["--rdzv-backend"] == "c10d"
     assert flags["--rdzv-id"] == "r1" and flags["--max-restarts"] == "0" and flags["--log-dir"] == "/l"
@@ -97,8 +97,8 @@ def test_user_error_names_rank_and_traceback():
         launch(_spec("raise"), on_line=lambda line: None)
     e = info.value
     assert (e.kind, e.rank, e.exitcode, e.retryable) == (FailureKind.USER_ERROR, 1, 1, False)
-    assert "rank 1" in str(e) and "ValueError: boom-123" in str(e) and "_probe.py" in str(e)
-    assert "_probe.py" in e.traceback
+    assert "rank 1" in str(e) and "ValueError: boom-123" in str(e) and "probe.py" in str(e)
+    assert "probe.py" in e.traceback
     copy = pickle.loads(pickle.dumps(e))
     assert (copy.kind, copy.rank, copy.traceback, str(copy)) == (e.kind, e.rank, e.traceback, str(e))
 
@@ -125,8 +125,8 @@ def test_timeout_of_a_rank_hung_in_a_collective_shows_every_ranks_stack(tmp_path
     assert e.kind is FailureKind.TIMEOUT
     stacks = e.traceback.split("rank 1 stacks when stopped:")
     assert len(stacks) == 2 and stacks[0].startswith("rank 0 stacks when stopped:"), e.traceback
-    assert "in barrier" in stacks[0] and "_probe.py" in stacks[0], stacks[0]
-    assert "in barrier" not in stacks[1] and "_probe.py" in stacks[1], stacks[1]
+    assert "in barrier" in stacks[0] and "probe.py" in stacks[0], stacks[0]
+    assert "in barrier" not in stacks[1] and "probe.py" in stacks[1], stacks[1]
     assert "rank 0 stacks" in str(e)  # shown with the error, not only kept on it
     _assert_tree_gone(_wait_for_pids(tmp_path, timeout=0))
 
@@ -165,7 +165,7 @@ def test_rank_killed_by_signal(tmp_path):
 
 def test_sigkill_of_the_launching_process_takes_the_tree_down(tmp_path):
     code = textwrap.dedent(f"""
-        from core.launcher import launch, LaunchSpec
+        from verlflow.core.orchestrate.launcher import launch, LaunchSpec
         launch(LaunchSpec({PROBE!r}, ["--mode", "hang", "--pid-dir", {str(tmp_path)!r}], nproc_per_node=2,
                           log_dir={str(tmp_path / "logs")!r}), on_line=lambda line: None)
     """)

@@ -1,4 +1,4 @@
-"""A run's lease (core/lease.py): one runner per run id, with real processes, a local store and S3 (moto server)."""
+"""A run's lease (core/store/lease.py): one runner per run id, with real processes, a local store and S3 (moto server)."""
 
 import json
 import os
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from core.lease import Lease, RunBusyError, run_lease
-from core.store import ArtifactStore
+from verlflow.core.store.lease import Lease, RunBusyError, run_lease
+from verlflow.core.store.artifacts import ArtifactStore
 
 VERLFLOW = str(Path(sys.executable).with_name("verlflow"))
 
@@ -95,7 +95,7 @@ def test_of_many_concurrent_takers_exactly_one_wins(tmp_path):
 
 
 def test_the_lease_of_a_dead_process_is_taken_over(store, tmp_path):
-    code = ("import sys, time; from core.store import ArtifactStore; from core.lease import Lease; "
+    code = ("import sys, time; from verlflow.core.store.artifacts import ArtifactStore; from verlflow.core.store.lease import Lease; "
             f"Lease(ArtifactStore({store.root_uri!r}), 'r1').acquire(); open(sys.argv[1], 'w').close(); time.sleep(600)")
     held = tmp_path / "held"
     proc = subprocess.Popen([sys.executable, "-c", code, str(held)], cwd=Path(__file__).parents[1])
@@ -191,7 +191,7 @@ def test_a_second_verlflow_rerun_of_a_running_run_is_refused(tiny_kit, tmp_path)
 
 
 def test_the_flow_refuses_a_run_held_by_another_runner_and_a_run_id_too_long(prefect_server, tiny_kit, tmp_path):
-    from flows.finetune import finetune
+    from verlflow.flows.finetune import finetune
     from prefect_server import tiny_blueprint
 
     bp = tiny_blueprint(tiny_kit, tmp_path / "store")

@@ -16,9 +16,9 @@ import pytest
 import torch
 from tinybp import tiny_blueprint
 
-from core import checkpoint, model as M
-from core.launcher import LaunchSpec, launch
-from core.pipeline import run_pipeline
+from verlflow.core.ml import checkpoint, model as M
+from verlflow.core.orchestrate.launcher import LaunchSpec, launch
+from verlflow.core.orchestrate.pipeline import run_pipeline
 
 QUIET = dict(on_line=lambda line: None)
 
@@ -120,14 +120,14 @@ def test_checkpoints_reshard_between_two_nodes_and_one(two_node_run, tiny_kit, t
     # Exactness: the 2-node update[1] loaded into a 1-rank FSDP model, and the 1-node update[2] loaded into
     # FSDP across two agents, give the weights that were saved.
     job, out = _probe_job(tmp_path, store, one, "1/update", "w1")
-    launch(LaunchSpec("core.stages._reshard_probe", [job], nproc_per_node=1, timeout_s=120), **QUIET)
+    launch(LaunchSpec("verlflow.core.testing.reshard_probe", [job], nproc_per_node=1, timeout_s=120), **QUIET)
     want = _full_weights(store, "1/update", one)
     got = load_file(str(out))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
     job, out = _probe_job(tmp_path, store, one, "2/update", "w2")
     endpoint, rid = f"127.0.0.1:{_port()}", "reshard-probe-2n"
-    specs = [LaunchSpec("core.stages._reshard_probe", [job], nproc_per_node=1, nnodes=2, node_rank=r,
+    specs = [LaunchSpec("verlflow.core.testing.reshard_probe", [job], nproc_per_node=1, nnodes=2, node_rank=r,
                         rdzv_endpoint=endpoint, rdzv_id=rid, timeout_s=120) for r in (0, 1)]
     _on_both_nodes(lambda spec: launch(spec, **QUIET), (specs[0],), (specs[1],))
     want = _full_weights(store, "2/update", one)
@@ -137,8 +137,8 @@ def test_checkpoints_reshard_between_two_nodes_and_one(two_node_run, tiny_kit, t
 
 
 def test_blueprint_rules_for_static_multinode():
-    from core.blueprint import load_blueprint
-    from core.errors import BlueprintError
+    from verlflow.core.blueprint import load_blueprint
+    from verlflow.core.errors import BlueprintError
 
     with pytest.raises(BlueprintError, match="needs rdzv_endpoint"):
         load_blueprint(None, ["resources.nnodes=2"])

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tinybp import tiny_blueprint
 
-from core import fusedhead, model as M, packing, ppo
+from verlflow.core.ml import fusedhead, model as M, packing, ppo
 
 
 def ragged_batch(vocab: int, n: int = 6, P: int = 7, R: int = 9, seed: int = 0) -> dict:

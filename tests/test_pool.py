@@ -11,8 +11,8 @@ import psutil
 import pytest
 from tinybp import tiny_blueprint
 
-from core.launcher import FailureKind, StageFailure
-from core.pipeline import run_pipeline
+from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
+from verlflow.core.orchestrate.pipeline import run_pipeline
 
 
 def _stage_processes() -> list:
@@ -23,7 +23,7 @@ def _stage_processes() -> list:
             cmd = " ".join(p.cmdline())
         except psutil.Error:
             continue
-        if "core.stages" in cmd or "torch.distributed.run" in cmd:
+        if "verlflow.core.stages" in cmd or "torch.distributed.run" in cmd:
             out.append(p)
     return out
 
@@ -102,7 +102,7 @@ def test_background_commits_upload_to_s3(tiny_kit, s3_bucket, tmp_path):
     """A remote store: the background commit uploads the update from the job's scratch folder, which the pool
     removes after the commit; the next stages wait for it where they read it; every artifact verifies on
     download and a rerun reuses all of them."""
-    from core.runner import open_store
+    from verlflow.core.orchestrate.runner import open_store
 
     bp = tiny_blueprint(tiny_kit, f"{s3_bucket.uri}/vf", resources__warm_workers=True, iterations=2)
     scratch = lambda: set(Path(tempfile.gettempdir()).glob("verlflow-update-*"))  # noqa: E731
@@ -151,7 +151,7 @@ def test_cancel_kills_the_pool(tiny_kit, tmp_path, monkeypatch):
 def test_stage_jobs_share_a_persistent_compile_cache(monkeypatch, tmp_path):
     """fsdp.compile's kernels are cached under VERLFLOW_CACHE_DIR (not /tmp), so the next stage job reuses them;
     a TORCHINDUCTOR_CACHE_DIR of the user's own wins."""
-    from core.runner import _worker_env
+    from verlflow.core.orchestrate.runner import _worker_env
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("VERLFLOW_CACHE_DIR", str(tmp_path))
@@ -164,7 +164,7 @@ def test_a_pool_waiting_for_gpus_does_not_block_the_other_pools(tmp_path):
     """Making a pool may wait for GPU claims (held, perhaps, by another pool): it must not hold the registry's
     lock meanwhile, or the pool it waits for could never be used or closed. A pool made for a key that got one
     meanwhile is discarded unstarted."""
-    from core import pool as P
+    from verlflow.core.orchestrate import pool as P
 
     release, waiting = threading.Event(), threading.Event()
 
@@ -232,9 +232,9 @@ def test_a_full_store_during_a_background_commit_says_so_and_leaves_no_partial_s
 def test_a_background_commit_logs_under_its_own_stage(tiny_kit, tmp_path):
     """The update's commit runs while checkpoint[1] exports: its lines go to update[1]'s log, tagged, not into the
     log of the stage running meanwhile."""
-    from core.pipeline import plan, warm_start_source
-    from core.pool import warm_pools
-    from core.runner import run_stage
+    from verlflow.core.orchestrate.pipeline import plan, warm_start_source
+    from verlflow.core.orchestrate.pool import warm_pools
+    from verlflow.core.orchestrate.runner import run_stage
 
     bp = tiny_blueprint(tiny_kit, tmp_path, resources__warm_workers=True)
     logs, done = {}, {}

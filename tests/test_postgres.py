@@ -163,7 +163,7 @@ def test_scheduled_run_executes_through_a_process_worker_on_postgres(pg_prefect,
                          env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     dep = _api(stack, "/deployments/name/finetune/pg-nightly")
-    assert dep["work_pool_name"] == "verlflow" and dep["entrypoint"] == "flows.finetune.finetune"
+    assert dep["work_pool_name"] == "verlflow" and dep["entrypoint"] == "verlflow.flows.finetune.finetune"
     assert [s["schedule"]["cron"] for s in dep["schedules"]] == [cron]
     assert _api(stack, "/work_pools/verlflow")["type"] == "process"
 
@@ -200,7 +200,7 @@ def test_scheduled_run_executes_through_a_process_worker_on_postgres(pg_prefect,
 
     from prefect.client.schemas.objects import FlowRun
 
-    from flows.common import run_id_for
+    from verlflow.flows.common import run_id_for
 
     run_id = run_id_for("pg-nightly", FlowRun.model_validate(_api(stack, f"/flow_runs/{fr['id']}")))
     assert (store / "runs" / run_id / "1" / "checkpoint" / "manifest.json").exists(), sorted(store.rglob("*"))[:50]

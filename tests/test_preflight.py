@@ -1,7 +1,7 @@
 """Bad inputs that used to fail only in a later stage, after validate (and build) had committed (issue 13, item 6
 and part of 7), now refused before anything is committed.
 
-The driver-side checks (model config and weight files, dataset size) run in-process through `core.cli.main`, for
+The driver-side checks (model config and weight files, dataset size) run in-process through `verlflow.core.orchestrate.cli.main`, for
 both `validate-blueprint` and `run` (no torchrun: `run` stops before its first stage job). The checks that need
 the rollout's tokenizer and reward (prompt lengths, a reward that returns text) run in the validate stage: one
 1-rank torchrun job per case, and one case through the Prefect flow. Every case asserts: exit code != 0, one
@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from core.cli import main
-from core.fastgen import SUPPORTED_MODEL_TYPES
+from verlflow.core.orchestrate.cli import main
+from verlflow.core.ml.fastgen import SUPPORTED_MODEL_TYPES
 from tinybp import prompt_rows
 
 SMALL = ["resources.nproc_per_node=1", "data.batch_size=4", "algorithm.ppo_mini_batch_size=2",
@@ -111,7 +111,7 @@ def test_static_engine_with_an_unsupported_model_type(verb, tiny_kit, tmp_path, 
 
 
 def test_static_engine_accepts_its_model_types_and_hf_any(model, tiny_kit, tmp_path):
-    from core.blueprint import load_blueprint, missing_inputs
+    from verlflow.core.blueprint import load_blueprint, missing_inputs
 
     def problems(*overrides):
         base = [f"model.path={model}", f"data.train_files=[{tiny_kit['train_file']}]", f"storage.uri={tmp_path}"]
@@ -143,7 +143,7 @@ def test_corrupt_weight_header_is_named(model, tiny_kit, tmp_path, capsys):
 
 
 def test_sharded_checkpoint_names_the_bad_shard(model, tiny_kit, tmp_path, capsys):
-    from core.blueprint import load_blueprint, missing_inputs
+    from verlflow.core.blueprint import load_blueprint, missing_inputs
 
     shards = _shard(model)
     bp = load_blueprint(None, [f"model.path={model}", f"data.train_files=[{tiny_kit['train_file']}]"])
@@ -217,7 +217,7 @@ def test_reward_that_returns_text(tiny_kit, tmp_path, capsys, monkeypatch):
 
 def test_the_flow_refuses_at_validate(prefect_server, tiny_kit, tmp_path):
     """A flow run (UI, schedule) has no CLI preflight: its validate stage runs the same checks."""
-    from flows.finetune import finetune
+    from verlflow.flows.finetune import finetune
     from prefect_server import tiny_blueprint
 
     model = _mistral(tiny_kit, tmp_path)

@@ -2,9 +2,9 @@
 
 import json
 
-from core.blueprint import Blueprint
-from core.promote import promote, prune
-from core.store import ArtifactStore, file_digest
+from verlflow.core.blueprint import Blueprint
+from verlflow.core.store.promote import promote, prune
+from verlflow.core.store.artifacts import ArtifactStore, file_digest
 
 
 def _fake_checkpoint(store: ArtifactStore, tmp_path, run_id: str, it: int, reward: float) -> dict:

@@ -11,9 +11,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
 
-from core import rewards  # noqa: E402
-from core.errors import BlueprintError, NonFiniteError, VerlflowError  # noqa: E402
-from core.rewards import get_reward, load_reward, register_reward, reward_names  # noqa: E402
+from verlflow.core.ml import rewards  # noqa: E402
+from verlflow.core.errors import BlueprintError, NonFiniteError, VerlflowError  # noqa: E402
+from verlflow.core.ml.rewards import get_reward, load_reward, register_reward, reward_names  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +76,7 @@ def test_verl_default_gsm8k():
 
 def test_import_is_light():
     """Importing the registry must not import verl (seconds, and it reconfigures the root logger)."""
-    code = "import sys, core.rewards; assert 'verl' not in sys.modules and 'torch' not in sys.modules"
+    code = "import sys, verlflow.core.ml.rewards; assert 'verl' not in sys.modules and 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
 
 
@@ -94,7 +94,7 @@ def test_unknown_name_explains_how_to_fix():
 def test_user_module_registration(user_module):
     mod = user_module(
         """
-        from core.rewards import register_reward
+        from verlflow.core.ml.rewards import register_reward
 
         @register_reward("starts_with_answer")
         def starts_with_answer(data_source, solution_str, ground_truth, extra_info=None):

@@ -12,8 +12,8 @@ from tinybp import tiny_blueprint
 def test_tokens_per_s_excludes_the_engine_set_up(tiny_kit, tmp_path, engine):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from core.data import load_prompts
-    from core.rollout import generate_share, save_batch
+    from verlflow.core.ml.data import load_prompts
+    from verlflow.core.ml.rollout import generate_share, save_batch
 
     bp = tiny_blueprint(tiny_kit, tmp_path, rollout__engine=engine, rollout__micro_batch_size=2)
     tok = AutoTokenizer.from_pretrained(tiny_kit["model_dir"])

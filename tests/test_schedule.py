@@ -84,8 +84,8 @@ def test_runs_created_in_the_same_second_through_the_api_get_distinct_run_ids(sc
     from prefect.client.schemas.objects import FlowRun
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.common import run_id_for
-    from flows.deploy import finetune_deployment
+    from verlflow.flows.common import run_id_for
+    from verlflow.flows.deploy import finetune_deployment
 
     bp = tiny_blueprint(tiny_kit, tmp_path / "store", "name=adhoc")
     with temporary_settings({PREFECT_API_URL: sched_server.url}):
@@ -127,8 +127,8 @@ def test_a_run_waits_only_for_earlier_runs_that_are_running_or_about_to_start(sc
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.common import START_GRACE_S, earlier_unfinished_runs
-    from flows.deploy import finetune_deployment
+    from verlflow.flows.common import START_GRACE_S, earlier_unfinished_runs
+    from verlflow.flows.deploy import finetune_deployment
 
     bp = tiny_blueprint(tiny_kit, tmp_path / "store", "name=order")
     now = dt.datetime.now(dt.timezone.utc)

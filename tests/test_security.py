@@ -28,9 +28,9 @@ import pytest
 from s3server import FAKE_SECRET
 from tinybp import tiny_blueprint
 
-from core.errors import BlueprintError, UnsafeKeyError
-from core.launcher import FailureKind, StageFailure
-from core.store import ArtifactStore, file_digest
+from verlflow.core.errors import BlueprintError, UnsafeKeyError
+from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
+from verlflow.core.store.artifacts import ArtifactStore, file_digest
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET = dict(on_line=lambda line: None)
@@ -58,7 +58,7 @@ def _all_pages(server, path: str, body: dict, limit: int = 200) -> list:
 def test_secret_from_the_environment_never_leaks(prefect_server, s3_bucket, tiny_kit, tmp_path, monkeypatch, capfd):
     import time
 
-    from flows.finetune import finetune
+    from verlflow.flows.finetune import finetune
 
     assert os.environ["AWS_SECRET_ACCESS_KEY"] == FAKE_SECRET  # the run (and its torchrun jobs) use it
     monkeypatch.setenv("VERLFLOW_SLOT_POOL", f"security-{os.getpid()}")  # slots no other test can hold
@@ -103,8 +103,8 @@ BAD_RUN_IDS = ["../x", "..", "/etc", "a/b", "x/../../y", ".hidden", "a\\b", "", 
 
 @pytest.mark.parametrize("run_id", BAD_RUN_IDS)
 def test_run_ids_that_escape_are_refused(tiny_kit, tmp_path, run_id):
-    from core.pipeline import run_pipeline
-    from core.runner import run_stage
+    from verlflow.core.orchestrate.pipeline import run_pipeline
+    from verlflow.core.orchestrate.runner import run_stage
 
     store = tmp_path / "store"
     bp = tiny_blueprint(tiny_kit, store, resources__nproc_per_node=1)
@@ -117,7 +117,7 @@ def test_run_ids_that_escape_are_refused(tiny_kit, tmp_path, run_id):
 
 @pytest.mark.parametrize("step", ["../../etc", "update[../1]", "/update", "update[1]/../x", "update[1]\nrm"])
 def test_from_steps_that_escape_are_refused(tiny_kit, tmp_path, step):
-    from core.pipeline import run_pipeline
+    from verlflow.core.orchestrate.pipeline import run_pipeline
 
     store = tmp_path / "store"
     bp = tiny_blueprint(tiny_kit, store, resources__nproc_per_node=1)
@@ -127,8 +127,8 @@ def test_from_steps_that_escape_are_refused(tiny_kit, tmp_path, step):
 
 
 def test_stage_inputs_and_cli_options_that_escape_are_refused(tiny_kit, tmp_path, capsys):
-    from core.cli import main
-    from core.runner import run_stage
+    from verlflow.core.orchestrate.cli import main
+    from verlflow.core.orchestrate.runner import run_stage
 
     store = tmp_path / "store"
     bp = tiny_blueprint(tiny_kit, store, resources__nproc_per_node=1)
@@ -179,7 +179,7 @@ def test_manifest_file_names_that_escape_are_refused(s3_bucket, tmp_path, name):
 
 
 def test_flow_refuses_escaping_run_id_and_step(prefect_server, tiny_kit, tmp_path):
-    from flows.finetune import finetune
+    from verlflow.flows.finetune import finetune
 
     store = tmp_path / "store"
     bp = tiny_blueprint(tiny_kit, store, resources__nproc_per_node=1, name="sec-flow")
@@ -199,15 +199,15 @@ PAYLOADS = [
     "!!python/object/apply:subprocess.check_call [['touch', '@MARK@']]",
     "!!python/name:os.system",
     "!!python/module:os",
-    "!!python/object:core.blueprint.Blueprint {}",
+    "!!python/object:verlflow.core.blueprint.Blueprint {}",
     "!custom {a: 1}",
 ]
 
 
 @pytest.mark.parametrize("payload", PAYLOADS)
 def test_yaml_tags_that_construct_objects_are_refused(tiny_kit, tmp_path, payload):
-    from core.blueprint import load_blueprint
-    from flows.common import resolve_blueprint
+    from verlflow.core.blueprint import load_blueprint
+    from verlflow.flows.common import resolve_blueprint
 
     mark = tmp_path / "pwned"
     value = payload.replace("@MARK@", str(mark))
@@ -294,7 +294,7 @@ def unsafe_calls(path: Path, root: Path = REPO) -> list[str]:
 
 def test_no_unsafe_deserialization_in_the_code():
     sources = _project_sources()
-    assert len(sources) > 30 and REPO / "core/checkpoint.py" in sources
+    assert len(sources) > 30 and REPO / "core/ml/checkpoint.py" in sources
     found = [hit for p in sources for hit in unsafe_calls(p)]
     assert not found, "unsafe deserialization:\n  " + "\n  ".join(found)
 
@@ -330,8 +330,8 @@ def _fabricated_build(kit: dict, store: ArtifactStore, bp) -> str:
     writes it, without the cost of a torchrun job."""
     import torch.distributed.checkpoint as dcp
 
-    from core import model as M
-    from core.stages.build import copy_meta
+    from verlflow.core.ml import model as M
+    from verlflow.core.stages.build import copy_meta
 
     key = "runs/sec/init/build"
     out = store.local_path(key)
@@ -348,7 +348,7 @@ def _fabricated_build(kit: dict, store: ArtifactStore, bp) -> str:
 
 
 def test_tampered_checkpoint_metadata_is_refused_before_it_is_unpickled(tiny_kit, tmp_path):
-    from core.runner import run_stage
+    from verlflow.core.orchestrate.runner import run_stage
 
     mark = tmp_path / "pwned"
     store_root = tmp_path / "store"

@@ -21,9 +21,9 @@ import pytest
 from sysdeps import unavailable
 from tinybp import tiny_blueprint
 
-from core.backends.slurm import SlurmBackend, job_info, render_sbatch, squeue_ids
-from core.blueprint import SlurmSpec
-from core.launcher import FailureKind, LaunchSpec, StageFailure
+from verlflow.core.orchestrate.backends.slurm import SlurmBackend, job_info, render_sbatch, squeue_ids
+from verlflow.core.blueprint import SlurmSpec
+from verlflow.core.orchestrate.launcher import FailureKind, LaunchSpec, StageFailure
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 TIMINGS = {}  # name -> seconds; printed at the end (pytest -s) and written to test-outputs/slurm-timings.json
@@ -164,7 +164,7 @@ def test_render_sbatch_has_the_blueprints_options(tmp_path):
     cfg = SlurmSpec(partition="gpu", account="proj42", gpus_per_node=8, cpus_per_task=16,
                     extra_sbatch=["--qos=high", "#SBATCH --exclusive"], setup=["module load cuda/12.4"],
                     python="/opt/venv/bin/python", rdzv_port_base=21000, rdzv_port_span=5000)
-    spec = LaunchSpec("core.stages.update", ["/s/job.json"], nproc_per_node=8, nnodes=4, timeout_s=3600,
+    spec = LaunchSpec("verlflow.core.stages.update", ["/s/job.json"], job_arg=0, nproc_per_node=8, nnodes=4, timeout_s=3600,
                       env={"AWS_SECRET_ACCESS_KEY": "s3cr3t"})
     text = render_sbatch(spec, cfg, tmp_path, tmp_path / "launch.json", job_name="verlflow-update", cwd="/proj")
     sb = [line.split(" ", 1)[1] for line in text.splitlines() if line.startswith("#SBATCH ")]
@@ -176,7 +176,7 @@ def test_render_sbatch_has_the_blueprints_options(tmp_path):
     assert "sed -n 's/^NodeAddr=//p'" in text  # the head node's address, not its name
     assert "srun --label --kill-on-bad-exit=1 --nodes=4 --ntasks=4 --ntasks-per-node=1 --cpus-per-task=16 " \
         "--gpus-per-node=8" in text  # srun (22.05+) does not inherit --cpus-per-task from sbatch
-    assert "/opt/venv/bin/python -m core.backends.node" in text
+    assert "/opt/venv/bin/python -m verlflow.core.orchestrate.backends.node" in text
     assert "s3cr3t" not in text  # the environment travels with sbatch --export, never in the script
     cfg2 = SlurmSpec(time_limit="1-00:00:00")
     assert "#SBATCH --time=1-00:00:00" in render_sbatch(spec, cfg2, tmp_path, tmp_path / "l.json", job_name="j")
@@ -185,8 +185,8 @@ def test_render_sbatch_has_the_blueprints_options(tmp_path):
 
 
 def test_blueprint_slurm_section_validates():
-    from core.blueprint import load_blueprint
-    from core.errors import BlueprintError
+    from verlflow.core.blueprint import load_blueprint
+    from verlflow.core.errors import BlueprintError
 
     bp = load_blueprint(None, ["resources.backend=slurm", "resources.nnodes=2", "resources.slurm.partition=gpu",
                                "resources.slurm.extra_sbatch=['--qos=high']"])
@@ -199,7 +199,7 @@ def test_blueprint_slurm_section_validates():
 
 def test_stage_runs_across_two_nodes(slurm_cluster, tiny_kit, tmp_path, shared):
     """validate (all-reduce + FSDP shard check at world size 2) and build as 2 nodes x 1 process."""
-    from core.runner import run_stage
+    from verlflow.core.orchestrate.runner import run_stage
 
     bp = _slurm_bp(tiny_kit, tmp_path / "store", shared)
     lines = Lines()
@@ -227,7 +227,7 @@ def test_stage_runs_across_two_nodes(slurm_cluster, tiny_kit, tmp_path, shared):
 def test_whole_pipeline_with_backend_slurm(slurm_cluster, tiny_kit, tmp_path, shared):
     """The tiny pipeline end to end on Slurm (2 nodes x 1), then the same on local (1 node x 2): the same
     world size, so the difference per stage is Slurm's overhead. Checkpoint is a 1-node job."""
-    from core.pipeline import run_pipeline
+    from verlflow.core.orchestrate.pipeline import run_pipeline
 
     bp = _slurm_bp(tiny_kit, tmp_path / "store", shared)
     lines = Lines()
@@ -262,17 +262,17 @@ def test_whole_pipeline_with_backend_slurm(slurm_cluster, tiny_kit, tmp_path, sh
 
 
 def test_failing_rank_names_its_node_and_rank(slurm_cluster, shared, monkeypatch):
-    """core.stages._probe --mode raise: rank 1 raises after an all-reduce; the other node's rank exits cleanly."""
+    """verlflow.core.testing.probe --mode raise: rank 1 raises after an all-reduce; the other node's rank exits cleanly."""
     monkeypatch.setenv("VERLFLOW_KEEP_SLURM_JOB_DIR", "1")
     lines = Lines()
-    spec = LaunchSpec("core.stages._probe", ["--mode", "raise"], nproc_per_node=1, nnodes=2, timeout_s=120)
+    spec = LaunchSpec("verlflow.core.testing.probe", ["--mode", "raise"], nproc_per_node=1, nnodes=2, timeout_s=120)
     with pytest.raises(StageFailure) as info:
         SlurmBackend(SlurmSpec(), shared).launch(spec, on_line=lines)
     exc = info.value
     print(f"\n{str(exc)[:300]}")  # what the task's log shows (pytest -s)
     assert exc.kind is FailureKind.USER_ERROR and not exc.retryable
     assert exc.rank == 1 and exc.exitcode in (1, -6)  # -6: gloo may abort in the shutdown after the error
-    assert "ValueError: boom-123" in str(exc) and "Traceback" in exc.traceback and "_probe.py" in exc.traceback
+    assert "ValueError: boom-123" in str(exc) and "Traceback" in exc.traceback and "probe.py" in exc.traceback
     # The blamed node is the one whose torchrun wrote rank 1's error file.
     node, task = str(exc).split(" on node ")[1].split(" (")[0], int(str(exc).split(", task ")[1].split(")")[0])
     assert node in ("n1", "n2")
@@ -301,7 +301,7 @@ def test_cancel_and_timeout_leave_no_job(slurm_cluster, shared, how):
     lines = Lines()
     cancel = threading.Event()
     rdzv_id = f"vftest-{how}-{os.getpid()}"
-    spec = LaunchSpec("core.stages._probe", ["--mode", "hang"], nproc_per_node=1, nnodes=2, rdzv_id=rdzv_id,
+    spec = LaunchSpec("verlflow.core.testing.probe", ["--mode", "hang"], nproc_per_node=1, nnodes=2, rdzv_id=rdzv_id,
                       timeout_s=8 if how == "timeout" else 300)
     box = {}
 
@@ -340,7 +340,7 @@ def test_cancel_and_timeout_leave_no_job(slurm_cluster, shared, how):
 def test_example_blueprint_renders_the_shipped_sbatch_script():
     """infra/slurm/qwen2.5-1.5b-2nodes.yaml loads, and infra/slurm/example-update.sbatch is what verlflow renders
     for its update stage (VERLFLOW_REGEN_EXAMPLES=1 rewrites the file)."""
-    from core.blueprint import load_blueprint
+    from verlflow.core.blueprint import load_blueprint
 
     infra = Path(__file__).resolve().parent.parent / "infra/slurm"
     bp = load_blueprint(infra / "qwen2.5-1.5b-2nodes.yaml")
@@ -348,7 +348,7 @@ def test_example_blueprint_renders_the_shipped_sbatch_script():
     assert (res.backend, res.nnodes, res.nproc_per_node, res.world_size) == ("slurm", 2, 8, 16)
     shared = Path(res.slurm.shared_dir)
     job_dir = shared / "jobs/verlflow-update-0123456789"
-    spec = LaunchSpec("core.stages.update", [str(shared / "scratch/verlflow-update-abcd1234/job.json")],
+    spec = LaunchSpec("verlflow.core.stages.update", [str(shared / "scratch/verlflow-update-abcd1234/job.json")],
                       nproc_per_node=res.nproc_per_node, nnodes=res.nnodes, timeout_s=res.stage_timeout_s)
     text = render_sbatch(spec, res.slurm, job_dir, job_dir / "launch.json", job_name="verlflow-update",
                          cwd="/shared/verlflow")

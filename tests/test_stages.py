@@ -6,11 +6,11 @@ import pytest
 import torch
 from tinybp import tiny_blueprint
 
-from core import checkpoint, model as M
-from core.errors import StoreError
-from core.launcher import FailureKind, StageFailure
-from core.pipeline import run_pipeline
-from core.runner import run_stage
+from verlflow.core.ml import checkpoint, model as M
+from verlflow.core.errors import StoreError
+from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
+from verlflow.core.orchestrate.pipeline import run_pipeline
+from verlflow.core.orchestrate.runner import run_stage
 
 QUIET = dict(on_line=lambda line: None)
 
@@ -82,7 +82,7 @@ def test_warm_pool_gives_the_same_weights_without_a_spawn_per_stage(staged, tmp_
     import psutil
 
     bp, store, results = staged
-    from core.blueprint import load_blueprint
+    from verlflow.core.blueprint import load_blueprint
 
     warm_bp = load_blueprint(None, ["resources.warm_workers=true", f"storage.uri={tmp_path}"],
                              data=bp.model_dump(mode="json"))
@@ -97,7 +97,7 @@ def test_warm_pool_gives_the_same_weights_without_a_spawn_per_stage(staged, tmp_
     fresh = [r.manifest["timings"]["launch_to_worker_s"] for r in results[1:]]
     assert max(waits) < 0.5 < min(fresh), (waits, fresh)
     assert warm[4].manifest["world_size"] == 2  # checkpoint ran on the pool's 2 ranks, rank 0 exporting
-    # Models the pool's last update left in memory replace reading its checkpoint back (core/modelcache.py).
+    # Models the pool's last update left in memory replace reading its checkpoint back (core/stages/modelcache.py).
     hits = {(r.manifest["stage"], r.manifest["iteration"]): r.manifest["metrics"].get("warm_cache_hits", [])
             for r in warm}
     assert hits[("update", 1)] == [] and hits[("update", 2)] == ["policy", "ref"]
@@ -105,7 +105,7 @@ def test_warm_pool_gives_the_same_weights_without_a_spawn_per_stage(staged, tmp_
     assert hits[("checkpoint", 1)] == hits[("checkpoint", 2)] == ["policy"]
     assert all("warm_cache_hits" not in r.manifest["metrics"] for r in results)  # fresh jobs: none
     assert (tmp_path / "runs/eq/2/checkpoint/hf/model.safetensors").is_file()
-    assert not [p for p in psutil.Process().children(recursive=True) if "core.stages" in " ".join(p.cmdline())]
+    assert not [p for p in psutil.Process().children(recursive=True) if "verlflow.core.stages" in " ".join(p.cmdline())]
 
 
 def test_rerun_reuses_and_resumes_at_another_world_size(staged):
@@ -124,7 +124,7 @@ def test_rerun_reuses_and_resumes_at_another_world_size(staged):
 
 def test_checkpoint_loads_exactly_at_another_world_size(staged, tmp_path):
     """A 2-rank DCP checkpoint loaded into 1-rank and 2-rank FSDP models gives the same full weights."""
-    from core.launcher import LaunchSpec, launch
+    from verlflow.core.orchestrate.launcher import LaunchSpec, launch
 
     bp, store, _ = staged
     want = full_weights(store, "eq/1/update", bp)
@@ -133,7 +133,7 @@ def test_checkpoint_loads_exactly_at_another_world_size(staged, tmp_path):
         job = {"blueprint": bp.model_dump(mode="json"), "meta": str(store / "runs/eq/init/build/hf_meta"),
                "ckpt": str(store / "runs/eq/1/update/policy"), "out": str(out)}
         (tmp_path / "job.json").write_text(json.dumps(job))
-        launch(LaunchSpec("core.stages._reshard_probe", [str(tmp_path / "job.json")], nproc_per_node=world,
+        launch(LaunchSpec("verlflow.core.testing.reshard_probe", [str(tmp_path / "job.json")], nproc_per_node=world,
                           timeout_s=120), **QUIET)
         from safetensors.torch import load_file
 
@@ -256,7 +256,7 @@ def test_nonfinite_loss_commits_nothing(staged, monkeypatch):
 
 
 def test_wrong_world_size_for_batch_is_refused_before_launch(tiny_kit, tmp_path):
-    from core.errors import BlueprintError
+    from verlflow.core.errors import BlueprintError
 
     with pytest.raises(BlueprintError, match="divide across 3 ranks"):
         tiny_blueprint(tiny_kit, tmp_path, resources__nproc_per_node=3)

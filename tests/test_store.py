@@ -1,4 +1,4 @@
-"""core.store against a local folder and a real S3 HTTP endpoint (moto server in a subprocess)."""
+"""verlflow.core.store.artifacts against a local folder and a real S3 HTTP endpoint (moto server in a subprocess)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import ChecksumError, StoreError, UnsafeKeyError
-from core.store import ArtifactStore, file_digest, safe_key, stage_key
+from verlflow.core.errors import ChecksumError, StoreError, UnsafeKeyError
+from verlflow.core.store.artifacts import ArtifactStore, file_digest, safe_key, stage_key
 # Fixtures s3_endpoint / s3_bucket. The helper is a top-level module: pytest puts tests/ on sys.path (there is
 # no tests/__init__.py), and the name `tests` is taken by a package that verl installs into site-packages.
 
@@ -226,7 +226,7 @@ def test_big_files_get_a_parallel_chunked_digest_that_still_catches_a_flipped_by
                                                                                     request):
     """Above TREE_MIN (shrunk here) a file's digest is sha256 over its pieces' sha256s; a manifest written with
     plain sha256 (before chunking existed) still verifies."""
-    import core.store as S
+    import verlflow.core.store.artifacts as S
 
     monkeypatch.setattr(S, "TREE_MIN", 1 << 20)
     monkeypatch.setattr(S, "TREE_PIECE", 256 * 1024)
@@ -349,7 +349,7 @@ def test_explicit_endpoint_and_region(s3_bucket, monkeypatch):
 def test_local_quick_check_skips_untouched_files_and_catches_changed_ones(tmp_path, monkeypatch):
     """A local stage's files are hashed once, at commit (in parallel threads); a later read re-hashes only files
     whose size or mtime changed, or every file under VERLFLOW_VERIFY=full."""
-    import core.store as S
+    import verlflow.core.store.artifacts as S
 
     store = ArtifactStore(tmp_path / "store")
     folder = store.local_path(STAGE)
@@ -383,7 +383,7 @@ def test_damage_checks_both_digests_without_a_local_copy(store, tmp_path, monkey
     the right size with one flipped bit is named, a deleted one too, and the listing check sees only the latter."""
     import io
 
-    import core.store as S
+    import verlflow.core.store.artifacts as S
 
     monkeypatch.setattr(S, "TREE_MIN", 1 << 20)
     monkeypatch.setattr(S, "TREE_PIECE", 256 * 1024)

@@ -14,9 +14,9 @@ import pyarrow.parquet as pq  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from core.errors import InputError  # noqa: E402
-from core.rewards import get_reward  # noqa: E402
-from core.tinykit import BOS, EOS, PAD, ROLE_TOKENS, build_tokenizer, make_tiny  # noqa: E402
+from verlflow.core.errors import InputError  # noqa: E402
+from verlflow.core.ml.rewards import get_reward  # noqa: E402
+from verlflow.core.testing.tinykit import BOS, EOS, PAD, ROLE_TOKENS, build_tokenizer, make_tiny  # noqa: E402
 
 COUNTS = {"once": 1, "twice": 2, "three times": 3, "four times": 4, "five times": 5, "six times": 6}
 

@@ -35,7 +35,7 @@ def page(url: str, shot: str) -> str:
 
 
 def test_deployment_run_form_is_the_blueprint(prefect_server, tiny_kit, tmp_path):
-    from flows.deploy import deploy
+    from verlflow.flows.deploy import deploy
 
     bp = tiny_blueprint(tiny_kit, tmp_path / "store", "name=ui-form", "algorithm.adv_estimator=rloo")
     dep_id = deploy(bp, cron="0 5 * * *")
@@ -63,7 +63,7 @@ def test_flow_run_artifacts_and_metrics_table(prefect_server, tiny_flow_run):
 
 
 def test_run_form_describes_every_flow_parameter_and_the_backend_sections(prefect_server, tiny_kit, tmp_path):
-    from flows.deploy import deploy
+    from verlflow.flows.deploy import deploy
 
     bp = tiny_blueprint(tiny_kit, tmp_path / "store", "name=ui-form-help")
     dep_id = deploy(bp)
@@ -76,7 +76,7 @@ def test_run_form_describes_every_flow_parameter_and_the_backend_sections(prefec
 
 def test_a_reused_stage_shows_as_cached_in_the_task_list(prefect_server, tiny_flow_run):
     """A rerun of a finished run reuses every stage: the flow run's task list shows each as Cached."""
-    from flows.finetune import finetune
+    from verlflow.flows.finetune import finetune
 
     # Other tests rerun this run id with changed fields: the first rerun brings back what this blueprint commits
     # (reused or recomputed), so the second reuses every stage whatever ran before.

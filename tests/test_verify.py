@@ -6,8 +6,8 @@ import shlex
 
 import pytest
 
-from core.cli import main
-from core.store import ArtifactStore, file_digest
+from verlflow.core.orchestrate.cli import main
+from verlflow.core.store.artifacts import ArtifactStore, file_digest
 
 RUN = "r1"
 STAGES = (("init", "build"), ("1", "rollout"), ("1", "update"))
@@ -116,9 +116,9 @@ def test_the_advised_reruns_repair_a_truncated_manifest_and_a_deleted_file(tiny_
 def test_a_flow_rerun_from_a_damaged_stage_forces_it(tmp_path):
     """`rerun --prefect --from update[1]` asks whether this flow run already recomputed update[1] (a Retry must
     not force it twice); a truncated manifest there means no, not an error that stops the repair."""
-    from core.blueprint import load_blueprint
-    from core.pipeline import Step
-    from flows.common import recomputed_here
+    from verlflow.core.blueprint import load_blueprint
+    from verlflow.core.orchestrate.pipeline import Step
+    from verlflow.flows.common import recomputed_here
 
     store = ArtifactStore(tmp_path / "store")
     commit_stages(store, tmp_path)

@@ -5,7 +5,7 @@ import json
 
 def tiny_blueprint(kit: dict, store, **overrides):
     """`algorithm__lr=0.01` -> algorithm.lr=0.01; small sizes so a stage job is seconds on 2 cores."""
-    from core.blueprint import load_blueprint
+    from verlflow.core.blueprint import load_blueprint
 
     base = {
         "model.path": kit["model_dir"], "data.train_files": [kit["train_file"]], "storage.uri": str(store),

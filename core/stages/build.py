@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from core import checkpoint, model as M
-from core.errors import InputError
-from core.optim import make_optimizer
-from core.stages.common import StageContext, stage_main
+from verlflow.core.ml import checkpoint, model as M
+from verlflow.core.errors import InputError
+from verlflow.core.ml.optim import make_optimizer
+from verlflow.core.stages.common import StageContext, stage_main
 
 log = logging.getLogger("verlflow.build")
 

@@ -6,10 +6,11 @@ Promotion happens after this stage's manifest is committed: `latest` never point
 
 import logging
 
-from core import checkpoint, model as M, modelcache
-from core.promote import promote
-from core.stages.build import copy_meta
-from core.stages.common import StageContext, stage_main
+from verlflow.core.ml import checkpoint, model as M
+from verlflow.core.stages import modelcache
+from verlflow.core.store.promote import promote
+from verlflow.core.stages.build import copy_meta
+from verlflow.core.stages.common import StageContext, stage_main
 
 log = logging.getLogger("verlflow.checkpoint")
 

@@ -11,7 +11,7 @@ queue stops: the pool's next job, or its close, raises it.
 The background collectives (DCP's save plan, the commit's gather) use their own gloo group, so they never
 interleave with the running stage's collectives on the default group.
 
-What the committer's thread logs starts with `[background <stage>[<iteration>]]`: the driver (core.pool) shows those
+What the committer's thread logs starts with `[background <stage>[<iteration>]]`: the driver (verlflow.core.orchestrate.pool) shows those
 lines in that stage's log, not in the log of the stage running meanwhile.
 """
 
@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from core.errors import NO_SPACE_FIX, StoreError, is_no_space
+from verlflow.core.errors import NO_SPACE_FIX, StoreError, is_no_space
 
 
 def _layout(state_dict) -> tuple:

@@ -21,12 +21,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from core import faults, modelcache
-from core.blueprint import Blueprint
-from core.errors import NO_SPACE_FIX, StoreError, is_no_space
-from core.stages import committer as committers
-from core.stages.agree import any_rank
-from core.store import ArtifactStore, digest_files
+from verlflow.core.testing import faults
+from verlflow.core.stages import modelcache
+from verlflow.core.blueprint import Blueprint
+from verlflow.core.errors import NO_SPACE_FIX, StoreError, is_no_space
+from verlflow.core.stages import committer as committers
+from verlflow.core.stages.agree import any_rank
+from verlflow.core.store.artifacts import ArtifactStore, digest_files
 
 log = logging.getLogger("verlflow.stage")
 
@@ -68,7 +69,7 @@ class StageContext:
 
     def identity(self, name: str | None = None) -> tuple:
         """Which committed checkpoint an input (or, with no name, this stage's output) is, plus the blueprint
-        sections that shape its modules: the key of core.modelcache."""
+        sections that shape its modules: the key of verlflow.core.stages.modelcache."""
         shape = self.bp.section_hash("model", "fsdp", "algorithm.use_remove_padding", "algorithm.adv_estimator")
         if name is None:
             return self.job["output"], self.job["manifest"]["key"], shape
@@ -105,7 +106,7 @@ def setup_logging(rank: int) -> None:
     # DCP's single-process load (the inference copy, the HF export) warns on every call; it is intended here.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     # verl calls logging.basicConfig on import; force our format. The rank is not in it: the launcher prefixes
-    # every line of a rank with `[rankN]` already (core/launcher.py), and core/logsink.py reads this format.
+    # every line of a rank with `[rankN]` already (core/orchestrate/launcher.py), and core/orchestrate/logsink.py reads this format.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", force=True, stream=sys.stdout)
 
@@ -190,7 +191,7 @@ def stage_main(run: Callable[[StageContext], dict],
     """The torchrun entry point of a stage module: one job (sys.argv[1]) in a fresh process group."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from core.launcher import exit_on_error, worker_guard
+    from verlflow.core.orchestrate.launcher import exit_on_error, worker_guard
 
     @record
     def job() -> None:
@@ -204,7 +205,7 @@ def stage_main(run: Callable[[StageContext], dict],
     def main() -> None:
         exit_on_error(job)
 
-    main.run, main.after_commit = run, after_commit  # what the warm pool (core.stages.pool) calls per job
+    main.run, main.after_commit = run, after_commit  # what the warm pool (verlflow.core.stages.pool) calls per job
     return main
 
 

@@ -9,12 +9,12 @@ import logging
 import torch
 import torch.distributed as dist
 
-from core import checkpoint, model as M, ppo
-from core.data import load_prompts, select
-from core.optim import apply_hparams, make_optimizer
-from core.rollout import generate_share, load_batch, save_batch
-from core.stages.common import StageContext, stage_main
-from core.stages.update import sharded
+from verlflow.core.ml import checkpoint, model as M, ppo
+from verlflow.core.ml.data import load_prompts, select
+from verlflow.core.ml.optim import apply_hparams, make_optimizer
+from verlflow.core.ml.rollout import generate_share, load_batch, save_batch
+from verlflow.core.stages.common import StageContext, stage_main
+from verlflow.core.stages.update import sharded
 
 log = logging.getLogger("verlflow.monolithic")
 

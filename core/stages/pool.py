@@ -1,6 +1,6 @@
 """pool: one torchrun job that runs stage jobs one after another (resources.warm_workers).
 
-The runner (core.pool.WarmPool) writes `job-<n>.json` into the pool folder (argv[1]); every rank picks it up,
+The runner (verlflow.core.orchestrate.pool.WarmPool) writes `job-<n>.json` into the pool folder (argv[1]); every rank picks it up,
 runs the named stage's `run` through the same `run_job` a fresh stage process uses, and rank 0 answers with
 `done-<n>.json`. Imports, the CUDA context, the process group and compile caches stay warm between stages. Any
 exception ends the whole pool (torchrun reports it exactly as for a one-job stage); the runner starts a fresh
@@ -14,6 +14,8 @@ import os
 import sys
 import time
 from pathlib import Path
+
+from verlflow.core.stages import module_of
 
 POLL_S = 0.01
 
@@ -30,21 +32,21 @@ def next_message(pool_dir: Path, n: int) -> dict:
 def main() -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from core.launcher import exit_on_error, worker_guard
+    from verlflow.core.orchestrate.launcher import exit_on_error, worker_guard
 
     @record
     def serve() -> None:
         import torch
         import torch.distributed as dist
 
-        from core.stages import committer as committers
-        from core.runner import STAGES
-        from core.stages.common import run_job
+        from verlflow.core.stages import committer as committers
+        from verlflow.core.orchestrate.runner import STAGES
+        from verlflow.core.stages.common import run_job
 
         worker_guard()
         pool_dir = Path(sys.argv[1])
         for name in STAGES:  # the pool's start-up imports what the pipeline's stages need, once
-            importlib.import_module(f"core.stages.{name}")
+            importlib.import_module(module_of(name))
         n, ready_at = 0, time.time()  # spawned and imported: what follows is the stages' own time
         try:
             while True:
@@ -53,7 +55,7 @@ def main() -> None:
                 if msg.get("stop"):
                     committers.drain_pool()  # a failed background commit fails the pool, and so the run
                     return
-                stage = importlib.import_module(f"core.stages.{msg['stage']}")
+                stage = importlib.import_module(module_of(msg["stage"]))
                 done = run_job(Path(msg["job"]), stage.main.run, stage.main.after_commit, in_pool=True,
                                pool_ready_at=ready_at if n == 1 else None)
                 gc.collect()  # the stage's models are garbage now; give their memory back before the next

@@ -5,10 +5,11 @@ Inputs: `build` (hf_meta/, ref/), `policy` (policy/ [+ critic/]), `rollout` (bat
 
 import logging
 
-from core import checkpoint, model as M, modelcache, ppo
-from core.optim import apply_hparams, make_optimizer
-from core.rollout import load_batch
-from core.stages.common import StageContext, stage_main
+from verlflow.core.ml import checkpoint, model as M, ppo
+from verlflow.core.stages import modelcache
+from verlflow.core.ml.optim import apply_hparams, make_optimizer
+from verlflow.core.ml.rollout import load_batch
+from verlflow.core.stages.common import StageContext, stage_main
 
 log = logging.getLogger("verlflow.update")
 
@@ -49,7 +50,7 @@ def run(ctx: StageContext) -> dict:
         ref_logp = ppo.score_all(ref, batch, bp, *args)
         del ref
     with ctx.timed("load_s"):
-        # In a warm pool the previous update's models are still in memory (core/modelcache.py); its files may
+        # In a warm pool the previous update's models are still in memory (core/stages/modelcache.py); its files may
         # still be being written in the background, and are not needed then.
         cached = modelcache.get("policy", ctx.identity("policy"))
         if cached is not None:

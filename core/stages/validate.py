@@ -1,7 +1,7 @@
 """validate: everything the run needs, checked at the blueprint's world size, every problem reported at once.
 
 Output: report.json / report.md. Any fatal problem fails the stage (nothing committed) with the full list. The
-input checks are core/preflight.py's (the CLI runs its cheap ones before this stage; a flow run starts here).
+input checks are core/orchestrate/preflight.py's (the CLI runs its cheap ones before this stage; a flow run starts here).
 """
 
 import json
@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from packaging.version import Version
 
-from core import model as M
-from core.errors import InputError
-from core.stages.common import StageContext, stage_main
+from verlflow.core.ml import model as M
+from verlflow.core.errors import InputError
+from verlflow.core.stages.common import StageContext, stage_main
 
 log = logging.getLogger("verlflow.validate")
 
@@ -139,10 +139,10 @@ def check_memory(ctx: StageContext, r: Report, n_params: int, config):
 
 def check_inputs(ctx: StageContext, r: Report, tok):
     """The driver's preflight again (a flow run starts here), then what only the rollout's tokenizer and reward
-    call can tell (core/preflight.py decides both)."""
-    from core.blueprint import missing_inputs
-    from core.data import load_prompts
-    from core.preflight import rollout_problems
+    call can tell (core/orchestrate/preflight.py decides both)."""
+    from verlflow.core.blueprint import missing_inputs
+    from verlflow.core.ml.data import load_prompts
+    from verlflow.core.orchestrate.preflight import rollout_problems
 
     bp = ctx.bp
     problems = missing_inputs(bp)

@@ -1,0 +1,1 @@
+"""Rank side: the maths and model code a stage worker computes with (imported under torchrun)."""

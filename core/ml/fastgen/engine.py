@@ -1,0 +1,455 @@
+"""FastGen: the static-cache, CUDA-graph engine, and `sample`, the rollout stage's entry point."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from verlflow.core.ml.fastgen.kernels import (HAVE_TRITON, _cands_from_stats, _pick, block_stats_triton, combine_splits,
+                                    decode_attention_triton, member_mass_triton, reference_decode_attention,
+                                    sample_logits_triton)
+from verlflow.core.ml.fastgen.layers import _decode_layer, _logits, _post_attn, _pre_attn, _prefill_layer, _Weights
+from verlflow.core.ml.fastgen.sampling import SamplingConfig, _Stats, sample_logits
+
+log = logging.getLogger("verlflow.fastgen")
+
+# ----------------------------------------------------------------------------------------------- engine
+
+
+def _on_cuda(device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+class FastGen:
+    """A reusable generator for one model: static cache and captured decode steps for up to ``batch_size``
+    rows, prompts up to ``max_prompt_len`` and ``max_new_tokens`` new tokens.
+
+    ``use_graphs`` / ``compile`` default to True on CUDA and False elsewhere (env VERLFLOW_FASTGEN_GRAPHS=0 /
+    VERLFLOW_FASTGEN_COMPILE=0 turn them off). Decode attention (``attn``), none of which expands the
+    shared K/V heads: "triton" (our split-KV kernel: the group's query heads against their KV head, valid
+    slots [pad_b, slot] only, so one captured step serves every length), "sdpa"
+    (F.scaled_dot_product_attention with enable_gqa over a bucket of the cache), "bmm" (q viewed as
+    (B, kv_heads, group, D), matmul against the cache's heads, over a bucket); "auto": triton on CUDA when
+    Triton is installed, else sdpa on CUDA, bmm elsewhere. ``sampler``: "triton" (the two full-vocabulary
+    passes of the top_p/temperature sampler as Triton kernels) or "torch"; "auto": triton on CUDA."""
+
+    def __init__(self, model, batch_size: int, max_prompt_len: int, max_new_tokens: int, *,
+                 use_graphs: bool | None = None, compile: bool | None = None, bucket: int = 64,
+                 check_every: int = 16, attn: str = "auto", sampler: str = "auto", prefill_tokens: int = 32768):
+        self.w = _Weights(model)
+        self.device = self.w.device
+        cuda = _on_cuda(self.device)
+        env = os.environ
+        self.use_graphs = (cuda and env.get("VERLFLOW_FASTGEN_GRAPHS", "1") != "0") if use_graphs is None else use_graphs
+        self.compile = (cuda and env.get("VERLFLOW_FASTGEN_COMPILE", "1") != "0") if compile is None else compile
+        if self.use_graphs and not cuda:
+            raise ValueError("CUDA graphs need a CUDA device")
+        attn_auto = attn == "auto"
+        if attn == "auto":
+            attn = ("triton" if HAVE_TRITON else "sdpa") if cuda else "bmm"
+        if attn not in ("bmm", "sdpa", "triton"):
+            raise ValueError(f"attn must be 'auto', 'bmm', 'sdpa' or 'triton', got {attn!r}")
+        if sampler == "auto":
+            sampler = "triton" if (cuda and HAVE_TRITON) else "torch"
+        if sampler not in ("torch", "triton"):
+            raise ValueError(f"sampler must be 'auto', 'torch' or 'triton', got {sampler!r}")
+        if "triton" in (attn, sampler) and not (HAVE_TRITON and (cuda or os.environ.get("TRITON_INTERPRET") == "1")):
+            raise ValueError("attn/sampler 'triton' need Triton and a CUDA device")
+        self.attn = attn
+        self.sampler = sampler
+        self.B = int(batch_size)
+        self.max_prompt = int(max_prompt_len)
+        self.max_new = int(max_new_tokens)
+        self.T = self.max_prompt + self.max_new
+        # at most 8 buckets (torch.compile recompiles once per bucket)
+        self.bucket = max(int(bucket), math.ceil(self.T / 8 / 64) * 64)
+        self.check_every = max(1, int(check_every))
+        self.prefill_tokens = int(prefill_tokens)
+        w, dev, dt = self.w, self.device, self.w.dtype
+        self.kc = [torch.zeros(self.B, w.nkv, self.T, w.hd, dtype=dt, device=dev) for _ in range(w.n_layers)]
+        self.vc = [torch.zeros(self.B, w.nkv, self.T, w.hd, dtype=dt, device=dev) for _ in range(w.n_layers)]
+        pos = torch.arange(self.T, device=dev)
+        cos, sin = w.base.rotary_emb(torch.zeros(1, dtype=dt, device=dev), pos.unsqueeze(0))
+        self.cos, self.sin = cos[0].to(dt).contiguous(), sin[0].to(dt).contiguous()  # (T, hd)
+        self.slots = pos
+        # decode state: everything a captured step reads or advances
+        self.tok = torch.zeros(self.B, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(self.B, dtype=torch.long, device=dev)
+        self.pad_off = torch.zeros(self.B, dtype=torch.long, device=dev)
+        self.slot = torch.zeros(1, dtype=torch.long, device=dev)
+        self.col = torch.zeros(1, dtype=torch.long, device=dev)
+        self.unfinished = torch.ones(self.B, dtype=torch.bool, device=dev)
+        self.out = torch.zeros(self.B, self.max_new, dtype=torch.long, device=dev)
+        self.eos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pad_id = torch.zeros((), dtype=torch.long, device=dev)
+        self._eos_key: tuple | None = None
+        self._set_fns(self.compile)
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self.last_stats: dict = {}
+        self.attn_cfg: dict = {}
+        self.attn_timings: dict = {}
+        if cuda and "triton" in (self.attn, self.sampler):
+            self._self_check()
+        if cuda and attn_auto and self.attn == "triton":
+            self._pick_attention()
+
+    def _set_fns(self, compiled: bool):
+        fns = dict(layer=_decode_layer, pre=_pre_attn, post=_post_attn, logits=_logits, sample=sample_logits,
+                   cands=_cands_from_stats, pick=_pick, prefill=_prefill_layer)
+        if compiled:  # the prefill sees a new (rows, width) per micro-batch: one dynamic-shape compile
+            fns = {k: torch.compile(f, dynamic=(k == "prefill"), fullgraph=k not in ("sample",))
+                   for k, f in fns.items()}
+        self._fn = fns
+
+    _ATTN_CONFIGS = ({"split_n": 64, "block_n": 64, "num_warps": 4}, {"split_n": 128, "block_n": 64, "num_warps": 4},
+                     {"split_n": 128, "block_n": 128, "num_warps": 4}, {"split_n": 128, "block_n": 128, "num_warps": 8},
+                     {"split_n": 64, "block_n": 32, "num_warps": 2})
+
+    def _pick_attention(self):
+        """attn="auto" on CUDA: time one layer's decode attention at a mid-generation length for the Triton
+        kernel's configurations and for sdpa over its cache bucket; keep the fastest."""
+        try:
+            w, B, dev = self.w, self.B, self.device
+            cur = min(self.T - 2, self.max_prompt + self.max_new // 2)
+            q = torch.randn(B, w.nh, w.hd, device=dev).to(w.dtype)
+            kc, vc = self.kc[0], self.vc[0]
+            pad = torch.zeros(B, dtype=torch.long, device=dev)
+            slot = torch.tensor([cur], device=dev)
+            kv = min(self.T, (cur // self.bucket + 1) * self.bucket)
+            bias = torch.zeros(B, 1, 1, kv, dtype=w.dtype, device=dev)
+
+            def timed(fn, reps=20):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(reps):
+                    fn()
+                b.record()
+                torch.cuda.synchronize(dev)
+                return a.elapsed_time(b) / reps * 1e3  # us
+
+            fns = {"sdpa": (0.0, lambda: F.scaled_dot_product_attention(
+                q.unsqueeze(2), kc[:, :, :kv], vc[:, :, :kv], attn_mask=bias, scale=w.scaling, enable_gqa=True))}
+            for i, cfg in enumerate(self._ATTN_CONFIGS):  # + the split merge, fused into the next projection in
+                # the compiled step (~4 us on the H200): timing it eagerly here would count its launches
+                fns[f"triton{i}"] = (4.0, lambda cfg=cfg: decode_attention_triton(q, kc, vc, pad, slot, w.scaling,
+                                                                                  w.nkv, **cfg))
+            for _, fn in fns.values():  # compile everything, then ~100 ms of work so the clocks are up
+                fn()
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < 0.1:
+                timed(fns["sdpa"][1])
+            times: dict = {}
+            for _ in range(3):  # interleaved rounds, best of each
+                for k, (extra, fn) in fns.items():
+                    times[k] = min(times.get(k, float("inf")), extra + timed(fn))
+            best = min(times, key=times.get)
+            self.attn_timings = {k: round(v, 1) for k, v in times.items()}
+            if best == "sdpa":
+                self.attn = "sdpa"
+            else:
+                self.attn_cfg = dict(self._ATTN_CONFIGS[int(best[6:])])
+            log.info("fastgen: decode attention %s %s (us per layer: %s)", self.attn, self.attn_cfg, self.attn_timings)
+        except Exception as e:  # noqa: BLE001
+            log.warning("fastgen: attention timing failed (%s); keeping %s", e, self.attn)
+
+    def _self_check(self):
+        """The Triton kernels against the torch paths on small random inputs; a mismatch turns them off."""
+        w, dev, dt = self.w, self.device, self.w.dtype
+        g = torch.Generator(device=dev).manual_seed(0)
+        if self.attn == "triton":
+            try:
+                B, T = 3, 200
+                q = torch.randn(B, w.nh, w.hd, generator=g, device=dev).to(dt)
+                kc = torch.randn(B, w.nkv, T, w.hd, generator=g, device=dev).to(dt)
+                vc = torch.randn(B, w.nkv, T, w.hd, generator=g, device=dev).to(dt)
+                pad = torch.tensor([0, 37, 150], device=dev)
+                slot = torch.tensor([170], device=dev)
+                got = combine_splits(*decode_attention_triton(q, kc, vc, pad, slot, w.scaling, w.nkv),
+                                     w.nh // w.nkv)
+                want = reference_decode_attention(q, kc, vc, pad, slot, w.scaling)
+                err = (got - want).abs().max().item()
+                if not err < 2e-2:
+                    raise RuntimeError(f"max abs error {err:.3g}")
+            except Exception as e:  # noqa: BLE001
+                log.warning("fastgen: Triton decode attention failed its check (%s); using sdpa", e)
+                self.attn = "sdpa"
+        if self.sampler == "triton":
+            try:
+                V = w.vocab
+                logits = (torch.randn(4, V, generator=g, device=dev) * 2).to(dt)
+                bmax, bsl = block_stats_triton(logits, 0.7)
+                st = _Stats(logits.float() / 0.7)
+                cand = torch.randint(0, V, (4, 5), generator=g, device=dev)
+                le = member_mass_triton(logits, 0.7, st.m.squeeze(-1).contiguous(), logits.gather(1, cand))
+                xc = st.xb.view(4, -1).gather(1, cand)
+                want = torch.stack([torch.where(st.xb <= xc[:, c].view(4, 1, 1), torch.exp(st.xb - st.m.unsqueeze(-1)),
+                                                0.0).sum((1, 2)) for c in range(5)], -1)
+                scale = torch.exp(bmax - st.m)
+                ok = (torch.allclose(bmax, st.bmax, rtol=1e-5, atol=1e-5)
+                      and torch.allclose(bsl * scale, st.bsum, rtol=1e-3, atol=1e-6)
+                      and torch.allclose(le, want, rtol=1e-3, atol=1e-3))
+                if not ok:
+                    raise RuntimeError("block stats / nucleus mass differ from the torch path")
+            except Exception as e:  # noqa: BLE001
+                log.warning("fastgen: Triton sampler failed its check (%s); using the torch sampler", e)
+                self.sampler = "torch"
+
+    def refresh_weights(self):
+        self.w.refresh()
+
+    # ---- one decode step (what a graph captures)
+
+    def _step(self, kv_len: int, cfg: SamplingConfig):
+        w, fn = self.w, self._fn
+        x = F.embedding(self.tok, w.embed)
+        cos, sin = self.cos[self.pos], self.sin[self.pos]
+        if self.attn == "triton":
+            for i, L in enumerate(w.layers):
+                q = fn["pre"](x, L["ln1"], L["wqkv"], L["bqkv"], self.kc[i], self.vc[i], self.slot, cos, sin,
+                              w.eps, w.nh, w.nkv, w.hd)
+                mp, lp, op = decode_attention_triton(q, self.kc[i], self.vc[i], self.pad_off, self.slot,
+                                                     w.scaling, w.nkv, **self.attn_cfg)
+                x = fn["post"](x, mp, lp, op, L["wo"], L["bo"], L["ln2"], L["wgu"], L["bgu"], L["wdown"],
+                               L["bdown"], w.eps, w.nh // w.nkv)
+        else:
+            s = self.slots[:kv_len].unsqueeze(0)
+            valid = (s >= self.pad_off.unsqueeze(1)) & (s <= self.slot)
+            bias = torch.zeros(valid.shape, dtype=torch.float32, device=x.device).masked_fill_(~valid, float("-inf"))
+            for i, L in enumerate(w.layers):
+                x = fn["layer"](x, L["ln1"], L["wqkv"], L["bqkv"], L["wo"], L["bo"], L["ln2"], L["wgu"], L["bgu"],
+                                L["wdown"], L["bdown"], self.kc[i], self.vc[i], self.slot, cos, sin, bias,
+                                w.eps, w.nh, w.nkv, w.hd, w.scaling, kv_len, self.attn)
+        logits = fn["logits"](x, w.norm_w, w.lm_w, w.norm_eps)
+        self._advance(self._sample(logits, cfg))
+
+    def _sample(self, logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+        u = None if cfg.greedy else torch.rand(logits.shape[0], cfg.candidates(), 2, device=logits.device)
+        if self.sampler == "triton" and cfg.method(logits.shape[1]) == "reject":
+            return sample_logits_triton(logits, cfg, u, self._fn["cands"], self._fn["pick"])
+        return self._fn["sample"](logits, cfg, u)
+
+    def _advance(self, nxt: torch.Tensor):
+        nxt = torch.where(self.unfinished, nxt, self.pad_id)
+        self.out.index_copy_(1, self.col, nxt.unsqueeze(1))
+        self.unfinished &= ~(nxt.unsqueeze(1) == self.eos.unsqueeze(0)).any(1)
+        self.tok.copy_(nxt)
+        self.pos += 1
+        self.slot += 1
+        self.col += 1
+
+    def _reset_state(self):
+        self.slot.zero_()
+        self.col.zero_()
+        self.pos.zero_()
+        self.tok.zero_()
+        self.pad_off.zero_()
+        self.unfinished.fill_(True)
+
+    def _graph(self, kv_len: int, cfg: SamplingConfig) -> torch.cuda.CUDAGraph:
+        key = (kv_len, cfg)
+        g = self._graphs.get(key)
+        if g is not None:
+            return g
+        t0 = time.perf_counter()
+        self._reset_state()  # warm-up steps run for real: keep them inside the cache
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                self._step(kv_len, cfg)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._reset_state()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            self._step(kv_len, cfg)
+        torch.cuda.synchronize(self.device)
+        self._graphs[key] = g
+        log.info("fastgen: captured decode step for kv_len=%d %s in %.1fs", kv_len, cfg, time.perf_counter() - t0)
+        return g
+
+    def _kv_len(self, slot: int) -> int:
+        if self.attn == "triton":  # the kernel reads the valid slots itself: one step for every length
+            return self.T
+        return min(self.T, (slot // self.bucket + 1) * self.bucket)
+
+    def warmup(self, prompt_len: int, cfg: SamplingConfig):
+        """Compile and capture every step a generate() with this prompt width will need. A compile failure
+        falls back to eager kernels (still captured), with a warning."""
+        if not self.use_graphs:
+            return
+        kvs = sorted({self._kv_len(s) for s in range(prompt_len, prompt_len + self.max_new - 1)})
+        try:
+            for kv in kvs:
+                self._graph(kv, cfg)
+        except Exception as e:  # noqa: BLE001 - inductor/dynamo failures vary by version
+            if not self.compile:
+                raise
+            log.warning("fastgen: torch.compile failed (%s: %s); capturing eager kernels instead",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            self.compile = False
+            self._set_fns(False)
+            self._graphs.clear()
+            torch.cuda.synchronize(self.device)
+            for kv in kvs:
+                self._graph(kv, cfg)
+
+    # ---- prefill
+
+    def _prefill(self, ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        """Fill cache slots [0, P) for rows of ids (B, P), left-padded by ``pad`` (B,); return the last
+        position's hidden state (B, H)."""
+        w = self.w
+        B, P = ids.shape
+        rows = max(1, self.prefill_tokens // P)
+        outs = []
+        ar = torch.arange(P, device=ids.device)
+        for r0 in range(0, B, rows):
+            r1 = min(B, r0 + rows)
+            pid = ids[r0:r1]
+            po = pad[r0:r1]
+            n = r1 - r0
+            posn = (ar.unsqueeze(0) - po.unsqueeze(1)).clamp_(min=0)
+            cos, sin = self.cos[posn].unsqueeze(1), self.sin[posn].unsqueeze(1)  # (n, 1, P, hd)
+            keyok = ar.unsqueeze(0) >= po.unsqueeze(1)  # (n, P)
+            mask = (ar.view(1, P, 1) >= ar.view(1, 1, P)) & keyok.unsqueeze(1)
+            mask |= torch.eye(P, dtype=torch.bool, device=ids.device).unsqueeze(0)  # pad queries see themselves
+            mask = mask.unsqueeze(1)  # (n, 1, P, P)
+            x = F.embedding(pid, w.embed)
+            for i, L in enumerate(w.layers):
+                args = (L["ln1"], L["wqkv"], L["bqkv"], L["wo"], L["bo"], L["ln2"], L["wgu"], L["bgu"], L["wdown"],
+                        L["bdown"], cos, sin, mask, w.eps, w.nh, w.nkv, w.hd, w.scaling)
+                try:
+                    x2, k, v = self._fn["prefill"](x, *args)
+                except Exception as e:  # noqa: BLE001 - a compile failure: eager from now on
+                    if self._fn["prefill"] is _prefill_layer:
+                        raise
+                    log.warning("fastgen: compiled prefill failed (%s: %s); eager prefill", type(e).__name__,
+                                str(e).splitlines()[0] if str(e) else "")
+                    self._fn["prefill"] = _prefill_layer
+                    x2, k, v = _prefill_layer(x, *args)
+                x = x2
+                self.kc[i][r0:r1, :, :P] = k
+                self.vc[i][r0:r1, :, :P] = v
+            outs.append(x[:, -1])
+        return torch.cat(outs)
+
+    # ---- generate
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg: SamplingConfig,
+                 eos_ids, pad_id: int) -> torch.Tensor:
+        """Responses (b, max_new_tokens) for left-padded prompts (b, P); after a row's EOS it holds pad_id.
+        Seed torch (torch.manual_seed) before the call for reproducible samples."""
+        b, P = input_ids.shape
+        if b > self.B:
+            raise ValueError(f"fastgen: batch {b} > engine batch {self.B}")
+        if P > self.max_prompt:
+            raise ValueError(f"fastgen: prompt width {P} > engine max_prompt_len {self.max_prompt}")
+        mask = attention_mask.to(self.device).bool()
+        lens = mask.sum(1)
+        if (lens == 0).any() or not torch.equal(mask, torch.arange(P, device=self.device).unsqueeze(0) >= (P - lens).unsqueeze(1)):
+            raise ValueError("fastgen: prompts must be left-padded (mask = zeros then ones) and non-empty")
+        eos = sorted({int(e) for e in (eos_ids if isinstance(eos_ids, (list, tuple, set)) else [eos_ids])})
+        if self._eos_key != tuple(eos):
+            self.eos = torch.tensor(eos, dtype=torch.long, device=self.device)
+            self._eos_key = tuple(eos)
+            self._graphs.clear()  # graphs read self.eos by address
+        self.pad_id.fill_(int(pad_id))
+        t0 = time.perf_counter()
+        if self.use_graphs:  # warm-up steps draw random numbers: keep the caller's seed meaning the same
+            rng = torch.cuda.get_rng_state(self.device)
+            self.warmup(P, cfg)
+            torch.cuda.set_rng_state(rng, self.device)
+        sync = torch.cuda.synchronize if _on_cuda(self.device) else (lambda *a: None)
+        sync()
+        t1 = time.perf_counter()
+
+        ids = torch.full((self.B, P), int(pad_id), dtype=torch.long, device=self.device)
+        ids[:b] = input_ids.to(self.device)
+        pad = torch.full((self.B,), P - 1, dtype=torch.long, device=self.device)  # dummy rows: 1 token
+        pad[:b] = P - lens
+        for c in (self.kc + self.vc):
+            c[:, :, P:].zero_()  # slots past the prompt: no stale non-finite values under a zero weight
+        h = self._prefill(ids, pad)
+        first = self._sample(_logits(h, self.w.norm_w, self.w.lm_w, self.w.norm_eps), cfg)
+        self.out.fill_(int(pad_id))
+        self.pad_off.copy_(pad)
+        self.pos.copy_(P - pad - 1)  # _advance moves these to the first generated token's position / slot
+        self.slot.fill_(P - 1)
+        self.col.zero_()
+        self.unfinished.fill_(True)
+        self.unfinished[b:] = False
+        self._advance(first)
+        sync()
+        t2 = time.perf_counter()
+        steps = 1
+        for t in range(1, self.max_new):
+            if (t == 1 or t % self.check_every == 0) and not bool(self.unfinished.any()):
+                break
+            kv = self._kv_len(P + t - 1)
+            if self.use_graphs:
+                self._graph(kv, cfg).replay()
+            else:
+                self._step(kv, cfg)
+            steps += 1
+        sync()
+        t3 = time.perf_counter()
+        self.last_stats = {"setup_s": t1 - t0, "prefill_s": t2 - t1, "decode_s": t3 - t2, "steps": steps,
+                           "decode_ms_per_step": 1e3 * (t3 - t2) / max(steps - 1, 1), "batch": b, "prompt": P}
+        return self.out[:b].clone()
+
+
+# ------------------------------------------------------------------------------------ the rollout entry
+
+
+_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def engine_for(model, batch_size: int, max_prompt_len: int, max_new_tokens: int) -> FastGen:
+    """A cached engine for this model object big enough for the request (weights re-read on reuse)."""
+    eng = _ENGINES.get(model)
+    if eng is not None and eng.B >= batch_size and eng.max_prompt >= max_prompt_len and eng.max_new == max_new_tokens:
+        eng.refresh_weights()
+        return eng
+    eng = FastGen(model, batch_size, max_prompt_len, max_new_tokens)
+    _ENGINES[model] = eng
+    return eng
+
+
+@torch.no_grad()
+def sample(model, tok, prompts: list[list[int]], cfg, device, seed: int, progress=None,
+           timings: dict | None = None) -> list[list[int]]:
+    """Same contract as ``verlflow.core.ml.generate.sample`` (responses without padding, EOS kept), on the static engine.
+
+    cfg: a RolloutSpec (temperature, top_p, top_k, max_new_tokens, micro_batch_size). top_k=0 means off.
+    The engine's set-up (building it, compiling, capturing graphs) is added to ``timings["setup_s"]``."""
+    from verlflow.core.ml.generate import in_micro_batches
+
+    model.eval()
+    eos = tok.eos_token_id
+    eos_ids = sorted(set(eos if isinstance(eos, list) else [eos]))
+    scfg = SamplingConfig(temperature=float(cfg.temperature), top_p=float(cfg.top_p), top_k=int(cfg.top_k or 0))
+    mb = min(cfg.micro_batch_size, max(1, len(prompts)))
+    width = max((len(p) for p in prompts), default=1)
+    t0 = time.perf_counter()
+    eng = engine_for(model, mb, width, cfg.max_new_tokens)
+    setup_s = [time.perf_counter() - t0]
+
+    def generate(ids, mask):
+        out = eng.generate(ids, mask, scfg, eos_ids, tok.pad_token_id)
+        setup_s[0] += eng.last_stats["setup_s"]  # this micro-batch's compile and captures
+        return out
+
+    responses = in_micro_batches(generate, tok, prompts, cfg.micro_batch_size, set(eos_ids), seed, progress)
+    if timings is not None:
+        timings["setup_s"] = timings.get("setup_s", 0.0) + setup_s[0]
+    return responses

@@ -1,0 +1,197 @@
+"""Triton kernels of the decode step: split-KV GQA attention and the top-p sampler's passes (CUDA only)."""
+
+from __future__ import annotations
+
+import torch
+
+from verlflow.core.ml.fastgen.sampling import _VBLOCK, SamplingConfig, _blocks, _first_accepted
+
+try:  # the CUDA kernels below; CPU runs (the tests) use the torch paths
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - depends on the install
+    triton = tl = None
+    HAVE_TRITON = False
+
+# ------------------------------------------------------------------------------------- Triton kernels
+#
+# Used on CUDA only. Each is checked against its torch counterpart when an engine starts (``_self_check``);
+# a mismatch turns it off for that engine, with a warning.
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _decode_attn_kernel(Q, K, V, PAD, SLOT, MP, LP, OP, scale,
+                            sqb, sqh, skb, skh, skt, NKV, NSPLIT,
+                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                            SPLIT_N: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One (row, KV head, split of the cache): the group's G query heads against the shared K/V head,
+        valid slots only ([pad_b, slot]); writes the split's running max, sum and unnormalised output."""
+        pid = tl.program_id(0)
+        sp = tl.program_id(1)
+        b = pid // NKV
+        h = pid % NKV
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        q = tl.load(Q + b * sqb + (h * G + g)[:, None] * sqh + d[None, :], mask=(g < G)[:, None], other=0.0)
+        pad = tl.load(PAD + b).to(tl.int32)
+        cur = tl.load(SLOT).to(tl.int32)
+        m_i = tl.zeros([GP], dtype=tl.float32) - 1.0e30
+        l_i = tl.zeros([GP], dtype=tl.float32)
+        acc = tl.zeros([GP, D], dtype=tl.float32)
+        base = b * skb + h * skh
+        for n0 in range(0, SPLIT_N, BLOCK_N):  # masked loads of invalid slots fetch nothing
+            n = sp * SPLIT_N + n0 + tl.arange(0, BLOCK_N)
+            ok = (n >= pad) & (n <= cur)
+            k = tl.load(K + base + n[:, None] * skt + d[None, :], mask=ok[:, None], other=0.0)
+            v = tl.load(V + base + n[:, None] * skt + d[None, :], mask=ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        row = (pid * NSPLIT + sp) * G  # only the G real query rows go out
+        tl.store(MP + row + g, m_i, mask=g < G)
+        tl.store(LP + row + g, l_i, mask=g < G)
+        tl.store(OP + (row + g)[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
+
+    @triton.jit
+    def _block_stats_kernel(X, sxb, V, inv_t, BMAX, BSUM, NB, BPP: tl.constexpr, BLK: tl.constexpr):
+        """Per vocabulary block of BLK scores (x * inv_t): the max and sum(exp(x - max))."""
+        b = tl.program_id(0)
+        blk = tl.program_id(1) * BPP + tl.arange(0, BPP)
+        offs = blk[:, None] * BLK + tl.arange(0, BLK)[None, :]
+        x = tl.load(X + b * sxb + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_t
+        bm = tl.max(x, 1)
+        bs = tl.sum(tl.exp(x - bm[:, None]), 1)
+        bs = tl.where(bm == float("-inf"), 0.0, bs)
+        tl.store(BMAX + b * NB + blk, bm, mask=blk < NB)
+        tl.store(BSUM + b * NB + blk, bs, mask=blk < NB)
+
+    @triton.jit
+    def _member_kernel(X, sxb, V, inv_t, M, XC, LE, NCH, C: tl.constexpr, CP: tl.constexpr,
+                       CHUNK: tl.constexpr, SUB: tl.constexpr):
+        """For each candidate c of the row: sum of exp(x * inv_t - m) over this chunk's tokens whose raw
+        score is <= the candidate's raw score."""
+        b = tl.program_id(0)
+        ch = tl.program_id(1)
+        ci = tl.arange(0, CP)
+        xc = tl.load(XC + b * C + ci, mask=ci < C, other=float("-inf")).to(tl.float32)
+        m = tl.load(M + b)
+        acc = tl.zeros([SUB, CP], dtype=tl.float32)
+        for s0 in range(0, CHUNK, SUB):
+            offs = ch * CHUNK + s0 + tl.arange(0, SUB)
+            xr = tl.load(X + b * sxb + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+            w = tl.exp(xr * inv_t - m)
+            acc += tl.where(xr[:, None] <= xc[None, :], w[:, None], 0.0)
+        tl.store(LE + (b * NCH + ch) * CP + ci, tl.sum(acc, 0))  # one cross-thread reduction per program
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def decode_attention_triton(q, kc, vc, pad_off, slot, scale: float, nkv: int, split_n: int = 64,
+                            block_n: int = 64, num_warps: int = 4):
+    """Partial results of decode attention (see ``_decode_attn_kernel``): (m, l, o) per split, for
+    ``combine_splits``. q (B, nh, D); kc/vc (B, nkv, T, D), last dim contiguous."""
+    B, nh, D = q.shape
+    T = kc.shape[2]
+    G = nh // nkv
+    GP = max(16, _pow2(G))
+    ns = triton.cdiv(T, split_n)
+    mp = torch.empty(B, nkv, ns, G, dtype=torch.float32, device=q.device)
+    lp = torch.empty_like(mp)
+    op = torch.empty(B, nkv, ns, G, D, dtype=torch.float32, device=q.device)
+    _decode_attn_kernel[(B * nkv, ns)](
+        q, kc, vc, pad_off, slot, mp, lp, op, scale, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1),
+        kc.stride(2), nkv, ns, G=G, GP=GP, D=D, SPLIT_N=split_n, BLOCK_N=block_n, num_warps=num_warps)
+    return mp, lp, op
+
+
+def reference_decode_attention(q, kc, vc, pad_off, slot, scale: float) -> torch.Tensor:
+    """What the kernel computes, in fp32 torch: (B, nh * D)."""
+    B, nh, D = q.shape
+    nkv, T = kc.shape[1], kc.shape[2]
+    t = torch.arange(T, device=q.device)
+    ok = (t[None] >= pad_off[:, None]) & (t[None] <= slot)
+    s = torch.matmul(q.float().view(B, nkv, nh // nkv, D), kc.float().transpose(-1, -2)) * scale
+    p = s.masked_fill(~ok[:, None, None], float("-inf")).softmax(-1)
+    return torch.matmul(p, vc.float()).reshape(B, nh * D)
+
+
+def combine_splits(mp, lp, op, G: int) -> torch.Tensor:
+    """(B, nkv, S, G[, D]) partials -> attention output (B, nkv * G * D) in fp32."""
+    B, nkv, _, _, D = op.shape
+    w = torch.exp(mp - mp.amax(2, keepdim=True))  # empty splits: exp(-1e30 - max) = 0
+    den = (w * lp).sum(2)
+    num = (w.unsqueeze(-1) * op).sum(2)
+    return (num / den.unsqueeze(-1)).reshape(B, nkv * G * D)
+
+
+def block_stats_triton(logits: torch.Tensor, temperature: float, bpp: int = 16):
+    B, V = logits.shape
+    nb = triton.cdiv(V, _VBLOCK)
+    bmax = torch.empty(B, nb, dtype=torch.float32, device=logits.device)
+    bsum = torch.empty_like(bmax)
+    _block_stats_kernel[(B, triton.cdiv(nb, bpp))](logits, logits.stride(0), V, 1.0 / temperature, bmax, bsum,
+                                                   nb, BPP=bpp, BLK=_VBLOCK)
+    return bmax, bsum
+
+
+def member_mass_triton(logits, temperature: float, m, xc, chunk: int = 2048, sub: int = 1024, num_warps: int = 8):
+    """(B, C): mass exp(x/T - m) of the tokens whose raw logit is <= each candidate's raw logit xc (B, C)."""
+    B, V = logits.shape
+    C = xc.shape[1]
+    CP = _pow2(C)
+    nch = triton.cdiv(V, chunk)
+    le = torch.empty(B, nch, CP, dtype=torch.float32, device=logits.device)
+    _member_kernel[(B, nch)](logits, logits.stride(0), V, 1.0 / temperature, m, xc.contiguous(), le, nch,
+                             C=C, CP=CP, CHUNK=chunk, SUB=sub, num_warps=num_warps)
+    return le.sum(1)[:, :C]
+
+
+def _cands_from_stats(logits, bmax, bsum_local, u, temperature: float):
+    """The small part of the Triton sampler: from block stats to C candidates (two-level inverse CDF), their
+    raw logits, the row max m, the total mass z, and the argmax (fallback)."""
+    B, V = logits.shape
+    m = bmax.amax(-1, keepdim=True)
+    scale = torch.exp(bmax - m)
+    bsum = torch.where(scale > 0, bsum_local * scale, 0.0)
+    z = bsum.sum(-1, keepdim=True)
+    xb = _blocks(logits)
+    nb, K = xb.shape[1], xb.shape[2]
+    C = u.shape[1]
+    cb = bsum.double().cumsum(-1)
+    r1 = u[..., 0].double() * cb[:, -1:]
+    blk = torch.searchsorted(cb, r1, right=True).clamp_(max=nb - 1)
+    xs = xb.gather(1, blk.unsqueeze(-1).expand(B, C, K)).float() * (1.0 / temperature)
+    ws = torch.exp(xs - m.unsqueeze(-1)).double().cumsum(-1)
+    r2 = u[..., 1].double().unsqueeze(-1) * ws[..., -1:]
+    j = torch.searchsorted(ws, r2, right=True).clamp_(max=K - 1).squeeze(-1)
+    cand = blk * K + j
+    xc = xb.reshape(B, nb * K).gather(1, cand)
+    top = bmax.argmax(-1)
+    inner = xb.gather(1, top.view(B, 1, 1).expand(B, 1, K)).squeeze(1).argmax(-1)
+    return cand, xc, m.squeeze(-1).contiguous(), z, top * K + inner
+
+
+def _pick(cand, le, z, fallback, top_p: float):
+    return _first_accepted(cand, le > (1.0 - top_p) * z, fallback)
+
+
+def sample_logits_triton(logits, cfg: SamplingConfig, u, cands_fn=_cands_from_stats, pick_fn=_pick):
+    """``sample_logits`` for the "reject" method with the two full-vocabulary passes as Triton kernels."""
+    bmax, bsl = block_stats_triton(logits, cfg.temperature)
+    cand, xc, m, z, fallback = cands_fn(logits, bmax, bsl, u, cfg.temperature)
+    if cfg.top_p >= 1.0:
+        return cand[:, 0]
+    le = member_mass_triton(logits, cfg.temperature, m, xc)
+    return pick_fn(cand, le, z, fallback, cfg.top_p)
+
+

@@ -1,0 +1,86 @@
+"""Sampling responses on one rank's unsharded inference copy: no collectives while generating."""
+
+import logging
+import time
+
+import torch
+
+from verlflow.core.blueprint import RolloutSpec
+from verlflow.core.errors import InputError
+
+log = logging.getLogger("verlflow.generate")
+
+
+def encode_prompts(tok, messages: list[list[dict]], max_len: int, rows: list[int]) -> list[list[int]]:
+    out = []
+    for msgs, row in zip(messages, rows):
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        if len(ids) > max_len:
+            raise InputError(
+                f"data.max_prompt_length={max_len}: prompt of dataset row {row} is {len(ids)} tokens after the "
+                "chat template; raise data.max_prompt_length or drop overlong prompts."
+            )
+        out.append(list(ids))
+    return out
+
+
+def left_pad(seqs: list[list[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    width = width or max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s):] = torch.tensor(s)
+            mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+def response_lengths(responses: torch.Tensor, eos_ids: set[int]) -> torch.Tensor:
+    """Tokens up to and including the first EOS (or all of them when none)."""
+    is_eos = torch.zeros_like(responses, dtype=torch.bool)
+    for e in eos_ids:
+        is_eos |= responses == e
+    has = is_eos.any(dim=1)
+    first = torch.where(has, is_eos.float().argmax(dim=1) + 1, torch.full_like(has, responses.shape[1], dtype=torch.long))
+    return first
+
+
+@torch.no_grad()
+def sample(model, tok, prompts: list[list[int]], cfg: RolloutSpec, device: torch.device, seed: int,
+           progress=None, timings: dict | None = None) -> list[list[int]]:
+    """Responses (without padding, EOS kept) for each prompt, in micro-batches of cfg.micro_batch_size.
+    `timings["setup_s"]` is where an engine adds its set-up time; HF generate has none to add."""
+    model.eval()
+    eos = tok.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    gen_kw = dict(max_new_tokens=cfg.max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=sorted(eos_ids),
+                  use_cache=True)
+    if cfg.temperature > 0:
+        gen_kw.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or None)
+    else:
+        gen_kw.update(do_sample=False)
+    def generate(ids, mask):
+        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **gen_kw)
+        return gen[:, ids.shape[1]:]
+
+    return in_micro_batches(generate, tok, prompts, cfg.micro_batch_size, eos_ids, seed, progress)
+
+
+def in_micro_batches(generate, tok, prompts: list[list[int]], micro_batch_size: int, eos_ids: set[int], seed: int,
+                     progress=None) -> list[list[int]]:
+    """Left-pad each micro-batch, call `generate(ids, mask) -> responses`, cut each row after its EOS."""
+    out: list[list[int]] = []
+    t0, n_tok = time.perf_counter(), 0
+    for start in range(0, len(prompts), micro_batch_size):
+        ids, mask = left_pad(prompts[start:start + micro_batch_size], tok.pad_token_id)
+        torch.manual_seed(seed + start)  # a micro-batch's samples do not depend on the ones before it
+        resp = generate(ids, mask).cpu()
+        for row, n in zip(resp, response_lengths(resp, eos_ids).tolist()):
+            out.append(row[:n].tolist())
+            n_tok += n
+        if progress:
+            dt = time.perf_counter() - t0
+            progress(f"generated {len(out)}/{len(prompts)} sequences, {n_tok} tokens, {n_tok / max(dt, 1e-9):.0f} tok/s")
+    return out

@@ -1,0 +1,230 @@
+"""Loading an HF causal LM and wrapping it with FSDP (FSDP2 by default, FSDP1 with the tutorial's knobs)."""
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from verlflow.core.blueprint import Blueprint
+from verlflow.core.errors import InputError
+
+log = logging.getLogger("verlflow.model")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_model_dir(path: str | Path) -> list[str]:
+    """Problems with an HF folder, each naming the file and the fix (empty list: fine)."""
+    p = Path(path)
+    if not p.is_dir():
+        return [f"model.path={path}: no such folder; point it at a Hugging Face model folder (config.json, weights)."]
+    problems = []
+    if not (p / "config.json").is_file():
+        problems.append(f"model.path={path}: config.json is missing; save the model with save_pretrained().")
+    if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
+        problems.append(f"model.path={path}: no weights (*.safetensors); save the model with save_pretrained().")
+    if not (p / "tokenizer_config.json").is_file():
+        problems.append(f"model.path={path}: tokenizer_config.json is missing; save the tokenizer in the same folder.")
+    return problems
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if not tok.chat_template:
+        raise InputError(f"{path}: the tokenizer has no chat_template; add one to tokenizer_config.json.")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def decoder_layer_class(model: nn.Module, name: str | None = None) -> type:
+    """The class FSDP wraps one unit per instance of: `name`, else the model's _no_split_modules."""
+    names = [name] if name else list(getattr(model, "_no_split_modules", None) or [])
+    for n in names:
+        for m in model.modules():
+            if type(m).__name__ == n:
+                return type(m)
+    raise InputError(
+        f"fsdp.wrap_class: no decoder-layer class found in {type(model).__name__} (looked for {names or 'nothing'}); "
+        "set fsdp.wrap_class to the transformer block class name, e.g. Qwen2DecoderLayer."
+    )
+
+
+def build_module(model_dir: str | Path, bp: Blueprint, *, critic: bool = False, meta: bool = False,
+                 packed: bool = False) -> nn.Module:
+    """The HF model with the weights in `model_dir`; empty (meta) when `meta`, random when the folder has only a
+    config (both to be filled by a checkpoint load). `packed`: attention over padding-free rows (core/ml/packing.py)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    cls = AutoModelForTokenClassification if critic else AutoModelForCausalLM
+    attn = bp.model.attn_implementation
+    if packed:
+        from verlflow.core.ml import packing
+
+        attn = packing.register()
+    kw = dict(dtype=DTYPES[bp.model.dtype], attn_implementation=attn,
+              trust_remote_code=bp.model.trust_remote_code)
+    if critic:
+        kw["num_labels"] = 1
+    if meta or not any(Path(model_dir).glob("*.safetensors")):
+        config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=bp.model.trust_remote_code, **(
+            {"num_labels": 1} if critic else {}))
+        from accelerate import init_empty_weights
+
+        ctx = init_empty_weights(include_buffers=False) if meta else contextlib.nullcontext()
+        with ctx:
+            model = cls.from_config(config, dtype=kw["dtype"], attn_implementation=kw["attn_implementation"])
+        # Built on meta, a tied output layer (Qwen2.5-0.5B/1.5B) comes out untied (init_empty_weights re-creates
+        # every registered parameter): the ranks would disagree on the parameter set and a checkpoint would miss
+        # (or gain) the head's optimizer state. Tie outside the context, where assignment keeps the object.
+        model.tie_weights()
+    else:
+        model = cls.from_pretrained(str(model_dir), **kw)
+    model.config.use_cache = False
+    return model
+
+
+def empty_module(model_dir: str | Path, bp: Blueprint, device="cpu") -> nn.Module:
+    """The model with uninitialised weights on `device`, for a load to fill: no random init (a 1.5B model's init
+    on CPU takes longer than writing its export). Buffers computed at construction (rotary inv_freq) are kept."""
+    model = materialize(build_module(model_dir, bp, meta=True), device)
+    model.tie_weights()  # to_empty gives each module its own new tensor, untying a shared head
+    return model
+
+
+def materialize(model: nn.Module, device) -> nn.Module:
+    """Allocate a meta-built model's tensors on `device`, uninitialised. Buffers built for real at construction
+    (rotary inv_freq) are not in any checkpoint, so they must survive."""
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers() if b.device.type != "meta"}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            if n in buffers:
+                b.copy_(buffers[n])
+    return model
+
+
+def inference_dtype(bp: Blueprint) -> torch.dtype:
+    """Rollout samples in the dtype the policy computes in under FSDP (fsdp.mixed_precision), not the fp32
+    master weights: the distribution the update's log-probs are taken from."""
+    return DTYPES[bp.fsdp.mixed_precision]
+
+
+@dataclass
+class ShardReport:
+    units: int
+    decoder_layers: int
+    local_numel: int
+    total_numel: int
+    world: int
+
+    @property
+    def balance(self) -> float:
+        """Local share of the parameters times world size: 1.0 is a perfect 1/world shard."""
+        return self.local_numel * self.world / max(self.total_numel, 1)
+
+
+def wrap_fsdp(model: nn.Module, bp: Blueprint, device: torch.device) -> tuple[nn.Module, ShardReport]:
+    """Shard `model` per decoder layer (+ root) and report how much of it this rank holds."""
+    f = bp.fsdp
+    layer_cls = decoder_layer_class(model, f.wrap_class)
+    layers = [m for m in model.modules() if isinstance(m, layer_cls)]
+    total = sum(p.numel() for p in model.parameters())
+    if f.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if bp.algorithm.use_fused_kernels:
+        from verlflow.core.ml import fusedhead
+
+        fusedhead.install(model)  # before wrapping: FSDP1's wrapper calls the inner module's forward
+    if f.compile:
+        # The forward only: FSDP's hooks stay outside the graph and parameter names keep no _orig_mod prefix, so
+        # checkpoints are the same with compile on or off. dynamic: packed rows change length every micro-batch.
+        for layer in layers:
+            layer.forward = torch.compile(layer.forward, dynamic=True)
+    if f.version == 2:
+        model, units = _fsdp2(model, layers, f, device)
+    else:
+        model, units = _fsdp1(model, layer_cls, f, device)
+    local = _local_numel(model)
+    return model, ShardReport(units, len(layers), local, total, dist.get_world_size())
+
+
+def _fsdp2(model, layers, f, device):
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    kw = {"reshard_after_forward": f.reshard_after_forward}
+    if f.mixed_precision != "fp32" or f.reduce_dtype != "fp32":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[f.mixed_precision],
+                                               reduce_dtype=DTYPES[f.reduce_dtype])
+    if f.cpu_offload:
+        kw["offload_policy"] = CPUOffloadPolicy()
+    meta = any(p.device.type == "meta" for p in model.parameters())
+    if not meta and not f.cpu_offload:
+        model.to(device)
+    for layer in layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    if meta:  # only the local shards are allocated
+        materialize(model, "cpu" if f.cpu_offload else device)
+    return model, len(layers) + 1
+
+
+def _fsdp1(model, layer_cls, f, device):
+    import functools
+
+    from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    mp = None
+    if f.mixed_precision != "fp32" or f.reduce_dtype != "fp32":
+        mp = MixedPrecision(param_dtype=DTYPES[f.mixed_precision], reduce_dtype=DTYPES[f.reduce_dtype],
+                            buffer_dtype=DTYPES[f.mixed_precision])
+    prefetch = None if f.backward_prefetch == "NONE" else BackwardPrefetch[f.backward_prefetch]
+    wrapped = FSDP(
+        model,
+        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer_cls}),
+        sharding_strategy=ShardingStrategy[f.sharding_strategy],
+        mixed_precision=mp,
+        cpu_offload=CPUOffload(offload_params=f.cpu_offload),
+        backward_prefetch=prefetch,
+        forward_prefetch=f.forward_prefetch,
+        use_orig_params=f.use_orig_params,
+        # FSDP1 on CPU needs an explicit cpu device_id (checked on torch 2.13 with gloo).
+        device_id=device if device.type == "cuda" else torch.device("cpu"),
+    )
+    units = sum(1 for m in wrapped.modules() if isinstance(m, FSDP))
+    return wrapped, units
+
+
+def _local_numel(model: nn.Module) -> int:
+    """Parameters this rank holds: DTensor local shards (FSDP2); FSDP1's views/flat params are already local."""
+    from torch.distributed.tensor import DTensor
+
+    return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+
+
+def check_shards(rep: ShardReport, bp: Blueprint) -> list[str]:
+    """The tutorial's verification: one unit per decoder layer + root, and ~1/world of the parameters here."""
+    problems = []
+    if rep.units != rep.decoder_layers + 1:
+        problems.append(f"FSDP units {rep.units} != decoder layers {rep.decoder_layers} + 1 (root)")
+    sharded = bp.fsdp.sharding_strategy != "NO_SHARD" and rep.world > 1
+    if sharded and not 0.75 <= rep.balance <= 1.25:
+        problems.append(
+            f"rank holds {rep.local_numel:,} of {rep.total_numel:,} parameters ({rep.balance:.2f} x 1/world, "
+            f"world={rep.world}): FSDP is not sharding (the 'silent failure'); check the torch build and wrap policy"
+        )
+    return problems
+
+
+def unwrap_config(model: nn.Module):
+    return getattr(model, "module", model).config

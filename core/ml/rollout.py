@@ -1,0 +1,92 @@
+"""One iteration's rollout: this rank's share of prompts x n samples, generated and scored.
+
+The batch is stored as safetensors (no pickle): prompts left-padded, responses right-padded to max_new_tokens.
+"""
+
+import hashlib
+import math
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from safetensors.torch import load_file, save_file
+
+from verlflow.core.blueprint import Blueprint
+from verlflow.core.ml.data import Prompts
+from verlflow.core.ml.generate import encode_prompts, left_pad, sample
+from verlflow.core.ml.rewards import load_reward
+
+
+def sample_seed(bp: Blueprint, iteration: int) -> int:
+    return int(hashlib.sha256(f"{bp.seed}/{iteration}".encode()).hexdigest()[:12], 16)
+
+
+def rank_slice(total: int, rank: int, world: int) -> slice:
+    per = total // world
+    return slice(rank * per, (rank + 1) * per)
+
+
+def generate_share(model, tok, bp: Blueprint, prompts: Prompts, rows: list[int], iteration: int, rank: int,
+                   world: int, device, progress=None) -> list[dict]:
+    """Samples j = p * n + k of the iteration (prompt p, sample k) that fall to this rank, with rewards."""
+    n = bp.rollout.n
+    mine = range(len(prompts) * n)[rank_slice(len(prompts) * n, rank, world)]
+    p_idx = [j // n for j in mine]
+    enc = encode_prompts(tok, [prompts.messages[p] for p in p_idx], bp.data.max_prompt_length,
+                         [rows[p] for p in p_idx])
+    sampler = sample
+    if bp.rollout.engine == "static":
+        from verlflow.core.ml.fastgen import sample as sampler
+    timings = {"setup_s": 0.0}  # the engine's own set-up (build, compile, graph capture), filled by the sampler
+    t0 = time.perf_counter()
+    responses = sampler(model, tok, enc, bp.rollout, device, sample_seed(bp, iteration) + mine.start, progress,
+                        timings=timings)
+    setup_s = timings["setup_s"]
+    gen_s = time.perf_counter() - t0 - setup_s  # generation only: tokens_per_s must not pay for the set-up
+    reward = load_reward(bp.reward.function, bp.reward.module)
+    out = []
+    for j, p, ids, resp in zip(mine, p_idx, enc, responses):
+        text = tok.decode(resp, skip_special_tokens=True)
+        score = float(reward(prompts.data_source[p], text, prompts.ground_truth[p], prompts.extra_info[p]))
+        if not math.isfinite(score):
+            raise ValueError(f"reward.function={bp.reward.function} returned {score} for sample {j}")
+        out.append({"sample": j, "group": p, "row": rows[p], "prompt_ids": ids, "response_ids": resp,
+                    "response": text, "ground_truth": prompts.ground_truth[p], "score": score, "gen_s": gen_s,
+                    "setup_s": setup_s})
+    return out
+
+
+def save_batch(samples: list[dict], folder: Path, pad_id: int, max_new_tokens: int) -> dict:
+    samples = sorted(samples, key=lambda s: s["sample"])
+    prompts, prompt_mask = left_pad([s["prompt_ids"] for s in samples], pad_id)
+    responses = torch.full((len(samples), max_new_tokens), pad_id, dtype=torch.long)
+    response_mask = torch.zeros_like(responses)
+    for i, s in enumerate(samples):
+        r = s["response_ids"]
+        responses[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        response_mask[i, :len(r)] = 1
+    tensors = {
+        "prompts": prompts, "prompt_mask": prompt_mask, "responses": responses, "response_mask": response_mask,
+        "scores": torch.tensor([s["score"] for s in samples], dtype=torch.float32),
+        "group": torch.tensor([s["group"] for s in samples], dtype=torch.long),
+    }
+    save_file(tensors, str(folder / "batch.safetensors"))
+    pq.write_table(pa.table({k: [s[k] for s in samples] for k in ("sample", "group", "row", "response",
+                                                                 "ground_truth", "score")}),
+                   folder / "samples.parquet")
+    scores = tensors["scores"]
+    lens = response_mask.sum(1).float()
+    gen_s = max(s["gen_s"] for s in samples)  # the slowest rank's generation (set-up excluded)
+    return {
+        "reward_mean": round(scores.mean().item(), 6), "reward_std": round(scores.std().item(), 6),
+        "reward_max": round(scores.max().item(), 6), "response_len_mean": round(lens.mean().item(), 3),
+        "samples": len(samples), "tokens": int(lens.sum().item()),
+        "tokens_per_s": round(lens.sum().item() / max(gen_s, 1e-9), 1), "sampling_s": round(gen_s, 4),
+        "engine_setup_s": round(max(s.get("setup_s", 0.0) for s in samples), 4),
+    }
+
+
+def load_batch(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "batch.safetensors"))

@@ -1,0 +1,414 @@
+"""Run a stage module under torchrun, stream its rank-prefixed output, and explain how it failed.
+
+Facts from torch 2.13's source this relies on (torch/distributed/...):
+- elastic/multiprocessing/subprocess_handler: every worker is Popen'ed with start_new_session=True, so
+  killpg(torchrun) misses the ranks; we collect the whole tree with psutil (by parent pid) instead.
+- elastic/multiprocessing/api.py DefaultLogsSpecs: error files are
+  <log_dir>/<rdzv_id>_<random>/attempt_<n>/<local_rank>/error.json, written by @record
+  ({"message": {"message": "Type: text", "extraInfo": {"py_callstack", "timestamp" (whole seconds)}}}).
+- --tee 3 makes torchrun tail each worker's stdout/stderr files (every 0.1 s) and print each line after
+  a header from TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, where ${rank} is the global rank.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import faulthandler
+import functools
+import glob
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import defaultdict, deque
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import psutil
+
+from verlflow.core.errors import VerlflowError
+
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved now: preexec_fn (after fork) stays trivial
+_PR_SET_PDEATHSIG = 1
+_PREFIX = "[rank${rank}] "  # torchrun's header for worker lines; we parse it back below
+# A worker prints every thread's Python stack on this signal (faulthandler, installed by worker_guard): a job stopped
+# for its timeout shows where each rank was, e.g. which collective it waited in.
+STACK_SIGNAL = signal.SIGUSR1
+_STACK_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ .*most recent call first")
+_RANK_LINE = re.compile(r"\[rank(\d+)\] (?:\[rank\1\]:? ?)?")  # torch's excepthook adds "[rankN]:" too
+# One entry of torchrun's ChildFailedError summary (global rank, local rank, exit code).
+_SUMMARY = re.compile(r"rank\s*:\s*(\d+) \(local_rank: (\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+_NONFINITE = re.compile(r"\bNonFiniteError\b")  # verlflow.core.errors.NonFiniteError, by its type name
+_OOM = re.compile(r"OutOfMemoryError|out of memory", re.I)
+# A bare "ProcessGroupGloo" is not enough: "ProcessGroupGloo does not support X" is a user error.
+_COLLECTIVE = re.compile(
+    r"DistBackendError|DistStoreError|DistNetworkError|Watchdog caught collective operation timeout|"
+    r"(gloo|nccl|ProcessGroup\w*).*(Timed out|timeout)|Connection (closed|reset) by peer", re.I)
+_COLLATERAL = re.compile(r"Connection (closed|reset) by peer", re.I)  # a peer died first
+# verlflow.core.store.artifacts's StoreError once its bounded retries are spent on an endpoint that does not answer.
+_STORE_DOWN = re.compile(r"StoreError: .*The S3 endpoint cannot be reached")
+# A verlflow error raised in a worker already names the field or file and the fix: its traceback (kept in
+# StageFailure.traceback, and already in the job's streamed output) would only bury that message.
+_USER_FACING = re.compile(r"\b(VerlflowError|BlueprintError|InputError|StoreError|UnsafeKeyError|ChecksumError|"
+                          r"NonFiniteError): ")
+
+
+class FailureKind(enum.Enum):
+    OOM = "oom"
+    COLLECTIVE_TIMEOUT = "collective_timeout"  # also other gloo/NCCL backend errors
+    USER_ERROR = "user_error"
+    NONFINITE = "nonfinite"
+    KILLED = "killed"  # a rank died by a signal and left no error file (OOM killer, preemption)
+    TIMEOUT = "timeout"  # our own timeout_s
+    CANCELLED = "cancelled"
+    UNKNOWN = "unknown"  # torchrun failed without a rank to blame (rendezvous, port, crash)
+    STORE_UNREACHABLE = "store_unreachable"  # the artifact store's endpoint did not answer (retries spent)
+
+
+# Worth retrying: the cause may be outside the stage (a flaky link, a killed node, a hang, a crash
+# of torchrun). Not worth it: the same inputs and code give the same OOM, exception or NaN; a cancel
+# is a decision.
+_RETRYABLE = {FailureKind.COLLECTIVE_TIMEOUT, FailureKind.KILLED, FailureKind.TIMEOUT, FailureKind.UNKNOWN,
+              FailureKind.STORE_UNREACHABLE}
+
+
+class StageFailure(VerlflowError):
+    """A torchrun job failed; `kind` and `retryable` tell the task whether another attempt can help."""
+
+    def __init__(self, kind: FailureKind, summary: str, *, rank: int | None = None,
+                 exitcode: int | None = None, signal: str | None = None, traceback: str = ""):
+        self.kind, self.rank, self.exitcode, self.signal, self.traceback = kind, rank, exitcode, signal, traceback
+        self._summary = summary
+        retry = "retryable" if self.retryable else "not retryable"
+        shown = "" if _USER_FACING.search(summary) else traceback
+        super().__init__(f"{summary} [{kind.name}, {retry}]" + (f"\n{shown.rstrip()}" if shown else ""))
+
+    def __reduce__(self):  # results and states get pickled (Prefect): rebuild with every field
+        kw = dict(rank=self.rank, exitcode=self.exitcode, signal=self.signal, traceback=self.traceback)
+        return functools.partial(StageFailure, **kw), (self.kind, self._summary)
+
+    @property
+    def retryable(self) -> bool:
+        return self.kind in _RETRYABLE
+
+
+@dataclass
+class LaunchSpec:
+    module: str
+    args: list[str]
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0  # c10d hands out group ranks in join order: only a hint (and static backends)
+    rdzv_endpoint: str | None = None  # None: one node, the c10d store binds a free port itself
+    rdzv_id: str | None = None  # None: a fresh id (multi-node jobs must pass the same id everywhere)
+    env: dict[str, str] = field(default_factory=dict)
+    timeout_s: float | None = None
+    cwd: str | None = None
+    log_dir: str | None = None  # None: a temporary folder, removed after the error files are read
+    job_arg: int | None = None  # args[job_arg] is a job file each node of a Slurm/Kubernetes job gets its own copy of
+
+
+@dataclass
+class LaunchResult:
+    returncode: int
+    duration_s: float
+    command: list[str]
+
+
+def build_command(spec: LaunchSpec) -> list[str]:
+    if spec.rdzv_endpoint is None and spec.nnodes > 1:
+        raise ValueError("a multi-node launch needs rdzv_endpoint (host:port of the rendezvous node)")
+    # Port 0 is what torchrun --standalone uses: the store picks a free port, no bind-then-close race.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(spec.nnodes),
+           "--nproc-per-node", str(spec.nproc_per_node), "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", spec.rdzv_endpoint or "127.0.0.1:0",
+           "--rdzv-id", spec.rdzv_id or uuid.uuid4().hex[:12],
+           "--max-restarts", "0",  # retries are the task's decision, made with the classified failure
+           "--tee", "3"]  # worker output goes through torchrun's prefixing tailer (see module doc)
+    if spec.nnodes > 1:
+        cmd += ["--node-rank", str(spec.node_rank)]
+    if spec.log_dir:
+        cmd += ["--log-dir", spec.log_dir]
+    return cmd + ["-m", spec.module, *spec.args]
+
+
+def worker_guard() -> None:
+    """Call first thing in a stage worker: it dies with torchrun (which starts it in its own session),
+    and its stderr joins its stdout, so one rank's lines keep their order (torchrun tails each file
+    in its own thread)."""
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return  # run by hand, not under torchrun
+    os.dup2(1, 2)
+    faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
+    try:  # torchrun may have died before prctl: then our parent is init or a subreaper
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            parent = f.read()
+    except OSError:
+        parent = b""
+    if b"torch.distributed.run" not in parent and b"torchrun" not in parent:
+        os._exit(1)
+
+
+def exit_on_error(entry: Callable[[], None]) -> None:
+    """Run a rank's @record'ed entry point. After an error (@record has written torchrun's error file) the rank
+    prints it as Python would and leaves at once with exit code 1: the interpreter's teardown of torch's
+    process-group threads sometimes aborts ("terminate called without an active exception", SIGABRT; seen in 1 of
+    12 2-rank jobs), which turned a clean error into a signal death."""
+    try:
+        entry()
+    except SystemExit:
+        raise
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+class _Tree:
+    """Every process below torchrun seen so far: remembered while running, because once torchrun dies
+    its orphans are no longer found through it."""
+
+    def __init__(self, pid: int):
+        self.root = psutil.Process(pid)
+        self.known: dict[int, psutil.Process] = {pid: self.root}
+
+    def refresh(self) -> None:
+        try:
+            self.known.update((p.pid, p) for p in self.root.children(recursive=True))
+        except psutil.Error:
+            pass
+
+    def alive(self) -> list[psutil.Process]:
+        def running(p):
+            try:  # psutil.Process checks create time, so a reused pid is not ours
+                return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                return False
+        return [p for p in self.known.values() if running(p)]
+
+    def kill(self, grace_s: float) -> None:
+        self.refresh()  # collect everything first: signalled parents stop leading us to children
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            procs = self.alive()
+            for p in procs:
+                try:
+                    p.send_signal(sig)
+                except psutil.Error:
+                    pass
+            deadline = time.monotonic() + grace_s
+            while procs and time.monotonic() < deadline:
+                time.sleep(0.05)
+                procs = self.alive()
+            if not procs:
+                return
+
+
+def launch(spec: LaunchSpec, on_line: Callable[[str], None] = print,
+           cancel: threading.Event | None = None, grace_s: float = 5.0,
+           expire: threading.Event | None = None) -> LaunchResult:
+    """Run the job to the end; on_line gets each output line (in this thread) as it arrives.
+    Raises StageFailure on a failed job, our timeout or a cancel, after the whole tree is gone. `expire` is a
+    caller's own timeout (a warm pool's stage): stopped like spec.timeout_s, as TIMEOUT.
+
+    A job stopped for a timeout first prints every rank's Python stack (STACK_SIGNAL); the StageFailure carries
+    them, so a hang says where each rank waited."""
+    tmp_log_dir = None if spec.log_dir else tempfile.mkdtemp(prefix="verlflow-torchrun-")
+    spec = replace(spec, log_dir=spec.log_dir or tmp_log_dir, rdzv_id=spec.rdzv_id or uuid.uuid4().hex[:12])
+    cmd = build_command(spec)
+    start = time.monotonic()
+    try:
+        returncode, stopped, own_lines, rank_tails, stacks = _run(spec, cmd, on_line, cancel, grace_s, expire)
+        duration = time.monotonic() - start
+        if stopped is FailureKind.TIMEOUT:
+            limit = f"its timeout of {spec.timeout_s:g} s" if spec.timeout_s is not None else "its timeout"
+            raise StageFailure(stopped, f"{spec.module} ran past {limit}; killed", traceback=stacks)
+        if stopped is FailureKind.CANCELLED:
+            raise StageFailure(stopped, f"{spec.module} was cancelled after {duration:.1f} s; killed")
+        if returncode != 0:
+            raise _diagnose(spec, returncode, "\n".join(own_lines), rank_tails)
+        return LaunchResult(returncode, duration, cmd)
+    finally:
+        if tmp_log_dir:
+            shutil.rmtree(tmp_log_dir, ignore_errors=True)
+
+
+def _run(spec: LaunchSpec, cmd: list[str], on_line, cancel, grace_s, expire=None):
+    env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": _PREFIX}
+    env.pop("TORCHELASTIC_ERROR_FILE", None)  # set when we run under torchrun ourselves: not torchrun's
+    launcher_pid = os.getpid()
+
+    # PDEATHSIG fires when the forking *thread* ends; launch() blocks that thread until torchrun is gone.
+    def die_with_launcher():  # runs in the child before exec; the getppid check covers our dying first
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != launcher_pid:
+            os._exit(1)
+
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=env, cwd=spec.cwd, start_new_session=True, preexec_fn=die_with_launcher)
+    tree = _Tree(proc.pid)
+    lines: queue.Queue = queue.Queue()
+
+    def pump():  # a thread, so a silent job cannot block the timeout and cancel checks
+        for raw in iter(proc.stdout.readline, b""):
+            lines.put(raw.decode(errors="replace").rstrip("\r\n"))
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    own_lines: deque[str] = deque(maxlen=3000)  # torchrun's own output: holds its failure summary
+    rank_tails: dict[int, deque[str]] = defaultdict(lambda: deque(maxlen=20))
+    stopped, last_refresh, exited_at = None, 0.0, None
+    dump = None  # after a timeout: the ranks' stacks as they arrive, until every rank has printed one
+    killing = False
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=0.1)
+                if line is None:
+                    break
+                if m := _RANK_LINE.match(line):
+                    rank_tails[int(m[1])].append(line[m.end():])
+                    if not killing:
+                        on_line(f"[rank{m[1]}] {line[m.end():]}")
+                    if dump is not None:
+                        dump.add(int(m[1]), line[m.end():])
+                else:
+                    own_lines.append(line)
+                    if not killing:
+                        on_line(f"[torchrun] {line}")
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            if now - last_refresh > 0.5:
+                tree.refresh()
+                last_refresh = now
+            if stopped is None and cancel is not None and cancel.is_set():
+                stopped = FailureKind.CANCELLED
+            elif stopped is None and (spec.timeout_s is not None and now - start > spec.timeout_s
+                                      or expire is not None and expire.is_set()):
+                stopped = FailureKind.TIMEOUT
+                dump = _StackDump(proc.pid, tree)
+            if stopped is not None and proc.poll() is None and (dump is None or dump.complete()):
+                # What the processes print as they die (torchrun's SignalException, a rank's half-read file)
+                # is our kill, not news: kept for the diagnosis, not shown.
+                if not killing:
+                    on_line(f"[verlflow] {stopped.value}: stopping the job's processes")
+                    killing = True
+                tree.kill(grace_s)
+            if proc.poll() is not None:  # an orphan may hold the pipe open: do not wait for EOF forever
+                exited_at = exited_at or now
+                if now - exited_at > 2.0:
+                    break
+    finally:
+        tree.kill(grace_s)  # whatever happened (success included), leave no process of the tree
+        proc.wait()
+    return proc.returncode, stopped, own_lines, rank_tails, dump.text() if dump else ""
+
+
+class _StackDump:
+    """Asks every worker (torchrun's children) for its threads' stacks and collects them from its output, for
+    a few seconds at most: a rank stuck in C code still answers (faulthandler writes from the signal handler)."""
+
+    def __init__(self, torchrun_pid: int, tree: _Tree, wait_s: float = 5.0):
+        self.lines: dict[int, list[str]] = defaultdict(list)
+        self.deadline = time.monotonic() + wait_s
+        self.last_line = time.monotonic()
+        self.workers = 0
+        tree.refresh()
+        for p in tree.alive():  # only the ranks: torchrun itself would die of the signal
+            try:
+                if p.ppid() == torchrun_pid:
+                    p.send_signal(STACK_SIGNAL)
+                    self.workers += 1
+            except psutil.Error:
+                pass
+
+    def add(self, rank: int, text: str) -> None:
+        if _STACK_HEADER.match(text) or self.lines[rank]:
+            self.lines[rank].append(text)
+            self.last_line = time.monotonic()
+
+    def complete(self) -> bool:
+        now = time.monotonic()
+        answered = len(self.lines) >= self.workers and now - self.last_line > 0.5
+        return answered or now > self.deadline
+
+    def text(self) -> str:
+        if not self.lines:
+            return "no rank printed its stack (stopped before its stack handler was installed, or stuck in the kernel)"
+        return "\n".join(f"rank {r} stacks when stopped:\n" + "\n".join(self.lines[r]) for r in sorted(self.lines))
+
+
+def _classify(message: str) -> FailureKind:
+    for pattern, kind in ((_NONFINITE, FailureKind.NONFINITE), (_OOM, FailureKind.OOM),
+                          (_COLLECTIVE, FailureKind.COLLECTIVE_TIMEOUT), (_STORE_DOWN, FailureKind.STORE_UNREACHABLE)):
+        if pattern.search(message):
+            return kind
+    return FailureKind.USER_ERROR
+
+
+def _diagnose(spec: LaunchSpec, returncode: int, torchrun_text: str, tails) -> StageFailure:
+    exits = {int(local): (int(rank), int(code)) for rank, local, code in _SUMMARY.findall(torchrun_text)}
+    errors = []  # (timestamp, mtime, local rank, message, traceback)
+    pattern = os.path.join(spec.log_dir, f"{spec.rdzv_id}_*", "attempt_*", "*", "error.json")
+    for path in glob.glob(pattern):
+        try:
+            with open(path) as f:
+                msg = json.load(f)["message"]
+            local = int(os.path.basename(os.path.dirname(path)))
+        except (OSError, ValueError, KeyError):
+            continue
+        if isinstance(msg, str):  # torch's "new message format": a bare string
+            msg = {"message": msg, "extraInfo": {}}
+        extra = msg.get("extraInfo", {})
+        errors.append((int(extra.get("timestamp", 0)), os.stat(path).st_mtime_ns, local,
+                       msg["message"], extra.get("py_callstack", "")))
+    errors.sort()
+
+    def rank_of(local):  # the summary knows global ranks; without it assume equal-sized nodes
+        return exits.get(local, (spec.node_rank * spec.nproc_per_node + local, None))[0]
+
+    def from_error(e):
+        code = exits.get(e[2], (None, None))[1]
+        rank, kind = rank_of(e[2]), _classify(e[3])
+        return StageFailure(kind, f"rank {rank} failed (exit code {'?' if code is None else code}): {e[3]}",
+                            rank=rank, exitcode=code, traceback=e[4])
+
+    def from_exit(local):
+        rank, code = exits[local]
+        tb = "last output:\n" + ("\n".join(tails.get(rank, ())) or "(none)")
+        if code >= 0:
+            return StageFailure(FailureKind.USER_ERROR, f"rank {rank} exited with code {code} and no error "
+                                "file (decorate its main with @record)", rank=rank, exitcode=code, traceback=tb)
+        name = {s.value: s.name for s in signal.Signals}.get(-code, f"signal {-code}")
+        return StageFailure(FailureKind.KILLED, f"rank {rank} was killed by {name} (exit code {code})",
+                            rank=rank, exitcode=code, signal=name, traceback=tb)
+
+    # Blame the first real error; a signal death or a bare exit beats errors that only say a peer died
+    # ("Connection closed by peer"); torchrun's own SIGTERM to the survivors comes last.
+    with_file = {e[2] for e in errors}
+    bare = [loc for loc, (_, code) in exits.items() if loc not in with_file]
+    real = [e for e in errors if not _COLLATERAL.search(e[3])]
+    if real:
+        return from_error(real[0])
+    for local in reversed(bare):  # torchrun prints its root cause (first observed failure) last
+        if exits[local][1] != -signal.SIGTERM:
+            return from_exit(local)
+    if errors:
+        return from_error(errors[0])
+    if bare:
+        return from_exit(bare[0])
+    tail = "\n".join(torchrun_text.splitlines()[-40:])
+    return StageFailure(FailureKind.UNKNOWN, f"torchrun exited with code {returncode} without a failing rank",
+                        exitcode=returncode, traceback=f"torchrun output:\n{tail}")

@@ -1,0 +1,86 @@
+"""The pipeline as data: validate -> build -> (rollout -> update -> checkpoint) x iterations.
+
+Inputs are store paths known in advance, so the plan is fixed before anything runs; the CLI and the Prefect
+flow both walk the same plan and call `run_stage` for each step.
+"""
+
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+from verlflow.core.blueprint import Blueprint
+from verlflow.core.errors import BlueprintError
+from verlflow.core.orchestrate.pool import warm_pools
+from verlflow.core.orchestrate.runner import StageResult, open_store, run_stage
+from verlflow.core.store.artifacts import stage_key
+
+
+@dataclass
+class Step:
+    stage: str
+    iteration: int | str
+    inputs: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.stage}[{self.iteration}]"
+
+
+def warm_start_source(bp: Blueprint, run_id: str) -> str | None:
+    """For init_from=previous: the update stage behind this blueprint's last promoted policy, if any. A rerun
+    keeps the source its build recorded, even if another run was promoted since."""
+    if bp.schedule.init_from != "previous":
+        return None
+    store = open_store(bp)
+    built = store.read_manifest(stage_key(run_id, "init", "build"))
+    if built is not None:
+        return built["inputs"].get("warm_start", {}).get("stage")
+    pointer = store.get_pointer(f"blueprints/{bp.name}/latest")
+    return pointer["update"] if pointer and pointer["run_id"] != run_id else None
+
+
+def plan(bp: Blueprint, run_id: str, warm_start: str | None = None) -> list[Step]:
+    build = stage_key(run_id, "init", "build")
+    steps = [Step("validate", "init"), Step("build", "init", {"warm_start": warm_start} if warm_start else {})]
+    policy = build
+    for i in range(1, bp.iterations + 1):
+        rollout, update = stage_key(run_id, i, "rollout"), stage_key(run_id, i, "update")
+        steps += [
+            Step("rollout", i, {"build": build, "policy": policy}),
+            Step("update", i, {"build": build, "policy": policy, "rollout": rollout}),
+            Step("checkpoint", i, {"build": build, "update": update, "rollout": rollout}),
+        ]
+        policy = update
+    return steps
+
+
+def parse_from(text: str | None, steps: list[Step]) -> int | None:
+    """`--from update[2]` (or `update:2`, or `build`) -> index of the first step to force."""
+    if not text:
+        return None
+    m = re.fullmatch(r"(\w+)(?:[\[:](\w+)\]?)?", text.strip())
+    names = [s.name for s in steps]
+    for i, s in enumerate(steps):
+        if m and s.stage == m.group(1) and (m.group(2) is None or str(s.iteration) == m.group(2)):
+            return i
+    raise BlueprintError(f"--from {text}: no such step; choose one of {', '.join(names)}")
+
+
+def run_pipeline(bp: Blueprint, run_id: str, *, on_line: Callable[[str], None] = print,
+                 on_step: Callable[[Step, StageResult], None] | None = None, force_from: str | None = None,
+                 cancel: threading.Event | None = None) -> list[StageResult]:
+    steps = plan(bp, run_id, warm_start_source(bp, run_id))
+    first_forced = parse_from(force_from, steps)
+    results = []
+    with warm_pools():  # used by stages whose blueprint sets resources.warm_workers
+        for i, step in enumerate(steps):
+            res = run_stage(step.stage, bp, run_id, step.iteration, step.inputs, on_line=on_line, cancel=cancel,
+                            force=first_forced is not None and i >= first_forced)
+            results.append(res)
+            if on_step:
+                on_step(step, res)
+    # The pools have closed, so every background commit has landed (or warm_pools raised): report the manifests.
+    store = open_store(bp)
+    return [StageResult(store.read_manifest(stage_key(run_id, s.iteration, s.stage)), r.skipped, r.seconds)
+            if r.pending else r for s, r in zip(steps, results)]

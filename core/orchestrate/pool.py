@@ -1,0 +1,204 @@
+"""Warm worker pools (resources.warm_workers): one torchrun job per (node, ranks, device) kept alive across the
+stages of a pipeline, so a stage costs its work, not a spawn plus torch/transformers/verl imports.
+
+Stages still run one at a time, each still commits its own artifact with a manifest, and a failed stage still
+fails exactly as a fresh job would: any exception ends the pool (torchrun's diagnosis reaches the caller) and
+the next stage starts a new one. A cancel or a stage timeout kills the pool's whole process tree.
+"""
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from verlflow.core.stages import module_of
+from verlflow.core.orchestrate.launcher import FailureKind, LaunchSpec, StageFailure, launch
+
+_BACKGROUND = re.compile(r"\[background (\S+)\] ")  # verlflow.core.stages.committer's tag
+_LOCK = threading.Lock()
+_POOLS: dict[tuple, "WarmPool"] = {}
+_DEPTH = 0
+
+
+@dataclass
+class Background:
+    """A stage whose commit runs in a pool's background."""
+    manifest: dict  # the manifest to come: its key and metrics are known
+    name: str  # `update[3]`: what the committer's lines for it start with
+    on_line: Callable[[str], None]  # its own log: the lines of its commit go there
+    landed: Callable[[], bool]  # whether its manifest is committed
+    discard: Callable[[], None]  # after the pool: its scratch folder, and what an uncommitted stage left in the store
+
+
+class WarmPool:
+    def __init__(self, nproc: int, env: dict, scratch: str | None, on_line: Callable[[str], None]):
+        self.dir = Path(tempfile.mkdtemp(prefix="verlflow-pool-", dir=scratch))
+        self.nproc, self.n = nproc, 0
+        self.commit_timeout_s = 1800.0  # how long close() waits for background commits (the stage timeout)
+        self.busy = threading.Lock()
+        self._sink = on_line
+        self._kill = threading.Event()
+        self._expire = threading.Event()  # a stage's timeout: the launch prints every rank's stack, then kills
+        self._gone = threading.Event()
+        self.error: BaseException | None = None
+        self.started = False
+        self.resources = contextlib.ExitStack()  # GPU claims held for the pool's life
+        # Stages whose commit runs in the pool's background (resources.async_checkpoint), by store path.
+        self.pending: dict[str, Background] = {}
+        self.spec = LaunchSpec(module=module_of("pool"), args=[str(self.dir)], nproc_per_node=nproc, nnodes=1,
+                               timeout_s=None, env={**env, "VERLFLOW_WARM_POOL": "1"}, log_dir=str(self.dir / "logs"))
+
+    def start(self) -> "WarmPool":
+        self.started = True
+        threading.Thread(target=self._serve, name=f"verlflow-pool-{self.nproc}", daemon=True).start()
+        return self
+
+    def _serve(self) -> None:
+        try:
+            launch(self.spec, on_line=self._route, cancel=self._kill, expire=self._expire)
+        except BaseException as e:  # noqa: BLE001 - handed to the stage that was running
+            self.error = e
+        finally:
+            self._gone.set()
+
+    def _route(self, line: str) -> None:
+        """A background commit's line to the log of the stage it commits, any other to the running stage's."""
+        m = _BACKGROUND.search(line)
+        owner = next((b for b in self.pending.values() if b.name == m[1]), None) if m else None
+        (owner.on_line if owner is not None else self._sink)(line)
+
+    @property
+    def alive(self) -> bool:
+        return not self._gone.is_set()
+
+    def run(self, stage: str, job_file: Path, *, on_line: Callable[[str], None], cancel: threading.Event | None,
+            timeout_s: float | None) -> dict:
+        """Run one stage job in the pool; raises what a fresh launch would (StageFailure). Returns rank 0's
+        answer: {"pending": True, "manifest": ...} when the stage's commit went to the background."""
+        self._sink = on_line
+        self.n += 1
+        self._send({"stage": stage, "job": str(job_file)})
+        done = self.dir / f"done-{self.n}.json"
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not done.exists():
+            if self._gone.wait(0.02):
+                if done.exists():
+                    break
+                if isinstance(self.error, StageFailure):
+                    raise self.error
+                raise StageFailure(FailureKind.UNKNOWN, f"{stage}: the warm worker pool exited without finishing it"
+                                   + (f" ({self.error})" if self.error else ""))
+            if cancel is not None and cancel.is_set():
+                self.kill()
+                raise StageFailure(FailureKind.CANCELLED, f"{stage} was cancelled; its warm worker pool was killed")
+            if deadline is not None and time.monotonic() > deadline:
+                self._expire.set()
+                self._gone.wait(60)
+                stacks = self.error.traceback if isinstance(self.error, StageFailure) else ""
+                raise StageFailure(FailureKind.TIMEOUT, f"{stage} ran past its timeout of {timeout_s:g} s "
+                                   "(resources.stage_timeout_s); its warm worker pool was killed", traceback=stacks)
+        return json.loads(done.read_text())
+
+    def _send(self, msg: dict) -> None:
+        tmp = self.dir / f".job-{self.n}.json"
+        tmp.write_text(json.dumps(msg))
+        os.replace(tmp, self.dir / f"job-{self.n}.json")  # ranks see the whole message or none of it
+
+    def kill(self) -> None:
+        self._kill.set()
+        self._gone.wait(60)
+
+    def close(self, grace_s: float = 30.0) -> list[str]:
+        """Stop the pool once its background commits are done (they may take a checkpoint's write time); returns
+        the stages whose commit did not land, each with the pool's error."""
+        if self.started and self.alive:
+            self.n += 1
+            self._send({"stop": True})
+            if not self._gone.wait(grace_s + (self.commit_timeout_s if self.pending else 0)):
+                self.kill()
+        self.resources.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        lost = [name for name, b in self.pending.items() if not b.landed()]
+        for b in self.pending.values():  # the pool is gone: no commit is still writing
+            b.discard()
+        return [f"{name} ({self.error})" if self.error else name for name in lost]
+
+
+@contextlib.contextmanager
+def warm_pools():
+    """Within this block, stages whose blueprint sets resources.warm_workers share pools; all close at exit. A
+    background commit that did not land fails the block (when nothing else did)."""
+    global _DEPTH
+    with _LOCK:
+        _DEPTH += 1
+    lost: list[str] = []
+    abandon = False
+    try:
+        yield
+    except BaseException as e:
+        abandon = _abandons(e)
+        raise
+    finally:
+        with _LOCK:
+            _DEPTH -= 1
+            closing = list(_POOLS.values()) if _DEPTH == 0 else []
+            if _DEPTH == 0:
+                _POOLS.clear()
+        for pool in closing:
+            if abandon:  # no waiting for a stop message a hung pool would never read, nor for its commits
+                pool.kill()
+            lost += pool.close()
+    if lost:
+        raise StageFailure(FailureKind.UNKNOWN, "the warm worker pool's background commit did not land for "
+                           + ", ".join(lost) + "; those stages are not committed, and a rerun runs them again")
+
+
+def _abandons(exc: BaseException) -> bool:
+    """Whether the run is being stopped (Cancel, Ctrl-C, SIGTERM: Prefect raises a BaseException), not merely failed:
+    then the pools die at once. The runner that sent SIGTERM kills this process 30 s later anyway (Prefect's
+    grace), leaving the ranks to die only with it."""
+    return not isinstance(exc, Exception) or (isinstance(exc, StageFailure) and exc.kind is FailureKind.CANCELLED)
+
+
+def pending_manifest(output: str) -> tuple["WarmPool", dict] | None:
+    """The live pool committing `output` in its background, and the manifest to come; None if none is."""
+    with _LOCK:
+        for pool in _POOLS.values():
+            if output in pool.pending and pool.alive:
+                return pool, pool.pending[output].manifest
+    return None
+
+
+def acquire(key: tuple, make: Callable[[], WarmPool]) -> WarmPool | None:
+    """The live, idle pool for `key` (started with `make` if none), locked for one job; None outside
+    warm_pools() or while the pool is busy with another job (the caller then launches a fresh job).
+
+    `make` may wait for GPUs: it runs outside the registry lock, so pools of other keys can be used and closed
+    meanwhile (the pool whose GPUs it waits for may be one of them)."""
+    with _LOCK:
+        if _DEPTH == 0:
+            return None
+        pool = _POOLS.get(key)
+        dead = pool if pool is not None and not pool.alive else None
+        if dead is not None:
+            del _POOLS[key]
+        elif pool is not None:
+            return pool if pool.busy.acquire(blocking=False) else None
+    if dead is not None:
+        dead.close()
+    made = make()
+    with _LOCK:
+        if _DEPTH > 0 and key not in _POOLS:
+            _POOLS[key] = made.start()
+            made.busy.acquire()
+            return made
+    # The block ended, or another thread registered a pool for this key while we waited: ours never started.
+    made.close()
+    return None

@@ -1,0 +1,38 @@
+"""Models a stage leaves behind in a warm pool, for the next stage that would load the same checkpoint.
+
+Only inside a warm pool (VERLFLOW_WARM_POOL=1, set by verlflow.core.orchestrate.pool): an update keeps its FSDP policy and optimizer
+(and the frozen reference, and the critic) in memory after committing them, and the next rollout, checkpoint and
+update use those instead of reading the checkpoint back. An entry is keyed by the committed stage it equals (store
+path and key) and the blueprint sections that shape the module. A failed stage ends the pool and its memory, so
+an entry never outlives the process that committed it. Every rank holds its own shards; whether an entry is used
+is agreed across the ranks (a rank that alone missed would load, and wait in collectives the others skip).
+"""
+
+import os
+
+_ENTRIES: dict[str, tuple[tuple, object]] = {}
+hits: list[str] = []  # roles found since the pool's last job began (reported in the stage's metrics)
+
+
+def enabled() -> bool:
+    return os.environ.get("VERLFLOW_WARM_POOL") == "1"
+
+
+def get(role: str, identity: tuple):
+    """The entry, on every rank or on none: a hit skips a load whose collectives the other ranks would enter."""
+    from verlflow.core.stages.agree import every_rank
+
+    entry = _ENTRIES.get(role)
+    if not enabled() or not every_rank(entry is not None and entry[0] == identity):
+        return None
+    hits.append(role)
+    return entry[1]
+
+
+def put(role: str, identity: tuple, value) -> None:
+    if enabled():
+        _ENTRIES[role] = (identity, value)  # one per role: the previous iteration's models are freed
+
+
+def drop(role: str) -> None:
+    _ENTRIES.pop(role, None)

@@ -1,0 +1,1 @@
+"""Test support: the tiny model kit, fault hooks and the probe workers the tests launch."""

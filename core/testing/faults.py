@@ -1,0 +1,52 @@
+"""Fault injection for the reliability suite (tests/test_faults.py), read by stage workers from the environment.
+
+Unset in real runs: every hook is then one dictionary lookup. Values of VERLFLOW_FAULT:
+    nan_loss                   the policy loss becomes NaN (core/ml/ppo.py)
+    kill_rank<N>_in_update     rank N SIGKILLs itself after the first optimizer step of `update`
+    kill_rank<N>_in_commit     rank N SIGKILLs itself as a warm pool's background commit begins
+    hang_in_<stage>            every rank of <stage> sleeps before its work (a hung job, for timeouts/cancel/kill)
+    barrier_hang_in_<stage>    rank 0 of <stage> waits in a barrier the other ranks never enter (a hung collective)
+VERLFLOW_FAULT_ONCE=<path>: the fault fires only for the first process that creates <path> (O_EXCL), so the retry
+or rerun of the same stage runs clean.
+"""
+
+import os
+import signal
+import time
+
+
+def active(name: str) -> bool:
+    if os.environ.get("VERLFLOW_FAULT") != name:
+        return False
+    once = os.environ.get("VERLFLOW_FAULT_ONCE")
+    if not once:
+        return True
+    try:
+        os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def kill_point(where: str, rank: int) -> None:
+    if active(f"kill_rank{rank}_in_{where}"):
+        print(f"[verlflow fault] rank {rank}: SIGKILL in {where}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hang_point(where: str, rank: int) -> None:
+    if active(f"barrier_hang_in_{where}"):
+        print(f"[verlflow fault] rank {rank}: hanging in {where}" + (" (in a barrier)" if rank == 0 else ""), flush=True)
+        if rank == 0:
+            import torch.distributed as dist
+
+            dist.barrier()  # the other ranks sleep below: a collective that never completes
+        _sleep_forever()
+    if active(f"hang_in_{where}"):
+        print(f"[verlflow fault] hanging in {where}", flush=True)
+        _sleep_forever()
+
+
+def _sleep_forever() -> None:
+    while True:
+        time.sleep(1)

@@ -1,0 +1,52 @@
+"""A tiny torchrun worker for tests/test_launcher.py: each --mode exercises one path of the launcher."""
+
+import argparse
+import os
+import time
+
+from verlflow.core.orchestrate.launcher import exit_on_error, worker_guard
+
+worker_guard()  # before the slow imports: a worker must never outlive torchrun
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+
+from verlflow.core.errors import NonFiniteError  # noqa: E402
+
+
+@record
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["ok", "raise", "hang", "barrier-hang", "nonfinite",
+                                                         "sleep-then-print"], default="ok")
+    parser.add_argument("--pid-dir", help="each rank writes rank<N>.pid and torchrun.pid (its parent) here")
+    args = parser.parse_args()
+    rank = int(os.environ["RANK"])
+    if args.pid_dir:
+        for name, pid in (("torchrun.pid", os.getppid()), (f"rank{rank}.pid", os.getpid())):
+            with open(os.path.join(args.pid_dir, name + ".tmp" + str(rank)), "w") as f:
+                f.write(str(pid))
+            os.replace(f.name, os.path.join(args.pid_dir, name))  # readers never see a half-written file
+
+    dist.init_process_group("gloo")
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    print(f"all_reduce={total.item():g}", flush=True)
+    if args.mode == "raise" and rank == 1:
+        raise ValueError("boom-123")
+    if args.mode == "nonfinite" and rank == 0:
+        raise NonFiniteError("grad norm is nan at step 7")
+    if args.mode == "sleep-then-print":
+        print("first", flush=True)
+        time.sleep(1.5)
+        print("second", flush=True)
+    if args.mode == "barrier-hang" and rank == 0:
+        dist.barrier()  # rank 1 never comes: a hung collective
+    while args.mode in ("hang", "barrier-hang"):
+        time.sleep(1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    exit_on_error(main)
