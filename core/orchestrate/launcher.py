@@ -18,6 +18,7 @@ import faulthandler
 import functools
 import glob
 import json
+import logging
 import os
 import queue
 import re
@@ -159,20 +160,26 @@ def worker_guard() -> None:
         os._exit(1)
 
 
-def exit_on_error(entry: Callable[[], None]) -> None:
-    """Run a rank's @record'ed entry point. After an error (@record has written torchrun's error file) the rank
-    prints it as Python would and leaves at once with exit code 1: the interpreter's teardown of torch's
-    process-group threads sometimes aborts ("terminate called without an active exception", SIGABRT; seen in 1 of
-    12 2-rank jobs), which turned a clean error into a signal death."""
+def run_and_exit(entry: Callable[[], None]) -> None:
+    """Run a rank's @record'ed entry point, then leave without the interpreter's teardown: exit code 0 after
+    success, 1 after an error (printed as Python would; @record has written torchrun's error file). The teardown
+    of torch's process-group threads sometimes aborts ("terminate called without an active exception", SIGABRT;
+    seen in 1 of 12 2-rank jobs, after errors and after successes alike), which turned a finished rank into a
+    signal death. Everything a stage writes is committed (or failed) before its entry returns."""
+    code = 0
     try:
         entry()
-    except SystemExit:
-        raise
+    except SystemExit as e:  # sys.exit(n) / sys.exit("message"), as the interpreter would treat them
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
     except BaseException:
         sys.excepthook(*sys.exc_info())
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class _Tree:

@@ -191,7 +191,7 @@ def stage_main(run: Callable[[StageContext], dict],
     """The torchrun entry point of a stage module: one job (sys.argv[1]) in a fresh process group."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from verlflow.core.orchestrate.launcher import exit_on_error, worker_guard
+    from verlflow.core.orchestrate.launcher import run_and_exit, worker_guard
 
     @record
     def job() -> None:
@@ -203,7 +203,7 @@ def stage_main(run: Callable[[StageContext], dict],
                 dist.destroy_process_group()
 
     def main() -> None:
-        exit_on_error(job)
+        run_and_exit(job)
 
     main.run, main.after_commit = run, after_commit  # what the warm pool (verlflow.core.stages.pool) calls per job
     return main

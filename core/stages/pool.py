@@ -32,7 +32,7 @@ def next_message(pool_dir: Path, n: int) -> dict:
 def main() -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from verlflow.core.orchestrate.launcher import exit_on_error, worker_guard
+    from verlflow.core.orchestrate.launcher import run_and_exit, worker_guard
 
     @record
     def serve() -> None:
@@ -69,7 +69,7 @@ def main() -> None:
             if dist.is_initialized():
                 dist.destroy_process_group()
 
-    exit_on_error(serve)
+    run_and_exit(serve)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ import argparse
 import os
 import time
 
-from verlflow.core.orchestrate.launcher import exit_on_error, worker_guard
+from verlflow.core.orchestrate.launcher import run_and_exit, worker_guard
 
 worker_guard()  # before the slow imports: a worker must never outlive torchrun
 
@@ -49,4 +49,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    exit_on_error(main)
+    run_and_exit(main)
