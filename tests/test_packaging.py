@@ -149,3 +149,27 @@ def test_each_stage_s_module_is_the_one_torchrun_runs():
     for stage in {*STAGES, *SECTIONS, "pool"}:
         module = importlib.import_module(module_of(stage))
         assert module.__name__ == f"verlflow.core.stages.{stage}" and callable(module.main), stage
+
+
+def test_every_third_party_import_is_a_declared_dependency():
+    """What core/, tasks/ and flows/ import (at any depth, lazily too) comes from a distribution pyproject names."""
+    import ast
+    from importlib.metadata import packages_distributions
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = {Requirement(r).name.lower() for r in project["dependencies"]}
+    declared |= {Requirement(r).name.lower() for extra in project["optional-dependencies"].values() for r in extra}
+    imported = set()
+    for f in [*REPO.glob("core/**/*.py"), *REPO.glob("tasks/**/*.py"), *REPO.glob("flows/**/*.py")]:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                imported.add(node.module.split(".")[0])
+    imported -= set(sys.stdlib_module_names) | {"verlflow"}
+    imported.discard("triton")  # optional: comes with CUDA builds of torch; fastgen's kernels check for it
+    dists = packages_distributions()
+    undeclared = {m: dists.get(m) for m in imported if not {d.lower() for d in dists.get(m, [])} & declared}
+    assert not undeclared, f"imported but not declared in pyproject.toml: {undeclared}"
