@@ -118,9 +118,21 @@ def test_timeout_kills_the_whole_tree(tmp_path):
 
 def test_timeout_of_a_rank_hung_in_a_collective_shows_every_ranks_stack(tmp_path):
     """Rank 0 waits in a barrier rank 1 never enters: the timeout's error carries each rank's Python stack, the
-    waiting barrier on rank 0 and rank 1's own loop, instead of a silent wait."""
+    waiting barrier on rank 0 and rank 1's own loop, instead of a silent wait. The job's time limit is a caller's
+    (`expire`, the same stop as spec.timeout_s) set once both ranks hang: on a loaded machine a fixed few seconds
+    may end the job while it still imports torch."""
+    expire = threading.Event()
+
+    def expire_when_hung():
+        deadline = time.monotonic() + 240
+        while not all((tmp_path / f"hung{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # rank 0 is inside the barrier, not just before it
+        expire.set()
+
+    threading.Thread(target=expire_when_hung, daemon=True).start()
     with pytest.raises(StageFailure) as info:
-        launch(_spec("barrier-hang", tmp_path, timeout_s=8), on_line=lambda line: None, grace_s=2)
+        launch(_spec("barrier-hang", tmp_path, timeout_s=300), on_line=lambda line: None, grace_s=2, expire=expire)
     e = info.value
     assert e.kind is FailureKind.TIMEOUT
     stacks = e.traceback.split("rank 1 stacks when stopped:")

@@ -6,7 +6,31 @@ import time
 
 from verlflow.core.orchestrate.launcher import run_and_exit, worker_guard
 
+
+
+def _args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["ok", "raise", "hang", "barrier-hang", "nonfinite",
+                                                         "sleep-then-print"], default="ok")
+    parser.add_argument("--pid-dir", help="each rank writes rank<N>.pid and torchrun.pid (its parent) here")
+    return parser.parse_args()
+
+
+def _write_pids(pid_dir: str | None) -> None:
+    """Before torch is imported: on a loaded machine a test's short timeout may end the job during the imports,
+    and the test must still find every process it has to see gone."""
+    if not pid_dir:
+        return
+    rank = os.environ["RANK"]
+    for name, pid in (("torchrun.pid", os.getppid()), (f"rank{rank}.pid", os.getpid())):
+        with open(os.path.join(pid_dir, name + ".tmp" + rank), "w") as f:
+            f.write(str(pid))
+        os.replace(f.name, os.path.join(pid_dir, name))  # readers never see a half-written file
+
+
 worker_guard()  # before the slow imports: a worker must never outlive torchrun
+ARGS = _args()
+_write_pids(ARGS.pid_dir)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -17,18 +41,7 @@ from verlflow.core.errors import NonFiniteError  # noqa: E402
 
 @record
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["ok", "raise", "hang", "barrier-hang", "nonfinite",
-                                                         "sleep-then-print"], default="ok")
-    parser.add_argument("--pid-dir", help="each rank writes rank<N>.pid and torchrun.pid (its parent) here")
-    args = parser.parse_args()
-    rank = int(os.environ["RANK"])
-    if args.pid_dir:
-        for name, pid in (("torchrun.pid", os.getppid()), (f"rank{rank}.pid", os.getpid())):
-            with open(os.path.join(args.pid_dir, name + ".tmp" + str(rank)), "w") as f:
-                f.write(str(pid))
-            os.replace(f.name, os.path.join(args.pid_dir, name))  # readers never see a half-written file
-
+    args, rank = ARGS, int(os.environ["RANK"])
     dist.init_process_group("gloo")
     total = torch.ones(1)
     dist.all_reduce(total)
@@ -41,6 +54,8 @@ def main() -> None:
         print("first", flush=True)
         time.sleep(1.5)
         print("second", flush=True)
+    if args.mode in ("hang", "barrier-hang") and args.pid_dir:  # a test may stop the job once both are here
+        open(os.path.join(args.pid_dir, f"hung{rank}"), "w").close()
     if args.mode == "barrier-hang" and rank == 0:
         dist.barrier()  # rank 1 never comes: a hung collective
     while args.mode in ("hang", "barrier-hang"):
