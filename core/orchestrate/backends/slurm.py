@@ -6,7 +6,7 @@ runs `srun --label --kill-on-bad-exit=1 python -m verlflow.core.orchestrate.back
 streams the job's output file line by line while it runs (labels -> per-node torchrun output and rank lines),
 follows its state with `scontrol show job` (no accounting needed), cancels with `scancel` on cancel or on
 resources.stage_timeout_s (counted from the job's start: queueing is not the stage's fault), and explains a
-failure with the launcher's diagnosis run per node over torchrun's error files, written to a shared folder.
+failure with the diagnosis run per node over torchrun's error files, written to a shared folder.
 
 Everything a job needs lives under <shared_dir>/jobs/<name>/ (script, launch file, output, error files); every
 node must see shared_dir (and the artifact store, for file:// stores). The folder is removed after the job.
@@ -31,6 +31,7 @@ from typing import Callable
 
 from verlflow.core.orchestrate.backends.common import JobOutput, diagnose_job
 from verlflow.core.errors import VerlflowError
+from verlflow.core.orchestrate.diagnose import read_error_files
 from verlflow.core.orchestrate.launcher import FailureKind, LaunchResult, LaunchSpec, StageFailure
 
 _LABEL = re.compile(r"^\s*(\d+): ?(.*)$")
@@ -281,7 +282,8 @@ class SlurmBackend:
                                f"{info.get('Reason', '?')})", exitcode=code,
                                traceback="job output:\n" + "\n".join(own_tail[-40:]))
         logs = job_dir / "logs"
-        raise diagnose_job(spec, out, lambda t: str(logs / f"task{t.index}"), code, where, own_tail)
+        raise diagnose_job(spec, out, lambda t: read_error_files(str(logs / f"task{t.index}"), rdzv_id), code, where,
+                           own_tail)
 
 
 def _exit_code(text: str) -> int:
