@@ -5,8 +5,6 @@ host (or $VERLFLOW_SLOTS); a stage job occupies one slot per local rank for as l
 """
 
 import os
-import shutil
-import subprocess
 import time
 from contextlib import contextmanager
 
@@ -17,6 +15,7 @@ from prefect.context import TaskRunContext
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from verlflow.core.errors import VerlflowError
+from verlflow.core.orchestrate.devices import visible_devices
 
 LEASE_S = 120.0
 
@@ -31,13 +30,7 @@ def default_slots(device: str) -> int:
     if os.environ.get("VERLFLOW_SLOTS"):
         return int(os.environ["VERLFLOW_SLOTS"])
     if device == "cuda":
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible is not None:
-            return len([d for d in visible.split(",") if d.strip()])
-        if shutil.which("nvidia-smi"):
-            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
-            return max(1, sum(line.startswith("GPU ") for line in out.splitlines()))
-        return 1
+        return max(1, len(visible_devices()))
     return os.cpu_count() or 1
 
 
