@@ -22,7 +22,13 @@ def die_with_parent(parent_ok: Callable[[int], bool] | None = None) -> None:
     parent died before the request: we were re-parented), leave now with exit code 1."""
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if parent_ok is not None and not parent_ok(os.getppid()):
+    if parent_ok is not None:
+        leave_if_parent_gone(parent_ok)
+
+
+def leave_if_parent_gone(parent_ok: Callable[[int], bool]) -> None:
+    """Exit now (code 1, no clean-up) unless `parent_ok(parent pid)`: for a wait that must end with its parent."""
+    if not parent_ok(os.getppid()):
         os._exit(1)
 
 

@@ -30,6 +30,7 @@ from typing import Callable
 import psutil
 
 from verlflow.core.guard import die_with_parent, is_torchrun, under_torchrun
+from verlflow.core.wait import wait_until
 from verlflow.core.orchestrate.diagnose import (RANK_LINE, RANK_PREFIX, FailureKind, StageFailure, diagnose,
                                                 read_error_files)
 
@@ -147,11 +148,7 @@ class _Tree:
                     p.send_signal(sig)
                 except psutil.Error:
                     pass
-            deadline = time.monotonic() + grace_s
-            while procs and time.monotonic() < deadline:
-                time.sleep(0.05)
-                procs = self.alive()
-            if not procs:
+            if wait_until(lambda: not self.alive(), interval_s=0.05, timeout_s=grace_s):
                 return
 
 

@@ -35,6 +35,7 @@ from typing import Callable
 from verlflow.core.orchestrate.backends.common import JobOutput, diagnose_job
 from verlflow.core.errors import VerlflowError
 from verlflow.core.orchestrate.launcher import FailureKind, LaunchResult, LaunchSpec, StageFailure
+from verlflow.core.wait import wait_until
 
 JOB_MOUNT = "/etc/verlflow"
 SCRATCH = "/scratch"
@@ -314,15 +315,14 @@ class KubernetesBackend:
                 except ApiException as e:
                     if e.status != 404:
                         raise KubernetesError(f"deleting {what} {ns}/{name}: {e.status} {e.reason}") from None
+        def pods_gone() -> bool:
+            try:
+                return not core.list_namespaced_pod(ns, label_selector=f"verlflow.io/job={name}").items
+            except ApiException:
+                return True
+
         if wait:  # foreground deletion: the Job goes once its pods are gone
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                try:
-                    if not core.list_namespaced_pod(ns, label_selector=f"verlflow.io/job={name}").items:
-                        return
-                except ApiException:
-                    return
-                time.sleep(self.poll_s)
+            wait_until(pods_gone, interval_s=self.poll_s, timeout_s=120)
 
 
 def _stuck(pod) -> str | None:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from verlflow.core.orchestrate.diagnose import RANK_PREFIX, error_files
 from verlflow.core.orchestrate.launcher import LaunchSpec, build_command
+from verlflow.core.wait import wait_until
 
 ERROR_TAG = "[verlflow-error]"
 NODE_TAG = "[verlflow-node]"
@@ -93,15 +94,16 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    while True:
-        try:
-            code = proc.wait(timeout=0.5)
-            break
-        except subprocess.TimeoutExpired:
-            # torchrun waiting in a C++ call (its exit barrier, a store read) runs no Python signal handler:
-            # after a grace, kill it (its workers die with it, PR_SET_PDEATHSIG) well within the pod's grace.
-            if term_at and time.monotonic() - term_at[0] > KILL_AFTER_S:
-                proc.kill()
+
+    def exited() -> bool:
+        # torchrun waiting in a C++ call (its exit barrier, a store read) runs no Python signal handler:
+        # after a grace, kill it (its workers die with it, PR_SET_PDEATHSIG) well within the pod's grace.
+        if proc.poll() is None and term_at and time.monotonic() - term_at[0] > KILL_AFTER_S:
+            proc.kill()
+        return proc.poll() is not None
+
+    wait_until(exited, interval_s=0.1)
+    code = proc.returncode
     if code != 0 and log_dir:
         for path in error_files(log_dir, launch["rdzv_id"]):
             try:

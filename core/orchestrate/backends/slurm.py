@@ -32,6 +32,7 @@ from typing import Callable
 from verlflow.core.orchestrate.backends.common import JobOutput, diagnose_job
 from verlflow.core.errors import VerlflowError
 from verlflow.core.orchestrate.diagnose import read_error_files
+from verlflow.core.wait import wait_until
 from verlflow.core.orchestrate.launcher import FailureKind, LaunchResult, LaunchSpec, StageFailure
 
 _LABEL = re.compile(r"^\s*(\d+): ?(.*)$")
@@ -253,15 +254,14 @@ class SlurmBackend:
             raise
         ended = time.monotonic()
         if stopped is not None:  # wait until squeue no longer lists it, so the caller sees the nodes free
-            deadline = time.monotonic() + 60
-            while job_id in squeue_ids([job_id]) and time.monotonic() < deadline:
-                time.sleep(0.2)
-        for _ in range(20):  # the output file is written by slurmstepd; give its last lines a moment
+            wait_until(lambda: job_id not in squeue_ids([job_id]), interval_s=0.2, timeout_s=60)
+
+        def settled() -> bool:  # the output file is written by slurmstepd; give its last lines a moment
             before = tail.pos
             pump()
-            if tail.pos == before:
-                break
-            time.sleep(0.05)
+            return tail.pos == before
+
+        wait_until(settled, interval_s=0.05, timeout_s=1.0)
         pump(final=True)
         run_s = ended - (started or ended)
         queued = (started or ended) - submitted
