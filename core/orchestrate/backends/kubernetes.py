@@ -315,6 +315,7 @@ class KubernetesBackend:
                 except ApiException as e:
                     if e.status != 404:
                         raise KubernetesError(f"deleting {what} {ns}/{name}: {e.status} {e.reason}") from None
+
         def pods_gone() -> bool:
             try:
                 return not core.list_namespaced_pod(ns, label_selector=f"verlflow.io/job={name}").items
