@@ -549,6 +549,12 @@ def _blueprint_text(path: str | Path) -> tuple[str, Path | str]:
     `file://...`, or any other fsspec URI such as s3://bucket/exp/bp.yaml (read in memory: no temp file)."""
     path = str(path).removeprefix("file://")
     if "://" in path:
+        from verlflow.core.store.artifacts import carries_credentials
+
+        if carries_credentials(path):  # the URI itself is not repeated: it holds a secret
+            raise BlueprintError("the blueprint URI must not carry credentials (s3://key:secret@bucket/bp.yaml); use "
+                                 "s3://bucket/bp.yaml and set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the "
+                                 "environment (or a Prefect Secret).")
         return _remote_text(path), path.rsplit("/", 1)[0]
     p = Path(path)
     if not p.is_file():
@@ -631,24 +637,15 @@ def missing_inputs(bp: Blueprint) -> list[str]:
     """Files, URIs and names the blueprint refers to that are not usable, each with the fix (cheap: no torch
     or verl import; the datasets are read with pyarrow, the reward function is resolved)."""
     from verlflow.core.orchestrate import preflight
-    from verlflow.core.ml.data import load_prompts
+    from verlflow.core.ml.data import load_prompts, missing_file_problems
+    from verlflow.core.ml.modeldir import model_dir_problems
     from verlflow.core.errors import VerlflowError
     from verlflow.core.ml.rewards import load_reward
+    from verlflow.core.store.artifacts import carries_credentials
 
-    problems = []
-    m = Path(bp.model.path)
-    if not m.is_dir():
-        problems.append(f"model.path: {bp.model.path} is not a folder; point it at a Hugging Face model folder "
-                        "(`verlflow make-tiny tiny/qwen2` writes a tiny one).")
-    elif not (m / "config.json").is_file():
-        problems.append(f"model.path: {bp.model.path} has no config.json; save the model with save_pretrained().")
-    else:
-        problems += _model_problems(bp, m)
-    missing_data = False
-    for i, f in enumerate(bp.data.train_files):
-        if not Path(f).is_file():
-            missing_data = True
-            problems.append(f"data.train_files[{i}]: {f} does not exist; give a parquet file in verl's RL schema.")
+    problems = model_dir_problems(bp.model.path) + _engine_problems(bp)
+    missing_data = missing_file_problems(bp.data.train_files)
+    problems += missing_data
     if not missing_data:
         try:  # columns, types, rows
             prompts = load_prompts(bp.data.train_files, bp.data.prompt_key)
@@ -663,22 +660,23 @@ def missing_inputs(bp: Blueprint) -> list[str]:
     scheme = bp.storage.uri.split("://", 1)[0] if "://" in bp.storage.uri else "file"
     if scheme not in ("file", "s3"):
         problems.append(f"storage.uri: scheme '{scheme}://' is not supported; use a folder, file:// or s3://bucket/prefix.")
-    elif scheme == "s3" and any(c in bp.storage.uri.split("://", 1)[1].split("/", 1)[0] for c in "@:"):
-        # The URI itself is not repeated: it holds a secret.
+    elif carries_credentials(bp.storage.uri):  # the URI itself is not repeated: it holds a secret
         problems.append("storage.uri: an s3:// URI must not carry credentials (s3://key:secret@bucket); use "
                         "s3://bucket/prefix and set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment "
                         "(or a Prefect Secret).")
     return problems
 
 
-def _model_problems(bp: Blueprint, model_dir: Path) -> list[str]:
-    """What the later stages would refuse in a model folder that has a config.json."""
-    from verlflow.core.orchestrate import preflight
+def _engine_problems(bp: Blueprint) -> list[str]:
+    """What the rollout engine would refuse in a model folder whose config.json reads (model_dir_problems says
+    what else is wrong with it)."""
     from verlflow.core.errors import VerlflowError
+    from verlflow.core.ml.modeldir import model_config
+    from verlflow.core.orchestrate import preflight
 
+    model_dir = Path(bp.model.path)
     try:
-        config = preflight.model_config(model_dir)
-    except VerlflowError as e:
-        return [str(e)]
-    return preflight.static_engine_problems(bp.rollout.engine, model_dir, config) \
-        + preflight.weight_file_problems(model_dir)
+        config = model_config(model_dir)
+    except (VerlflowError, OSError):
+        return []
+    return preflight.static_engine_problems(bp.rollout.engine, model_dir, config)

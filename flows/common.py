@@ -1,7 +1,6 @@
 """What both flows need: the blueprint (parameter or file/URI), the run id, the flow run's own facts."""
 
 import datetime as dt
-import time
 
 from prefect import get_run_logger
 from prefect.client.orchestration import get_client
@@ -15,6 +14,7 @@ from verlflow.core.errors import StoreError
 from verlflow.core.orchestrate.pipeline import Step
 from verlflow.core.orchestrate.runner import open_store
 from verlflow.core.store.artifacts import stage_key
+from verlflow.core.wait import wait_until
 
 
 def resolve_blueprint(blueprint: Blueprint, blueprint_file: str | None) -> Blueprint:
@@ -78,13 +78,18 @@ def wait_for_earlier_runs(bp: Blueprint, every_s: float = 2.0) -> None:
         me = client.read_flow_run(get_run_context().flow_run.id)
         if me.deployment_id is None:  # a plain `verlflow run --prefect`: no schedule to keep in order
             return
-        while earlier := earlier_unfinished_runs(me, client):
+
+        def my_turn() -> bool:
+            nonlocal shown
+            earlier = earlier_unfinished_runs(me, client)
             names = ", ".join(f"{r.name} ({r.state_name})" for r in earlier)
-            if names != shown:
+            if earlier and names != shown:
                 log.info("schedule.init_from=previous: waiting for the earlier run(s) of this deployment to finish "
                          "first, so this build warm-starts from the last one's promoted policy: %s", names)
                 shown = names
-            time.sleep(every_s)
+            return not earlier
+
+        wait_until(my_turn, interval_s=every_s)
 
 
 def name_flow_run(run_id: str) -> None:

@@ -5,9 +5,6 @@ host (or $VERLFLOW_SLOTS); a stage job occupies one slot per local rank for as l
 """
 
 import os
-import shutil
-import subprocess
-import time
 from contextlib import contextmanager
 
 from prefect.client.orchestration import get_client
@@ -17,6 +14,8 @@ from prefect.context import TaskRunContext
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from verlflow.core.errors import VerlflowError
+from verlflow.core.orchestrate.devices import visible_devices
+from verlflow.core.wait import wait_until
 
 LEASE_S = 120.0
 
@@ -31,13 +30,7 @@ def default_slots(device: str) -> int:
     if os.environ.get("VERLFLOW_SLOTS"):
         return int(os.environ["VERLFLOW_SLOTS"])
     if device == "cuda":
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible is not None:
-            return len([d for d in visible.split(",") if d.strip()])
-        if shutil.which("nvidia-smi"):
-            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
-            return max(1, sum(line.startswith("GPU ") for line in out.splitlines()))
-        return 1
+        return max(1, len(visible_devices()))
     return os.cpu_count() or 1
 
 
@@ -67,16 +60,15 @@ def await_task_run_recorded(timeout_s: float = 2.0) -> None:
     ctx = TaskRunContext.get()
     if ctx is None:
         return
-    deadline = time.monotonic() + timeout_s
     with get_client(sync_client=True) as client:
-        while time.monotonic() < deadline:
+        def running() -> bool:
             try:
                 state = client.read_task_run(ctx.task_run.id).state
-                if state is not None and state.is_running():
-                    return
             except ObjectNotFound:
-                pass
-            time.sleep(0.05)
+                return False
+            return state is not None and state.is_running()
+
+        wait_until(running, interval_s=0.05, timeout_s=timeout_s)
 
 
 @contextmanager

@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from safetensors.numpy import save_file
 
 from verlflow.core.ml import rewards
 from verlflow.core.orchestrate.cli import main, parser
@@ -94,6 +96,14 @@ def dataset_not_parquet(tmp: Path) -> None:
 
 def model_without_config(tmp: Path) -> None:
     (tmp / "model/config.json").unlink()
+
+
+def model_without_weights(tmp: Path) -> None:
+    (tmp / "model/model.safetensors").unlink()
+
+
+def model_without_tokenizer_config(tmp: Path) -> None:
+    (tmp / "model/tokenizer_config.json").unlink()
 
 
 def model_is_a_file(tmp: Path) -> None:
@@ -209,6 +219,11 @@ CASES = [
                                                                    "make-tiny"], sub=True),
     C("model-path-is-a-file", BP, ["model.path", "is not a folder"], setup=model_is_a_file),
     C("model-without-config", BP, ["model.path", "has no config.json", "save_pretrained"], setup=model_without_config),
+    # refused before any stage job since the model folder is checked in one place (the validate stage's check)
+    C("model-without-weights", BP, ["model.path=@TMP@/model", "no weights (*.safetensors)", "save_pretrained"],
+      setup=model_without_weights),
+    C("model-without-tokenizer-config", BP, ["model.path=@TMP@/model", "tokenizer_config.json is missing"],
+      setup=model_without_tokenizer_config),
     C("data-file-missing", ["@BP@", "data.train_files=[data/nope.parquet]"],
       ["data.train_files[0]", "data/nope.parquet does not exist", "verl's RL schema"]),
     C("dataset-missing-reward-column", BP, ["data.train_files", "train.parquet", "lacks column(s) ['reward_model']"],
@@ -240,6 +255,9 @@ CASES = [
       ["storage.uri", "scheme 'gs://' is not supported", "s3://bucket/prefix"]),
     C("storage-s3-with-credentials", ["@BP@", f"storage.uri=s3://AKIAEXAMPLE:{SECRET}@bucket/prefix"],
       ["storage.uri", "must not carry credentials", "AWS_SECRET_ACCESS_KEY"], absent=[SECRET], sub=True),
+    # the same check as storage.uri's, for the blueprint file's own URI (it was read, and echoed, with the secret)
+    C("blueprint-uri-with-credentials", [f"s3://AKIAEXAMPLE:{SECRET}@bucket/exp/bp.yaml"],
+      ["blueprint URI", "must not carry credentials", "AWS_SECRET_ACCESS_KEY"], absent=[SECRET]),
     # -- CLI misuse
     C("unknown-verb", [], ["invalid choice: 'frobnicate'", "validate-blueprint"], verb="frobnicate", sub=True),
     C("no-verb", [], ["the following arguments are required: verb"], verb=""),
@@ -277,9 +295,12 @@ CASES = [
 
 @pytest.fixture
 def case_dir(tmp_path, monkeypatch):
-    """A folder with a valid blueprint's inputs: model/config.json and data/train.parquet. cwd is there."""
+    """A folder with a valid blueprint's inputs: a model folder (config, weights, tokenizer config) and
+    data/train.parquet. cwd is there."""
     (tmp_path / "model").mkdir()
     (tmp_path / "model/config.json").write_text("{}")
+    save_file({"w": np.zeros(2, dtype=np.float32)}, str(tmp_path / "model/model.safetensors"))
+    (tmp_path / "model/tokenizer_config.json").write_text("{}")
     write_parquet(tmp_path / "data/train.parquet", prompt_rows(8))  # data.batch_size: 8
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))  # reward.module cases import from here (in-process)

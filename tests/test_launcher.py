@@ -12,7 +12,8 @@ import time
 import psutil
 import pytest
 
-from verlflow.core.orchestrate.launcher import FailureKind, LaunchSpec, StageFailure, _classify, build_command, launch
+from verlflow.core.orchestrate.diagnose import classify
+from verlflow.core.orchestrate.launcher import FailureKind, LaunchSpec, StageFailure, build_command, launch
 
 PROBE = "verlflow.core.testing.probe"
 
@@ -75,7 +76,7 @@ def test_build_command():
     ("InputError: prompts.parquet has no column 'prompt'", FailureKind.USER_ERROR),
 ])
 def test_classify(message, kind):
-    assert _classify(message) is kind
+    assert classify(message) is kind
 
 
 def test_streams_rank_prefixed_lines_while_running():

@@ -26,11 +26,17 @@ class Prompts:
                                                            self.extra_info)))
 
 
+def missing_file_problems(files: list[str]) -> list[str]:
+    """data.train_files entries that are not files, each named with its place and the fix."""
+    return [f"data.train_files[{i}]: {f} does not exist; give a parquet file in verl's RL schema."
+            for i, f in enumerate(files) if not Path(f).is_file()]
+
+
 def load_prompts(files: list[str], prompt_key: str = "prompt") -> Prompts:
+    if missing := missing_file_problems(files):
+        raise InputError(" ".join(missing))
     cols: dict[str, list] = {k: [] for k in (prompt_key, *REQUIRED, "extra_info")}
     for f in files:
-        if not Path(f).is_file():
-            raise InputError(f"data.train_files: {f} does not exist; point it at a parquet file in verl's schema.")
         try:
             table = pq.read_table(f)
         except Exception as e:

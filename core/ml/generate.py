@@ -11,18 +11,24 @@ from verlflow.core.errors import InputError
 log = logging.getLogger("verlflow.generate")
 
 
+def prompt_ids(tok, messages: list[dict]) -> list[int]:
+    """A prompt's tokens as the rollout feeds them: chat template, generation prompt."""
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 def encode_prompts(tok, messages: list[list[dict]], max_len: int, rows: list[int]) -> list[list[int]]:
     out = []
     for msgs, row in zip(messages, rows):
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
+        ids = prompt_ids(tok, msgs)
         if len(ids) > max_len:
             raise InputError(
                 f"data.max_prompt_length={max_len}: prompt of dataset row {row} is {len(ids)} tokens after the "
                 "chat template; raise data.max_prompt_length or drop overlong prompts."
             )
-        out.append(list(ids))
+        out.append(ids)
     return out
 
 

@@ -18,21 +18,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def check_model_dir(path: str | Path) -> list[str]:
-    """Problems with an HF folder, each naming the file and the fix (empty list: fine)."""
-    p = Path(path)
-    if not p.is_dir():
-        return [f"model.path={path}: no such folder; point it at a Hugging Face model folder (config.json, weights)."]
-    problems = []
-    if not (p / "config.json").is_file():
-        problems.append(f"model.path={path}: config.json is missing; save the model with save_pretrained().")
-    if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
-        problems.append(f"model.path={path}: no weights (*.safetensors); save the model with save_pretrained().")
-    if not (p / "tokenizer_config.json").is_file():
-        problems.append(f"model.path={path}: tokenizer_config.json is missing; save the tokenizer in the same folder.")
-    return problems
-
-
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 

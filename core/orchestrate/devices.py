@@ -9,9 +9,10 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 from contextlib import contextmanager
 from pathlib import Path
+
+from verlflow.core.wait import wait_until
 
 LOCK_DIR = Path(os.environ.get("VERLFLOW_DEVICE_LOCKS", Path(tempfile.gettempdir()) / "verlflow-devices"))
 
@@ -35,34 +36,49 @@ def claim(n: int, devices: list[str], *, lock_dir: Path | None = None, poll_s: f
         raise RuntimeError(f"this job needs {n} GPUs but only {len(devices)} are visible ({','.join(devices) or 'none'})")
     lock_dir = Path(lock_dir or LOCK_DIR)
     lock_dir.mkdir(parents=True, exist_ok=True)
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    held: list[tuple[str, int]] = []
     waited = False
+
+    def take() -> list[tuple[str, int]]:
+        nonlocal waited
+        held = _lock_free(n, devices, lock_dir)
+        if not held and on_wait and not waited:
+            on_wait(f"waiting for {n} free GPU(s) among {','.join(devices)} (held by other stage jobs)")
+            waited = True
+        return held
+
+    def too_long():
+        raise TimeoutError(f"no {n} free GPUs among {','.join(devices)} within {timeout_s} s")
+
+    held = wait_until(take, interval_s=poll_s, timeout_s=timeout_s, on_timeout=too_long)
     try:
-        while True:
-            for d in devices:
-                if len(held) == n:
-                    break
-                if any(d == h for h, _ in held):
-                    continue
-                fd = os.open(lock_dir / f"gpu{d}.lock", os.O_CREAT | os.O_RDWR, 0o666)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    held.append((d, fd))
-                except BlockingIOError:
-                    os.close(fd)
-            if len(held) == n:
-                break
-            for _, fd in held:  # all or nothing: never sit on a partial set (two jobs could deadlock)
-                os.close(fd)
-            held = []
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"no {n} free GPUs among {','.join(devices)} within {timeout_s} s")
-            if on_wait and not waited:
-                on_wait(f"waiting for {n} free GPU(s) among {','.join(devices)} (held by other stage jobs)")
-                waited = True
-            time.sleep(poll_s)
         yield [d for d, _ in held]
     finally:
-        for _, fd in held:
-            os.close(fd)  # closing the descriptor drops its flock
+        _release(held)
+
+
+def _lock_free(n: int, devices: list[str], lock_dir: Path) -> list[tuple[str, int]]:
+    """(device, lock descriptor) of `n` devices nobody holds, or none: all or nothing, never sitting on a partial
+    set (two jobs could deadlock)."""
+    held: list[tuple[str, int]] = []
+    try:
+        for d in devices:
+            if len(held) == n:
+                break
+            fd = os.open(lock_dir / f"gpu{d}.lock", os.O_CREAT | os.O_RDWR, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held.append((d, fd))
+            except BlockingIOError:
+                os.close(fd)
+    except BaseException:
+        _release(held)
+        raise
+    if len(held) == n:
+        return held
+    _release(held)
+    return []
+
+
+def _release(held: list[tuple[str, int]]) -> None:
+    for _, fd in held:
+        os.close(fd)  # closing the descriptor drops its flock

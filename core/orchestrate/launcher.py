@@ -3,21 +3,14 @@
 Facts from torch 2.13's source this relies on (torch/distributed/...):
 - elastic/multiprocessing/subprocess_handler: every worker is Popen'ed with start_new_session=True, so
   killpg(torchrun) misses the ranks; we collect the whole tree with psutil (by parent pid) instead.
-- elastic/multiprocessing/api.py DefaultLogsSpecs: error files are
-  <log_dir>/<rdzv_id>_<random>/attempt_<n>/<local_rank>/error.json, written by @record
-  ({"message": {"message": "Type: text", "extraInfo": {"py_callstack", "timestamp" (whole seconds)}}}).
 - --tee 3 makes torchrun tail each worker's stdout/stderr files (every 0.1 s) and print each line after
   a header from TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, where ${rank} is the global rank.
+How a failed job is explained (its error files, torchrun's summary) is verlflow.core.orchestrate.diagnose.
 """
 
 from __future__ import annotations
 
-import ctypes
-import enum
 import faulthandler
-import functools
-import glob
-import json
 import logging
 import os
 import queue
@@ -36,70 +29,18 @@ from typing import Callable
 
 import psutil
 
-from verlflow.core.errors import VerlflowError
+from verlflow.core.guard import die_with_parent, is_torchrun, under_torchrun
+from verlflow.core.wait import wait_until
+from verlflow.core.orchestrate.diagnose import (RANK_LINE, RANK_PREFIX, FailureKind, StageFailure, diagnose,
+                                                read_error_files)
 
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved now: preexec_fn (after fork) stays trivial
-_PR_SET_PDEATHSIG = 1
-_PREFIX = "[rank${rank}] "  # torchrun's header for worker lines; we parse it back below
+__all__ = ["FailureKind", "LaunchResult", "LaunchSpec", "StageFailure", "build_command", "launch", "run_and_exit",
+           "worker_guard"]
+
 # A worker prints every thread's Python stack on this signal (faulthandler, installed by worker_guard): a job stopped
 # for its timeout shows where each rank was, e.g. which collective it waited in.
 STACK_SIGNAL = signal.SIGUSR1
 _STACK_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ .*most recent call first")
-_RANK_LINE = re.compile(r"\[rank(\d+)\] (?:\[rank\1\]:? ?)?")  # torch's excepthook adds "[rankN]:" too
-# One entry of torchrun's ChildFailedError summary (global rank, local rank, exit code).
-_SUMMARY = re.compile(r"rank\s*:\s*(\d+) \(local_rank: (\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
-_NONFINITE = re.compile(r"\bNonFiniteError\b")  # verlflow.core.errors.NonFiniteError, by its type name
-_OOM = re.compile(r"OutOfMemoryError|out of memory", re.I)
-# A bare "ProcessGroupGloo" is not enough: "ProcessGroupGloo does not support X" is a user error.
-_COLLECTIVE = re.compile(
-    r"DistBackendError|DistStoreError|DistNetworkError|Watchdog caught collective operation timeout|"
-    r"(gloo|nccl|ProcessGroup\w*).*(Timed out|timeout)|Connection (closed|reset) by peer", re.I)
-_COLLATERAL = re.compile(r"Connection (closed|reset) by peer", re.I)  # a peer died first
-# verlflow.core.store.artifacts's StoreError once its bounded retries are spent on an endpoint that does not answer.
-_STORE_DOWN = re.compile(r"StoreError: .*The S3 endpoint cannot be reached")
-# A verlflow error raised in a worker already names the field or file and the fix: its traceback (kept in
-# StageFailure.traceback, and already in the job's streamed output) would only bury that message.
-_USER_FACING = re.compile(r"\b(VerlflowError|BlueprintError|InputError|StoreError|UnsafeKeyError|ChecksumError|"
-                          r"NonFiniteError): ")
-
-
-class FailureKind(enum.Enum):
-    OOM = "oom"
-    COLLECTIVE_TIMEOUT = "collective_timeout"  # also other gloo/NCCL backend errors
-    USER_ERROR = "user_error"
-    NONFINITE = "nonfinite"
-    KILLED = "killed"  # a rank died by a signal and left no error file (OOM killer, preemption)
-    TIMEOUT = "timeout"  # our own timeout_s
-    CANCELLED = "cancelled"
-    UNKNOWN = "unknown"  # torchrun failed without a rank to blame (rendezvous, port, crash)
-    STORE_UNREACHABLE = "store_unreachable"  # the artifact store's endpoint did not answer (retries spent)
-
-
-# Worth retrying: the cause may be outside the stage (a flaky link, a killed node, a hang, a crash
-# of torchrun). Not worth it: the same inputs and code give the same OOM, exception or NaN; a cancel
-# is a decision.
-_RETRYABLE = {FailureKind.COLLECTIVE_TIMEOUT, FailureKind.KILLED, FailureKind.TIMEOUT, FailureKind.UNKNOWN,
-              FailureKind.STORE_UNREACHABLE}
-
-
-class StageFailure(VerlflowError):
-    """A torchrun job failed; `kind` and `retryable` tell the task whether another attempt can help."""
-
-    def __init__(self, kind: FailureKind, summary: str, *, rank: int | None = None,
-                 exitcode: int | None = None, signal: str | None = None, traceback: str = ""):
-        self.kind, self.rank, self.exitcode, self.signal, self.traceback = kind, rank, exitcode, signal, traceback
-        self._summary = summary
-        retry = "retryable" if self.retryable else "not retryable"
-        shown = "" if _USER_FACING.search(summary) else traceback
-        super().__init__(f"{summary} [{kind.name}, {retry}]" + (f"\n{shown.rstrip()}" if shown else ""))
-
-    def __reduce__(self):  # results and states get pickled (Prefect): rebuild with every field
-        kw = dict(rank=self.rank, exitcode=self.exitcode, signal=self.signal, traceback=self.traceback)
-        return functools.partial(StageFailure, **kw), (self.kind, self._summary)
-
-    @property
-    def retryable(self) -> bool:
-        return self.kind in _RETRYABLE
 
 
 @dataclass
@@ -146,18 +87,12 @@ def worker_guard() -> None:
     """Call first thing in a stage worker: it dies with torchrun (which starts it in its own session),
     and its stderr joins its stdout, so one rank's lines keep their order (torchrun tails each file
     in its own thread)."""
-    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return  # run by hand, not under torchrun
+    if not under_torchrun():
+        die_with_parent()  # run by hand: dies with its shell
+        return
     os.dup2(1, 2)
     faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
-    try:  # torchrun may have died before prctl: then our parent is init or a subreaper
-        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
-            parent = f.read()
-    except OSError:
-        parent = b""
-    if b"torch.distributed.run" not in parent and b"torchrun" not in parent:
-        os._exit(1)
+    die_with_parent(is_torchrun)  # torchrun may have died already: then our parent is init or a subreaper
 
 
 def run_and_exit(entry: Callable[[], None]) -> None:
@@ -213,11 +148,7 @@ class _Tree:
                     p.send_signal(sig)
                 except psutil.Error:
                     pass
-            deadline = time.monotonic() + grace_s
-            while procs and time.monotonic() < deadline:
-                time.sleep(0.05)
-                procs = self.alive()
-            if not procs:
+            if wait_until(lambda: not self.alive(), interval_s=0.05, timeout_s=grace_s):
                 return
 
 
@@ -243,7 +174,8 @@ def launch(spec: LaunchSpec, on_line: Callable[[str], None] = print,
         if stopped is FailureKind.CANCELLED:
             raise StageFailure(stopped, f"{spec.module} was cancelled after {duration:.1f} s; killed")
         if returncode != 0:
-            raise _diagnose(spec, returncode, "\n".join(own_lines), rank_tails)
+            records = read_error_files(spec.log_dir, spec.rdzv_id)
+            raise diagnose(spec, returncode, records, "\n".join(own_lines), rank_tails)
         return LaunchResult(returncode, duration, cmd)
     finally:
         if tmp_log_dir:
@@ -251,15 +183,13 @@ def launch(spec: LaunchSpec, on_line: Callable[[str], None] = print,
 
 
 def _run(spec: LaunchSpec, cmd: list[str], on_line, cancel, grace_s, expire=None):
-    env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": _PREFIX}
+    env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": RANK_PREFIX}
     env.pop("TORCHELASTIC_ERROR_FILE", None)  # set when we run under torchrun ourselves: not torchrun's
     launcher_pid = os.getpid()
 
     # PDEATHSIG fires when the forking *thread* ends; launch() blocks that thread until torchrun is gone.
-    def die_with_launcher():  # runs in the child before exec; the getppid check covers our dying first
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != launcher_pid:
-            os._exit(1)
+    def die_with_launcher():  # runs in the child before exec; the parent check covers our dying first
+        die_with_parent(lambda ppid: ppid == launcher_pid)
 
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -284,7 +214,7 @@ def _run(spec: LaunchSpec, cmd: list[str], on_line, cancel, grace_s, expire=None
                 line = lines.get(timeout=0.1)
                 if line is None:
                     break
-                if m := _RANK_LINE.match(line):
+                if m := RANK_LINE.match(line):
                     rank_tails[int(m[1])].append(line[m.end():])
                     if not killing:
                         on_line(f"[rank{m[1]}] {line[m.end():]}")
@@ -355,67 +285,3 @@ class _StackDump:
         if not self.lines:
             return "no rank printed its stack (stopped before its stack handler was installed, or stuck in the kernel)"
         return "\n".join(f"rank {r} stacks when stopped:\n" + "\n".join(self.lines[r]) for r in sorted(self.lines))
-
-
-def _classify(message: str) -> FailureKind:
-    for pattern, kind in ((_NONFINITE, FailureKind.NONFINITE), (_OOM, FailureKind.OOM),
-                          (_COLLECTIVE, FailureKind.COLLECTIVE_TIMEOUT), (_STORE_DOWN, FailureKind.STORE_UNREACHABLE)):
-        if pattern.search(message):
-            return kind
-    return FailureKind.USER_ERROR
-
-
-def _diagnose(spec: LaunchSpec, returncode: int, torchrun_text: str, tails) -> StageFailure:
-    exits = {int(local): (int(rank), int(code)) for rank, local, code in _SUMMARY.findall(torchrun_text)}
-    errors = []  # (timestamp, mtime, local rank, message, traceback)
-    pattern = os.path.join(spec.log_dir, f"{spec.rdzv_id}_*", "attempt_*", "*", "error.json")
-    for path in glob.glob(pattern):
-        try:
-            with open(path) as f:
-                msg = json.load(f)["message"]
-            local = int(os.path.basename(os.path.dirname(path)))
-        except (OSError, ValueError, KeyError):
-            continue
-        if isinstance(msg, str):  # torch's "new message format": a bare string
-            msg = {"message": msg, "extraInfo": {}}
-        extra = msg.get("extraInfo", {})
-        errors.append((int(extra.get("timestamp", 0)), os.stat(path).st_mtime_ns, local,
-                       msg["message"], extra.get("py_callstack", "")))
-    errors.sort()
-
-    def rank_of(local):  # the summary knows global ranks; without it assume equal-sized nodes
-        return exits.get(local, (spec.node_rank * spec.nproc_per_node + local, None))[0]
-
-    def from_error(e):
-        code = exits.get(e[2], (None, None))[1]
-        rank, kind = rank_of(e[2]), _classify(e[3])
-        return StageFailure(kind, f"rank {rank} failed (exit code {'?' if code is None else code}): {e[3]}",
-                            rank=rank, exitcode=code, traceback=e[4])
-
-    def from_exit(local):
-        rank, code = exits[local]
-        tb = "last output:\n" + ("\n".join(tails.get(rank, ())) or "(none)")
-        if code >= 0:
-            return StageFailure(FailureKind.USER_ERROR, f"rank {rank} exited with code {code} and no error "
-                                "file (decorate its main with @record)", rank=rank, exitcode=code, traceback=tb)
-        name = {s.value: s.name for s in signal.Signals}.get(-code, f"signal {-code}")
-        return StageFailure(FailureKind.KILLED, f"rank {rank} was killed by {name} (exit code {code})",
-                            rank=rank, exitcode=code, signal=name, traceback=tb)
-
-    # Blame the first real error; a signal death or a bare exit beats errors that only say a peer died
-    # ("Connection closed by peer"); torchrun's own SIGTERM to the survivors comes last.
-    with_file = {e[2] for e in errors}
-    bare = [loc for loc, (_, code) in exits.items() if loc not in with_file]
-    real = [e for e in errors if not _COLLATERAL.search(e[3])]
-    if real:
-        return from_error(real[0])
-    for local in reversed(bare):  # torchrun prints its root cause (first observed failure) last
-        if exits[local][1] != -signal.SIGTERM:
-            return from_exit(local)
-    if errors:
-        return from_error(errors[0])
-    if bare:
-        return from_exit(bare[0])
-    tail = "\n".join(torchrun_text.splitlines()[-40:])
-    return StageFailure(FailureKind.UNKNOWN, f"torchrun exited with code {returncode} without a failing rank",
-                        exitcode=returncode, traceback=f"torchrun output:\n{tail}")

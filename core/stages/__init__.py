@@ -1,21 +1,16 @@
 """Rank side: the stage workers, each run as `python -m verlflow.core.stages.<stage> job.json` under torchrun (or
 by a warm pool's serve loop, `stages/pool.py`), and what they share (common, committer, agree, modelcache).
 
-Under torchrun, a worker asks to die with its parent before anything heavy is imported: a rank still importing
-torch when torchrun is killed would otherwise live on for seconds (orchestrate/launcher.py's worker_guard repeats
-this, for workers outside this package).
+Under torchrun, a worker asks to die with its parent before anything heavy is imported (verlflow.core.guard); the
+launcher's worker_guard does it again with a stricter parent check, for workers outside this package too. Here
+only an orphan leaves: other processes that import this package with torchrun's environment (a DataLoader or
+compile worker) have a rank, not torchrun, as their parent.
 """
 
-import os
-import sys
+from verlflow.core.guard import die_with_parent, not_orphaned, under_torchrun
 
-if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":
-    import ctypes
-    import signal
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # torchrun already gone
-        os._exit(1)
+if under_torchrun():
+    die_with_parent(not_orphaned)
 
 
 def module_of(stage: str) -> str:

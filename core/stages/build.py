@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from verlflow.core.ml import checkpoint, model as M
 from verlflow.core.errors import InputError
+from verlflow.core.ml.modeldir import model_dir_problems
 from verlflow.core.ml.optim import make_optimizer
 from verlflow.core.stages.common import StageContext, stage_main
 
@@ -33,7 +34,7 @@ def run(ctx: StageContext) -> dict:
     bp = ctx.bp
     warm = ctx.job["inputs"].get("warm_start")
     src = Path(bp.model.path)
-    problems = M.check_model_dir(src)
+    problems = model_dir_problems(src)
     if problems:
         raise InputError(" ".join(problems))
     if ctx.is_main():

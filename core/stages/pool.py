@@ -15,17 +15,21 @@ import sys
 import time
 from pathlib import Path
 
+from verlflow.core.guard import leave_if_parent_gone, not_orphaned
 from verlflow.core.stages import module_of
+from verlflow.core.wait import wait_until
 
 POLL_S = 0.01
 
 
 def next_message(pool_dir: Path, n: int) -> dict:
     path = pool_dir / f"job-{n}.json"
-    while not path.exists():
-        if os.getppid() == 1:  # torchrun is gone (PDEATHSIG covers most cases; this the rest)
-            os._exit(1)
-        time.sleep(POLL_S)
+
+    def arrived() -> bool:
+        leave_if_parent_gone(not_orphaned)  # torchrun is gone (PDEATHSIG covers most cases; this the rest)
+        return path.exists()
+
+    wait_until(arrived, interval_s=POLL_S)
     return json.loads(path.read_text())
 
 

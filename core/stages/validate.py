@@ -16,6 +16,7 @@ from packaging.version import Version
 
 from verlflow.core.ml import model as M
 from verlflow.core.errors import InputError
+from verlflow.core.ml.modeldir import model_dir_problems
 from verlflow.core.stages.common import StageContext, stage_main
 
 log = logging.getLogger("verlflow.validate")
@@ -93,7 +94,7 @@ def check_fsdp_sharding(ctx: StageContext, r: Report):
 def check_model(ctx: StageContext, r: Report):
     """The model folder, its tokenizer, its decoder layers and the memory estimate; returns the tokenizer."""
     bp = ctx.bp
-    problems = M.check_model_dir(bp.model.path)
+    problems = model_dir_problems(bp.model.path)
     r.add("model_folder", not problems, "; ".join(problems) or bp.model.path)
     if problems:
         return None

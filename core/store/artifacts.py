@@ -233,6 +233,16 @@ def _untouched(path: Path, expected: dict) -> bool:
     return st.st_size == expected["size"] and st.st_mtime_ns == expected["mtime_ns"]
 
 
+def carries_credentials(uri: str) -> bool:
+    """Whether a URI holds credentials before its path: s3://KEY:SECRET@bucket/..., https://user:pw@host/... A
+    bucket name never holds ':' or '@', and a secret may hold '/': for s3 either one before the first '/' counts."""
+    if "://" not in uri:
+        return False
+    scheme, rest = uri.split("://", 1)
+    authority = rest.split("/", 1)[0]
+    return "@" in authority or (scheme in ("s3", "s3a") and ":" in authority)
+
+
 class ArtifactStore:
     def __init__(self, uri: str | os.PathLike, *, endpoint_url: str | None = None, region: str | None = None,
                  storage_options: dict | None = None):
@@ -243,8 +253,7 @@ class ArtifactStore:
         if self.protocol == "file":
             opts["auto_mkdir"] = True
         elif self.protocol == "s3":
-            bucket = uri.split("://", 1)[1].split("/", 1)[0]
-            if "@" in bucket or ":" in bucket:  # s3://KEY:SECRET@bucket (secrets may contain '/')
+            if carries_credentials(uri):
                 raise StoreError("The store URI must not carry credentials (s3://key:secret@bucket); set "
                                  "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the environment instead.")
             if endpoint_url:

@@ -11,8 +11,8 @@ Per stage: a ConfigMap (the stage's job file and the launch file), the Service (
 publishNotReadyAddresses, so pod 0's name resolves before anything is ready) and the Job (completions =
 parallelism = nnodes, completionMode Indexed, restartPolicy Never, subdomain = the Service). Each pod runs
 `python -m verlflow.core.orchestrate.backends.node /etc/verlflow/launch.json --rdzv <job>-0.<svc>.<ns>.svc:<port> --head-index 0
---emit-errors`: torchrun with c10d, its error files printed to the log when it fails, so the launcher's
-diagnosis runs here on what the logs carried. Secrets are never in a manifest: env_from_secret names a
+--emit-errors`: torchrun with c10d, its error files printed to the log when it fails, so the diagnosis runs
+here on the error records the logs carried. Secrets are never in a manifest: env_from_secret names a
 Secret whose keys become the pods' environment.
 
 The backend submits with the official `kubernetes` client (in-cluster config, else the kubeconfig and
@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import queue
 import re
-import tempfile
 import threading
 import time
 import uuid
@@ -36,6 +35,7 @@ from typing import Callable
 from verlflow.core.orchestrate.backends.common import JobOutput, diagnose_job
 from verlflow.core.errors import VerlflowError
 from verlflow.core.orchestrate.launcher import FailureKind, LaunchResult, LaunchSpec, StageFailure
+from verlflow.core.wait import wait_until
 
 JOB_MOUNT = "/etc/verlflow"
 SCRATCH = "/scratch"
@@ -268,15 +268,7 @@ class KubernetesBackend:
             raise StageFailure(FailureKind.USER_ERROR, f"{where}: a pod cannot start: {pod_problem}")
         if state and state.endswith("DeadlineExceeded"):
             raise StageFailure(FailureKind.TIMEOUT, f"{where} passed activeDeadlineSeconds")
-        with tempfile.TemporaryDirectory(prefix="verlflow-k8s-errors-") as tmp:
-            def log_dir(t):  # the error files the pod printed, where the launcher's diagnosis looks for them
-                d = Path(tmp) / f"task{t.index}"
-                for local, body in t.errors:
-                    f = d / f"{spec.rdzv_id}_pod" / "attempt_0" / str(local) / "error.json"
-                    f.parent.mkdir(parents=True, exist_ok=True)
-                    f.write_text(json.dumps(body))
-                return str(d)
-            failure = diagnose_job(spec, out, log_dir, 1, where, [])
+        failure = diagnose_job(spec, out, lambda t: t.errors, 1, where, [])  # the error files the pods printed
         return self._oom_or(failure, core, name)
 
     def _oom_or(self, failure: StageFailure, core, name) -> StageFailure:
@@ -323,15 +315,15 @@ class KubernetesBackend:
                 except ApiException as e:
                     if e.status != 404:
                         raise KubernetesError(f"deleting {what} {ns}/{name}: {e.status} {e.reason}") from None
+
+        def pods_gone() -> bool:
+            try:
+                return not core.list_namespaced_pod(ns, label_selector=f"verlflow.io/job={name}").items
+            except ApiException:
+                return True
+
         if wait:  # foreground deletion: the Job goes once its pods are gone
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                try:
-                    if not core.list_namespaced_pod(ns, label_selector=f"verlflow.io/job={name}").items:
-                        return
-                except ApiException:
-                    return
-                time.sleep(self.poll_s)
+            wait_until(pods_gone, interval_s=self.poll_s, timeout_s=120)
 
 
 def _stuck(pod) -> str | None:

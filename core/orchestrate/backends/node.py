@@ -11,14 +11,14 @@ command and runs it:
 - a stage job file (args[job_arg]) is copied with its "scratch" set to a folder of this node only: ranks of a
   node share input caches and remote-store staging there, other nodes must not write into it;
 - --emit-errors (pods: nothing on their disk outlives them) prints torchrun's error files after it exits, one
-  line each, `[verlflow-error] <local_rank> <json>`, for the backend to rebuild and diagnose.
-Only the standard library and verlflow.core.orchestrate.launcher are imported: this runs before every stage on every node.
+  line each, `[verlflow-error] <local_rank> <json>`, which the backend parses into diagnosis records.
+Only the standard library and verlflow.core.orchestrate's launcher and diagnose are imported: this runs before every
+stage on every node.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import signal
@@ -28,7 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from verlflow.core.orchestrate.launcher import _PREFIX, LaunchSpec, build_command
+from verlflow.core.orchestrate.diagnose import RANK_PREFIX, error_files
+from verlflow.core.orchestrate.launcher import LaunchSpec, build_command
+from verlflow.core.wait import wait_until
 
 ERROR_TAG = "[verlflow-error]"
 NODE_TAG = "[verlflow-node]"
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(log_dir, exist_ok=True)
     cmd = torchrun_command(launch, index, a.rdzv, is_host, log_dir, args)
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": _PREFIX}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": RANK_PREFIX}
     env.pop("TORCHELASTIC_ERROR_FILE", None)
     print(f"{NODE_TAG} task {index} on node {node} (host {socket.gethostname()}): torchrun "
           f"{launch['nproc_per_node']} proc(s), rendezvous {a.rdzv}{' (store host)' if is_host else ''}", flush=True)
@@ -92,17 +94,18 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    while True:
-        try:
-            code = proc.wait(timeout=0.5)
-            break
-        except subprocess.TimeoutExpired:
-            # torchrun waiting in a C++ call (its exit barrier, a store read) runs no Python signal handler:
-            # after a grace, kill it (its workers die with it, PR_SET_PDEATHSIG) well within the pod's grace.
-            if term_at and time.monotonic() - term_at[0] > KILL_AFTER_S:
-                proc.kill()
+
+    def exited() -> bool:
+        # torchrun waiting in a C++ call (its exit barrier, a store read) runs no Python signal handler:
+        # after a grace, kill it (its workers die with it, PR_SET_PDEATHSIG) well within the pod's grace.
+        if proc.poll() is None and term_at and time.monotonic() - term_at[0] > KILL_AFTER_S:
+            proc.kill()
+        return proc.poll() is not None
+
+    wait_until(exited, interval_s=0.1)
+    code = proc.returncode
     if code != 0 and log_dir:
-        for path in sorted(glob.glob(os.path.join(log_dir, f"{launch['rdzv_id']}_*", "attempt_*", "*", "error.json"))):
+        for path in error_files(log_dir, launch["rdzv_id"]):
             try:
                 with open(path) as f:
                     body = json.load(f)

@@ -6,7 +6,7 @@ runs `srun --label --kill-on-bad-exit=1 python -m verlflow.core.orchestrate.back
 streams the job's output file line by line while it runs (labels -> per-node torchrun output and rank lines),
 follows its state with `scontrol show job` (no accounting needed), cancels with `scancel` on cancel or on
 resources.stage_timeout_s (counted from the job's start: queueing is not the stage's fault), and explains a
-failure with the launcher's diagnosis run per node over torchrun's error files, written to a shared folder.
+failure with the diagnosis run per node over torchrun's error files, written to a shared folder.
 
 Everything a job needs lives under <shared_dir>/jobs/<name>/ (script, launch file, output, error files); every
 node must see shared_dir (and the artifact store, for file:// stores). The folder is removed after the job.
@@ -31,6 +31,8 @@ from typing import Callable
 
 from verlflow.core.orchestrate.backends.common import JobOutput, diagnose_job
 from verlflow.core.errors import VerlflowError
+from verlflow.core.orchestrate.diagnose import read_error_files
+from verlflow.core.wait import wait_until
 from verlflow.core.orchestrate.launcher import FailureKind, LaunchResult, LaunchSpec, StageFailure
 
 _LABEL = re.compile(r"^\s*(\d+): ?(.*)$")
@@ -252,15 +254,14 @@ class SlurmBackend:
             raise
         ended = time.monotonic()
         if stopped is not None:  # wait until squeue no longer lists it, so the caller sees the nodes free
-            deadline = time.monotonic() + 60
-            while job_id in squeue_ids([job_id]) and time.monotonic() < deadline:
-                time.sleep(0.2)
-        for _ in range(20):  # the output file is written by slurmstepd; give its last lines a moment
+            wait_until(lambda: job_id not in squeue_ids([job_id]), interval_s=0.2, timeout_s=60)
+
+        def settled() -> bool:  # the output file is written by slurmstepd; give its last lines a moment
             before = tail.pos
             pump()
-            if tail.pos == before:
-                break
-            time.sleep(0.05)
+            return tail.pos == before
+
+        wait_until(settled, interval_s=0.05, timeout_s=1.0)
         pump(final=True)
         run_s = ended - (started or ended)
         queued = (started or ended) - submitted
@@ -281,7 +282,8 @@ class SlurmBackend:
                                f"{info.get('Reason', '?')})", exitcode=code,
                                traceback="job output:\n" + "\n".join(own_tail[-40:]))
         logs = job_dir / "logs"
-        raise diagnose_job(spec, out, lambda t: str(logs / f"task{t.index}"), code, where, own_tail)
+        raise diagnose_job(spec, out, lambda t: read_error_files(str(logs / f"task{t.index}"), rdzv_id), code, where,
+                           own_tail)
 
 
 def _exit_code(text: str) -> int:
