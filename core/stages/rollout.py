@@ -43,8 +43,7 @@ def run(ctx: StageContext) -> dict:
         modelcache.put("infer", infer_id, model)
     progress = log.info if ctx.is_main() else None
     with ctx.timed("generate_s"):
-        mine = generate_share(model, tok, bp, data.take(rows), rows, ctx.iteration, ctx.rank, ctx.world,
-                              ctx.device, progress)
+        mine = generate_share(model, tok, bp, data.take(rows), ctx.iteration, ctx.placement, progress)
     # One collective after generation, none during it: ranks that finish early simply wait here.
     parts = [None] * ctx.world
     if ctx.world > 1:
