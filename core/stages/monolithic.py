@@ -14,6 +14,7 @@ from verlflow.core.ml.data import load_prompts, select
 from verlflow.core.ml.optim import apply_hparams, make_optimizer
 from verlflow.core.ml.rollout import generate_share, load_batch, save_batch
 from verlflow.core.stages.common import StageContext, stage_main
+from verlflow.core.stages.rollout import gather
 from verlflow.core.stages.update import sharded
 
 log = logging.getLogger("verlflow.monolithic")
@@ -27,14 +28,6 @@ def _trainee(ctx: StageContext, build, role: str) -> ppo.Trainee:
     checkpoint.load(build / role, model, opt)
     apply_hparams(opt, ctx.bp, critic=critic)
     return ppo.Trainee(model, opt)
-
-
-def _sample(ctx: StageContext, infer, tok, prompts, it: int) -> list[dict]:
-    """Every rank's samples of iteration `it`, on every rank."""
-    mine = generate_share(infer, tok, ctx.bp, prompts, it, ctx.placement)
-    parts = [None] * ctx.world
-    dist.all_gather_object(parts, mine)
-    return [s for p in parts for s in p]
 
 
 def _as_batch(ctx: StageContext, samples: list[dict], tok, it: int) -> tuple[dict, dict]:
@@ -92,7 +85,7 @@ def run(ctx: StageContext) -> dict:
         rows = select(len(data), state["data_cursor"], bp.data.batch_size, bp.seed, bp.data.shuffle).tolist()
         with ctx.timed("rollout_s"):
             infer.load_state_dict(checkpoint.full_state_dict(policy.model))
-            samples = _sample(ctx, infer, tok, data.take(rows), it)
+            samples = gather(ctx, generate_share(infer, tok, bp, data.take(rows), it, ctx.placement))
         batch, stats = _as_batch(ctx, samples, tok, it)
         with ctx.timed("update_s"):
             history = _update(ctx, ref, models, batch, it)
