@@ -11,23 +11,20 @@ import torch.distributed as dist
 
 from verlflow.core.ml import checkpoint, model as M, ppo
 from verlflow.core.ml.data import load_prompts, select
-from verlflow.core.ml.optim import apply_hparams, make_optimizer
+from verlflow.core.ml.optim import apply_hparams
 from verlflow.core.ml.rollout import generate_share, load_batch, save_batch
 from verlflow.core.stages.common import StageContext, stage_main
 from verlflow.core.stages.rollout import gather
-from verlflow.core.stages.update import sharded
+from verlflow.core.stages.update import load_trainee, sharded
 
 log = logging.getLogger("verlflow.monolithic")
 
 
 def _trainee(ctx: StageContext, build, role: str) -> ppo.Trainee:
     """A role's FSDP model and optimizer from the build stage's checkpoint, with the blueprint's hyperparameters."""
-    critic = role == "critic"
-    model = sharded(ctx, build / "hf_meta", critic=critic)
-    opt = make_optimizer(model, ctx.bp, critic=critic)
-    checkpoint.load(build / role, model, opt)
-    apply_hparams(opt, ctx.bp, critic=critic)
-    return ppo.Trainee(model, opt)
+    trainee = load_trainee(ctx, build / "hf_meta", build, role)
+    apply_hparams(trainee.optimizer, ctx.bp, critic=role == "critic")
+    return trainee
 
 
 def _as_batch(ctx: StageContext, samples: list[dict], tok, it: int) -> tuple[dict, dict]:

@@ -25,7 +25,7 @@ def sharded(ctx: StageContext, meta_dir, critic: bool = False):
     return model
 
 
-def _load(ctx: StageContext, meta_dir, prev, role: str) -> ppo.Trainee:
+def load_trainee(ctx: StageContext, meta_dir, prev, role: str) -> ppo.Trainee:
     """A role's FSDP model and optimizer from the previous checkpoint."""
     critic = role == "critic"
     model = sharded(ctx, meta_dir, critic=critic)
@@ -54,11 +54,12 @@ def _models(ctx: StageContext, meta_dir) -> tuple[ppo.Models, dict]:
         policy, state = ppo.Trainee(*cached[:2]), cached[2]
     else:
         prev = ctx.input("policy")
-        policy, state = _load(ctx, meta_dir, prev, "policy"), checkpoint.read_state(prev / "policy")
+        policy, state = load_trainee(ctx, meta_dir, prev, "policy"), checkpoint.read_state(prev / "policy")
     apply_hparams(policy.optimizer, bp)
     critic = None
     if bp.algorithm.adv_estimator == "gae":
-        critic = modelcache.get("critic", ctx.identity("policy")) or _load(ctx, meta_dir, ctx.input("policy"), "critic")
+        critic = modelcache.get("critic", ctx.identity("policy")) or load_trainee(
+            ctx, meta_dir, ctx.input("policy"), "critic")
         apply_hparams(critic.optimizer, bp, critic=True)
     return ppo.Models(policy, critic, step=state["step"]), state
 
