@@ -38,6 +38,7 @@ from rollout import SHAPES  # noqa: E402  (one table of model shapes for both be
 from verlflow.core.ml import model as M, ppo  # noqa: E402
 from verlflow.core.blueprint import load_blueprint  # noqa: E402
 from verlflow.core.ml.optim import make_optimizer  # noqa: E402
+from verlflow.core.ml.placement import Placement  # noqa: E402
 
 BASE = {"model.dtype": "float32", "fsdp.mixed_precision": "bf16", "fsdp.reduce_dtype": "fp32",
         "fsdp.version": 2, "fsdp.activation_checkpointing": True, "algorithm.ppo_micro_batch_size_per_gpu": 8,
@@ -77,7 +78,7 @@ def say(*a):
         print(f"[{time.perf_counter() - T0:7.1f}s]", *a, flush=True)
 
 
-def init_dist(device_type: str) -> tuple[int, int, torch.device]:
+def init_dist(device_type: str) -> Placement:
     if "RANK" not in os.environ:  # a plain `python` run: a one-process group
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -91,7 +92,7 @@ def init_dist(device_type: str) -> tuple[int, int, torch.device]:
     else:
         dev = torch.device("cpu")
         dist.init_process_group("gloo")
-    return rank, world, dev
+    return Placement(rank, world, dev)
 
 
 def model_dir(shape: str, root: Path) -> Path:
@@ -127,7 +128,8 @@ def flops(cfg, batch: dict) -> tuple[float, float]:
     return train, train / 3
 
 
-def run_config(name: str, args, mdir: Path, rank: int, world: int, dev: torch.device) -> dict:
+def run_config(name: str, args, mdir: Path, at: Placement) -> dict:
+    rank, world, dev = at.rank, at.world, at.device
     over = {**BASE, **CONFIGS[name]}
     foreach = over.pop("_foreach_adamw", False)
     over = {**over, "model.path": str(mdir), "data.train_files": [str(mdir / "none.parquet")],
@@ -161,11 +163,11 @@ def run_config(name: str, args, mdir: Path, rank: int, world: int, dev: torch.de
         batch["group"] = torch.arange(n * steps) // bp.rollout.n
         sync(dev)
         t0 = time.perf_counter()
-        old = ppo.score_all(model, batch, bp, rank, world, dev)
+        old = ppo.score_all(model, batch, bp, at)
         sync(dev)
         t1 = time.perf_counter()
-        adv, ret, _ = ppo.advantages(bp, batch, old, old)
-        ppo.train(bp, batch, old, old, adv, ret, model, opt, rank, world, dev, iteration=seed, step=0)
+        data, _ = ppo.prepare(bp, batch, old, old, iteration=seed)
+        ppo.train(bp, ppo.Models(ppo.Trainee(model, opt)), data, at)
         sync(dev)
         return t1 - t0, time.perf_counter() - t1, batch
 
@@ -248,7 +250,8 @@ def main(argv=None) -> int:
         if args.configs == ap.get_default("configs"):
             args.configs = "baseline,fsdp1,packed,packed_no_ac"
     dev_type = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    rank, world, dev = init_dist(dev_type)
+    at = init_dist(dev_type)
+    rank, world, dev = at.rank, at.world, at.device
     import tempfile
 
     where = [tempfile.mkdtemp(prefix="verlflow-bench-") if rank == 0 else None]
@@ -262,7 +265,7 @@ def main(argv=None) -> int:
     rows = []
     for name in args.configs.split(","):
         try:
-            rows.append(run_config(name, args, mdir, rank, world, dev))
+            rows.append(run_config(name, args, mdir, at))
         except Exception as e:  # one config's failure (OOM, say) must not lose the others
             kind = "OOM" if isinstance(e, torch.OutOfMemoryError) else type(e).__name__
             rows.append({"config": name, "world": world, "error": f"{kind}: {str(e).splitlines()[0][:120]}"})

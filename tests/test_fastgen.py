@@ -13,6 +13,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from verlflow.core.ml.placement import Placement  # noqa: E402
 from verlflow.core.ml.fastgen import (  # noqa: E402
     FastGen, SamplingConfig, _Stats, nucleus_member, sample_logits, topk_filter, topk_values,
 )
@@ -248,13 +249,15 @@ def test_generate_share_dispatches_on_engine(monkeypatch):
 
     class Prompts:
         messages = []
+        rows = []
 
         def __len__(self):
             return 0
 
-    verlflow.core.ml.rollout.generate_share(None, None, BP, Prompts(), [], 0, 0, 1, None)
+    at = Placement(0, 1, None)
+    verlflow.core.ml.rollout.generate_share(None, None, BP, Prompts(), 0, at)
     BP.rollout.engine = "hf"
-    verlflow.core.ml.rollout.generate_share(None, None, BP, Prompts(), [], 0, 0, 1, None)
+    verlflow.core.ml.rollout.generate_share(None, None, BP, Prompts(), 0, at)
     assert called == ["static", "hf"]
 
 

@@ -8,6 +8,7 @@ import torch
 from tinybp import tiny_blueprint
 
 from verlflow.core.ml import fusedhead, model as M, packing, ppo
+from verlflow.core.ml.placement import Placement
 
 
 def ragged_batch(vocab: int, n: int = 6, P: int = 7, R: int = 9, seed: int = 0) -> dict:
@@ -72,12 +73,11 @@ def test_packed_forward_equals_padded(models, tiny_kit):
     (bp, padded), (bpp, packed) = models[False], models[True]
     b = ragged_batch(padded.config.vocab_size)
     mask = b["response_mask"].bool()
-    seq = ppo.sequences(b)
-    P, R = b["prompts"].shape[1], b["responses"].shape[1]
+    rows = ppo.Rows.of(b)
     idx = list(range(len(mask)))
     with torch.no_grad():
-        want = ppo._micro_forward(padded, b, seq, idx, bp, "cpu", P, R)
-        got = ppo._micro_forward(packed, b, seq, idx, bpp, "cpu", P, R)
+        want = ppo._micro_forward(padded, rows, idx, bp, "cpu")
+        got = ppo._micro_forward(packed, rows, idx, bpp, "cpu")
     for w, g in zip(want, got):
         torch.testing.assert_close(g[mask], w[mask], atol=2e-5, rtol=1e-5)
         assert (g[~mask] == 0).all()
@@ -86,8 +86,8 @@ def test_packed_forward_equals_padded(models, tiny_kit):
     critic_padded = M.build_module(tiny_kit["model_dir"], bp, critic=True).eval()
     critic_padded.load_state_dict(critic.state_dict())
     with torch.no_grad():
-        v_want = ppo._micro_forward(critic_padded, b, seq, idx, bp, "cpu", P, R, critic=True)[0]
-        v_got = ppo._micro_forward(critic, b, seq, idx, crit_bp, "cpu", P, R, critic=True)[0]
+        v_want = ppo._micro_forward(critic_padded, rows, idx, bp, "cpu", critic=True)[0]
+        v_got = ppo._micro_forward(critic, rows, idx, crit_bp, "cpu", critic=True)[0]
     torch.testing.assert_close(v_got[mask], v_want[mask], atol=2e-5, rtol=1e-5)
 
 
@@ -99,11 +99,13 @@ def test_packed_ppo_steps_equal_padded(models):
         b = ragged_batch(m.config.vocab_size, n=16, seed=1)
         b["group"] = torch.arange(16) // bp.rollout.n
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        old = ppo.score_all(m, b, bp, 0, 1, "cpu")
+        at = Placement(0, 1, "cpu")
+        old = ppo.score_all(m, b, bp, at)
         ref = old + 0.01 * b["response_mask"]
-        adv, ret, _ = ppo.advantages(bp, b, old, ref)
-        hist, step = ppo.train(bp, b, old, ref, adv, ret, m, opt, 0, 1, "cpu", iteration=1, step=0)
-        results[packed] = (hist, step, m.state_dict())
+        data, _ = ppo.prepare(bp, b, old, ref, iteration=1)
+        trained = ppo.Models(ppo.Trainee(m, opt), step=0)
+        hist = ppo.train(bp, trained, data, at)
+        results[packed] = (hist, trained.step, m.state_dict())
     (h0, s0, w0), (h1, s1, w1) = results[False], results[True]
     assert s0 == s1 == 2
     for r0, r1 in zip(h0, h1):
@@ -132,12 +134,11 @@ def test_fused_head_equals_plain_logits(models, packed, tied):
     assert ppo._fused(fused) and not ppo._fused(plain)
     b = ragged_batch(plain.config.vocab_size, n=8, seed=3)
     mask = b["response_mask"].bool()
-    seq = ppo.sequences(b)
-    P, R = b["prompts"].shape[1], b["responses"].shape[1]
+    rows = ppo.Rows.of(b)
     idx = [5, 0, 2, 7, 1]
     out = {}
     for name, m in (("plain", plain), ("fused", fused)):
-        logp, ent = ppo._micro_forward(m, b, seq, idx, bp, "cpu", P, R)
+        logp, ent = ppo._micro_forward(m, rows, idx, bp, "cpu")
         ((logp * 1.3 + ent * 0.7) * mask[idx]).sum().backward()  # both outputs feed the loss, as with entropy_coeff
         out[name] = (logp, ent, {n: p.grad.clone() for n, p in m.named_parameters()})
     (lw, ew, gw), (lg, eg, gg) = out["plain"], out["fused"]

@@ -13,6 +13,7 @@ def test_tokens_per_s_excludes_the_engine_set_up(tiny_kit, tmp_path, engine):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from verlflow.core.ml.data import load_prompts
+    from verlflow.core.ml.placement import Placement
     from verlflow.core.ml.rollout import generate_share, save_batch
 
     bp = tiny_blueprint(tiny_kit, tmp_path, rollout__engine=engine, rollout__micro_batch_size=2)
@@ -21,7 +22,7 @@ def test_tokens_per_s_excludes_the_engine_set_up(tiny_kit, tmp_path, engine):
     data = load_prompts(bp.data.train_files, bp.data.prompt_key)
     rows = list(range(bp.data.batch_size))
     t0 = time.perf_counter()
-    samples = generate_share(model, tok, bp, data.take(rows), rows, 1, 0, 1, torch.device("cpu"))
+    samples = generate_share(model, tok, bp, data.take(rows), 1, Placement(0, 1, torch.device("cpu")))
     wall = time.perf_counter() - t0
     stats = save_batch(samples, tmp_path, tok.pad_token_id, bp.rollout.max_new_tokens)
     if engine == "static":

@@ -13,17 +13,19 @@ REQUIRED = ("data_source", "reward_model")
 
 @dataclass
 class Prompts:
+    """Prompt columns; `rows` are their row numbers in the dataset (a `take` keeps them)."""
     messages: list[list[dict]]
     data_source: list[str]
     ground_truth: list[str]
     extra_info: list[dict]
+    rows: list[int]
 
     def __len__(self) -> int:
         return len(self.messages)
 
     def take(self, idx) -> "Prompts":
         return Prompts(*([col[i] for i in idx] for col in (self.messages, self.data_source, self.ground_truth,
-                                                           self.extra_info)))
+                                                           self.extra_info, self.rows)))
 
 
 def missing_file_problems(files: list[str]) -> list[str]:
@@ -65,7 +67,8 @@ def load_prompts(files: list[str], prompt_key: str = "prompt") -> Prompts:
             cols["data_source"].append(str(r["data_source"]))
             cols["reward_model"].append(str(rm["ground_truth"]))
             cols["extra_info"].append(r.get("extra_info") or {})
-    return Prompts(cols[prompt_key], cols["data_source"], cols["reward_model"], cols["extra_info"])
+    return Prompts(cols[prompt_key], cols["data_source"], cols["reward_model"], cols["extra_info"],
+                   list(range(len(cols[prompt_key]))))
 
 
 def select(n_rows: int, cursor: int, batch_size: int, seed: int, shuffle: bool) -> np.ndarray:

@@ -59,9 +59,7 @@ def sample(model, tok, prompts: list[list[int]], cfg: RolloutSpec, device: torch
     """Responses (without padding, EOS kept) for each prompt, in micro-batches of cfg.micro_batch_size.
     `timings["setup_s"]` is where an engine adds its set-up time; HF generate has none to add."""
     model.eval()
-    eos = tok.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos])
-    gen_kw = dict(max_new_tokens=cfg.max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=sorted(eos_ids),
+    gen_kw = dict(max_new_tokens=cfg.max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=sorted(eos_ids(tok)),
                   use_cache=True)
     if cfg.temperature > 0:
         gen_kw.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or None)
@@ -71,19 +69,27 @@ def sample(model, tok, prompts: list[list[int]], cfg: RolloutSpec, device: torch
         gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **gen_kw)
         return gen[:, ids.shape[1]:]
 
-    return in_micro_batches(generate, tok, prompts, cfg.micro_batch_size, eos_ids, seed, progress)
+    return in_micro_batches(generate, tok, prompts, cfg, seed, progress)
 
 
-def in_micro_batches(generate, tok, prompts: list[list[int]], micro_batch_size: int, eos_ids: set[int], seed: int,
+def eos_ids(tok) -> set[int]:
+    """The token ids that end a response (a tokenizer may name one or several)."""
+    eos = tok.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos])
+
+
+def in_micro_batches(generate, tok, prompts: list[list[int]], cfg: RolloutSpec, seed: int,
                      progress=None) -> list[list[int]]:
-    """Left-pad each micro-batch, call `generate(ids, mask) -> responses`, cut each row after its EOS."""
+    """Left-pad each micro-batch of cfg.micro_batch_size, call `generate(ids, mask) -> responses`, cut each row
+    after its EOS."""
     out: list[list[int]] = []
     t0, n_tok = time.perf_counter(), 0
-    for start in range(0, len(prompts), micro_batch_size):
-        ids, mask = left_pad(prompts[start:start + micro_batch_size], tok.pad_token_id)
+    ends = eos_ids(tok)
+    for start in range(0, len(prompts), cfg.micro_batch_size):
+        ids, mask = left_pad(prompts[start:start + cfg.micro_batch_size], tok.pad_token_id)
         torch.manual_seed(seed + start)  # a micro-batch's samples do not depend on the ones before it
         resp = generate(ids, mask).cpu()
-        for row, n in zip(resp, response_lengths(resp, eos_ids).tolist()):
+        for row, n in zip(resp, response_lengths(resp, ends).tolist()):
             out.append(row[:n].tolist())
             n_tok += n
         if progress:

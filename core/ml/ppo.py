@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,23 +18,67 @@ from verlflow.core.testing import faults
 from verlflow.core.ml import packing
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.errors import NonFiniteError
-from verlflow.core.ml.rollout import rank_slice
+from verlflow.core.ml.placement import Placement
 
 log = logging.getLogger("verlflow.ppo")
 
 
+@dataclass(frozen=True)
+class Trainee:
+    """A model being trained and its optimizer."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+@dataclass
+class Models:
+    """What an update trains: the policy, the critic (gae only), and the optimizer steps taken so far, which
+    `train` advances."""
+    policy: Trainee
+    critic: Trainee | None = None
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class PPOBatch:
+    """Iteration `iteration`'s rollout batch (prompts, responses, their masks, scores, group) and its per-token
+    [N, R] tensors: log-probs under the sampling policy and the reference, advantages, returns, critic values."""
+    tensors: dict
+    iteration: int
+    old_logp: torch.Tensor
+    ref_logp: torch.Tensor
+    adv: torch.Tensor
+    ret: torch.Tensor
+    values: torch.Tensor | None = None
+
+
 def sequences(batch: dict) -> dict:
-    """input_ids, attention_mask, position_ids for prompt + response; P = prompt width, R = response width."""
+    """input_ids, attention_mask, position_ids for prompt + response."""
     ids = torch.cat([batch["prompts"], batch["responses"]], dim=1)
     mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     return {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
 
 
-def _forward(model, seq: dict, idx, device, P: int, R: int, temperature: float, critic: bool = False):
+@dataclass(frozen=True)
+class Rows:
+    """A batch as the model reads it: padded `inputs` (sequences()), or packed from `batch`; P = prompt width,
+    R = response width."""
+    batch: dict
+    inputs: dict
+    P: int
+    R: int
+
+    @classmethod
+    def of(cls, batch: dict) -> "Rows":
+        return cls(batch, sequences(batch), batch["prompts"].shape[1], batch["responses"].shape[1])
+
+
+def _forward(model, rows: Rows, idx, device, temperature: float, critic: bool = False):
     from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
-    inputs = {k: v[idx].to(device) for k, v in seq.items()}
+    P, R = rows.P, rows.R
+    inputs = {k: v[idx].to(device) for k, v in rows.inputs.items()}
     if critic:
         return model(**inputs).logits[:, P - 1:P - 1 + R].float().squeeze(-1), None
     if _fused(model):
@@ -46,11 +91,12 @@ def _forward(model, seq: dict, idx, device, P: int, R: int, temperature: float, 
     return logprobs_from_logits(logits, labels), entropy_from_logits(logits)
 
 
-def _forward_packed(model, batch: dict, idx, device, R: int, temperature: float, critic: bool = False):
+def _forward_packed(model, rows: Rows, idx, device, temperature: float, critic: bool = False):
     """_forward over one padding-free row; returns the same [len(idx), R] layout (zeros on response padding)."""
     from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
-    pk = packing.pack(batch, idx).to(device)
+    R = rows.R
+    pk = packing.pack(rows.batch, idx).to(device)
     if critic:
         values = model(**pk.model_kwargs()).logits[0, pk.logit_idx, 0].float()
         return pk.unpack(values, len(idx), R), None
@@ -70,14 +116,13 @@ def _fused(model) -> bool:
     return getattr(model, "_verlflow_fused", False)  # FSDP1's wrapper forwards unknown attributes to the module
 
 
-def micro_batches(bp: Blueprint, batch: dict, ids, rank: int, world: int, *, forward_only: bool = False
-                  ) -> list[list[int]]:
+def micro_batches(bp: Blueprint, batch: dict, ids, at: Placement, *, forward_only: bool = False) -> list[list[int]]:
     """This rank's micro-batches of the samples `ids`: fixed counts of ppo_micro_batch_size_per_gpu, or, packed,
     token budgets balanced across ranks (the same number of micro-batches on every rank)."""
     ids = [int(i) for i in ids]
     a = bp.algorithm
     if not a.use_remove_padding:
-        mine = ids[rank_slice(len(ids), rank, world)]
+        mine = ids[at.share(len(ids))]
         mb = a.ppo_micro_batch_size_per_gpu
         return [mine[i:i + mb] for i in range(0, len(mine), mb)]
     sizes = packing.lengths(batch)
@@ -85,35 +130,34 @@ def micro_batches(bp: Blueprint, batch: dict, ids, rank: int, world: int, *, for
         "algorithm.ppo_max_token_len_per_gpu"
     if forward_only:
         budget, field = a.log_prob_max_token_len_per_gpu or 2 * budget, "algorithm.log_prob_max_token_len_per_gpu"
-    return packing.plan(ids, {i: int(sizes[i]) for i in ids}, world, rank, budget, field)
+    return packing.plan(ids, {i: int(sizes[i]) for i in ids}, at.world, at.rank, budget, field)
 
 
-def _micro_forward(model, batch: dict, seq: dict, idx, bp: Blueprint, device, P: int, R: int, critic: bool = False):
+def _micro_forward(model, rows: Rows, idx, bp: Blueprint, device, critic: bool = False):
     t = 1.0 if critic else bp.rollout.temperature
     if bp.algorithm.use_remove_padding:
-        return _forward_packed(model, batch, idx, device, R, t, critic)
-    return _forward(model, seq, idx, device, P, R, t, critic)
+        return _forward_packed(model, rows, idx, device, t, critic)
+    return _forward(model, rows, idx, device, t, critic)
 
 
 @torch.no_grad()
-def score_all(model, batch: dict, bp: Blueprint, rank: int, world: int, device, critic: bool = False) -> torch.Tensor:
+def score_all(model, batch: dict, bp: Blueprint, at: Placement, critic: bool = False) -> torch.Tensor:
     """Per-token log-probs (or values) of every sample: each rank does its slice, then all ranks share."""
     model.eval()
-    seq = sequences(batch)
-    N, R = batch["responses"].shape
-    P = batch["prompts"].shape[1]
-    micro = micro_batches(bp, batch, range(N), rank, world, forward_only=True)
+    rows = Rows.of(batch)
+    N = len(batch["responses"])
+    micro = micro_batches(bp, batch, range(N), at, forward_only=True)
     if bp.algorithm.use_remove_padding:  # token-balanced: rows are not a contiguous slice, so sum disjoint rows
-        full = torch.zeros(N, R, device=device)
+        full = torch.zeros(N, rows.R, device=at.device)
         for idx in micro:
-            full[idx] = _micro_forward(model, batch, seq, idx, bp, device, P, R, critic)[0]
-        if world > 1:
+            full[idx] = _micro_forward(model, rows, idx, bp, at.device, critic)[0]
+        if at.world > 1:
             dist.all_reduce(full)
         return full.cpu()
-    local = torch.cat([_micro_forward(model, batch, seq, idx, bp, device, P, R, critic)[0] for idx in micro]).to(device)
-    if world == 1:
+    local = torch.cat([_micro_forward(model, rows, idx, bp, at.device, critic)[0] for idx in micro]).to(at.device)
+    if at.world == 1:
         return local.cpu()
-    full = [torch.empty_like(local) for _ in range(world)]
+    full = [torch.empty_like(local) for _ in range(at.world)]
     dist.all_gather(full, local)
     return torch.cat(full).cpu()
 
@@ -145,6 +189,14 @@ def advantages(bp: Blueprint, batch: dict, old_logp, ref_logp, values=None) -> t
     return adv, ret, metrics
 
 
+def prepare(bp: Blueprint, batch: dict, old_logp, ref_logp, values=None, *, iteration: int
+            ) -> tuple[PPOBatch, dict]:
+    """The batch `train` takes: the rollout batch with its log-probs, values and advantages; plus the metrics of
+    the advantage computation."""
+    adv, ret, metrics = advantages(bp, batch, old_logp, ref_logp, values)
+    return PPOBatch(batch, iteration, old_logp, ref_logp, adv, ret, values), metrics
+
+
 def actor_config(bp: Blueprint):
     from verl.workers.config import ActorConfig
 
@@ -173,107 +225,137 @@ def _clip(model, max_norm: float) -> torch.Tensor:
     return norm.detach().float().cpu()
 
 
-def train(bp: Blueprint, batch: dict, old_logp, ref_logp, adv, ret, policy, popt, rank: int, world: int, device,
-          iteration: int, step: int, critic=None, copt=None, values=None, progress=None) -> tuple[list[dict], int]:
-    """ppo_epochs x mini-batches x micro-batches; returns per-mini-batch metrics and the new step count."""
-    from verl.trainer.ppo import core_algos
-
-    a = bp.algorithm
-    seq = sequences(batch)
-    N, R = batch["responses"].shape
-    P = batch["prompts"].shape[1]
-    mask = batch["response_mask"].float()
-    mini = a.ppo_mini_batch_size * bp.rollout.n
-    cfg = actor_config(bp)
-    loss_fn = core_algos.get_policy_loss_fn(a.policy_loss)
+def train(bp: Blueprint, models: Models, data: PPOBatch, at: Placement, progress=None) -> list[dict]:
+    """ppo_epochs x mini-batches x micro-batches; advances `models.step`; returns per-mini-batch metrics."""
+    update = _Update(bp, data, at)
+    N = len(update.mask)
+    mini = bp.algorithm.ppo_mini_batch_size * bp.rollout.n
     history = []
-    inject_nan = os.environ.get("VERLFLOW_FAULT") == "nan_loss"  # test hook (reliability suite)
-    for epoch in range(a.ppo_epochs):
-        order = torch.from_numpy(np.random.default_rng([bp.seed, iteration, epoch]).permutation(N))
+    for epoch in range(bp.algorithm.ppo_epochs):
+        order = torch.from_numpy(np.random.default_rng([bp.seed, data.iteration, epoch]).permutation(N))
         for m0 in range(0, N, mini):
-            t0 = time.perf_counter()
-            ids = order[m0:m0 + mini]
-            micro = micro_batches(bp, batch, ids, rank, world)
-            info = {"dp_size": world, "batch_num_tokens": int(mask[ids].sum().item()), "global_batch_size": len(ids)}
-            cfg.global_batch_info.update(info)
-            policy.train()
-            popt.zero_grad(set_to_none=True)
-            acc = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "kl_loss": 0.0, "entropy": 0.0}
-            n_micro = len(micro)
-            for j, idx in enumerate(micro):
-                _grad_sync(policy, bp, world, last=j == n_micro - 1)
-                logp, ent = _micro_forward(policy, batch, seq, idx, bp, device, P, R)
-                m = mask[idx].to(device)
-                pg_loss, pg_metrics = loss_fn(old_log_prob=old_logp[idx].to(device), log_prob=logp,
-                                              advantages=adv[idx].to(device), response_mask=m,
-                                              loss_agg_mode=a.loss_agg_mode, config=cfg)
-                loss = pg_loss
-                ent_loss = core_algos.agg_loss(ent, m, a.loss_agg_mode, **info)
-                if a.entropy_coeff:
-                    loss = loss - a.entropy_coeff * ent_loss
-                if a.use_kl_loss:
-                    kld = core_algos.kl_penalty(logp, ref_logp[idx].to(device), a.kl_loss_type)
-                    kl_loss = core_algos.agg_loss(kld, m, a.loss_agg_mode, **info)
-                    loss = loss + a.kl_loss_coef * kl_loss
-                    acc["kl_loss"] += kl_loss.detach() / world
-                if inject_nan:
-                    loss = loss * float("nan")
-                loss.backward()
-                # Device tensors, read once per mini-batch: a .item() here would stall the host every micro-batch.
-                acc["pg_loss"] += pg_loss.detach() / world
-                acc["entropy"] += ent_loss.detach() / world
-                acc["pg_clipfrac"] += pg_metrics["actor/pg_clipfrac"] / n_micro / world
-                acc["ppo_kl"] += pg_metrics["actor/ppo_kl"] / n_micro / world
-            grad_norm = _clip(policy, a.grad_clip)
-            if not torch.isfinite(grad_norm):
-                raise NonFiniteError(
-                    f"update[{iteration}]: policy grad norm is {grad_norm.item()} at epoch {epoch}, mini-batch "
-                    f"{m0 // mini} (pg_loss={float(acc['pg_loss'])}); nothing was committed. Lower algorithm.lr or check rewards."
-                )
-            popt.step()
-            step += 1
-            faults.kill_point("update", rank)  # test hook: VERLFLOW_FAULT=kill_rank<N>_in_update
-            if critic is not None:
-                acc.update(_critic_step(bp, critic, copt, batch, seq, micro, mask, values, ret, info, device, P, R))
-            # One device-to-host read for all of them (floats from verl's metrics join as device scalars).
-            stats = torch.stack([torch.as_tensor(acc[k], dtype=torch.float64, device=device)
-                                 for k in sorted(acc)]).cpu()
-            if world > 1:
-                dist.all_reduce(stats)  # every entry was pre-divided by world: the sum is the mean over ranks
-            row = {k: round(float(v), 6) for k, v in zip(sorted(acc), stats)}
-            dt = time.perf_counter() - t0
-            row.update(epoch=epoch, mini_batch=m0 // mini, step=step, grad_norm=round(float(grad_norm), 6),
-                       lr=popt.param_groups[0]["lr"],
-                       tokens_per_s=round(info["batch_num_tokens"] / max(dt, 1e-9), 1))
-            if not math.isfinite(row["pg_loss"]):
-                raise NonFiniteError(f"update[{iteration}]: loss is {row['pg_loss']}; nothing was committed.")
+            row = update.mini_batch(models, order[m0:m0 + mini], epoch, m0 // mini)
             history.append(row)
             if progress:
                 progress(f"epoch {epoch} mini-batch {m0 // mini}: pg_loss {row['pg_loss']:.4f} "
                          f"kl {row['kl_loss']:.4f} grad_norm {row['grad_norm']:.4f} {row['tokens_per_s']:.0f} tok/s")
-    return history, step
+    return history
 
 
-def _critic_step(bp, critic, copt, batch, seq, micro, mask, values, ret, info, device, P, R) -> dict:
-    world = info["dp_size"]
-    from verl.trainer.ppo import core_algos
+class _Update:
+    """One PPO batch's optimizer steps: what every mini-batch of it shares."""
 
-    a = bp.algorithm
-    critic.train()
-    copt.zero_grad(set_to_none=True)
-    vf_loss_sum, clipfrac = 0.0, 0.0
-    n_micro = len(micro)
-    for j, idx in enumerate(micro):
-        _grad_sync(critic, bp, world, last=j == n_micro - 1)
-        vpreds, _ = _micro_forward(critic, batch, seq, idx, bp, device, P, R, critic=True)
-        vf_loss, vf_clipfrac = core_algos.compute_value_loss(
-            vpreds=vpreds, returns=ret[idx].to(device), values=values[idx].to(device), response_mask=mask[idx].to(device),
-            cliprange_value=a.cliprange_value, loss_agg_mode=a.loss_agg_mode, **info)
-        (a.vf_coef * vf_loss).backward()
-        vf_loss_sum += vf_loss.detach() / world
-        clipfrac += float(vf_clipfrac) / n_micro / world
-    norm = _clip(critic, a.grad_clip)
-    if not torch.isfinite(norm):
-        raise NonFiniteError(f"critic grad norm is {norm.item()}; nothing was committed. Lower algorithm.critic_lr.")
-    copt.step()
-    return {"vf_loss": vf_loss_sum, "vf_clipfrac": clipfrac, "critic_grad_norm": float(norm) / world}
+    def __init__(self, bp: Blueprint, data: PPOBatch, at: Placement):
+        from verl.trainer.ppo import core_algos
+
+        self.bp, self.data, self.at = bp, data, at
+        self.rows = Rows.of(data.tensors)
+        self.mask = data.tensors["response_mask"].float()
+        self.cfg = actor_config(bp)
+        self.loss_fn = core_algos.get_policy_loss_fn(bp.algorithm.policy_loss)
+        self.inject_nan = os.environ.get("VERLFLOW_FAULT") == "nan_loss"  # test hook (reliability suite)
+
+    def mini_batch(self, models: Models, ids, epoch: int, index: int) -> dict:
+        """One optimizer step of the policy (and critic) on the samples `ids`; its metrics, averaged over ranks."""
+        t0 = time.perf_counter()
+        micro = micro_batches(self.bp, self.data.tensors, ids, self.at)
+        info = {"dp_size": self.at.world, "batch_num_tokens": int(self.mask[ids].sum().item()),
+                "global_batch_size": len(ids)}
+        self.cfg.global_batch_info.update(info)
+        policy = models.policy
+        acc = self._policy_grads(policy, micro, info)
+        grad_norm = _clip(policy.model, self.bp.algorithm.grad_clip)
+        if not torch.isfinite(grad_norm):
+            raise NonFiniteError(
+                f"update[{self.data.iteration}]: policy grad norm is {grad_norm.item()} at epoch {epoch}, mini-batch "
+                f"{index} (pg_loss={float(acc['pg_loss'])}); nothing was committed. Lower algorithm.lr or check rewards."
+            )
+        policy.optimizer.step()
+        models.step += 1
+        faults.kill_point("update", self.at.rank)  # test hook: VERLFLOW_FAULT=kill_rank<N>_in_update
+        if models.critic is not None:
+            acc.update(self._critic_step(models.critic, micro, info))
+        row = self._mean_over_ranks(acc)
+        dt = time.perf_counter() - t0
+        row.update(epoch=epoch, mini_batch=index, step=models.step, grad_norm=round(float(grad_norm), 6),
+                   lr=policy.optimizer.param_groups[0]["lr"],
+                   tokens_per_s=round(info["batch_num_tokens"] / max(dt, 1e-9), 1))
+        if not math.isfinite(row["pg_loss"]):
+            raise NonFiniteError(f"update[{self.data.iteration}]: loss is {row['pg_loss']}; nothing was committed.")
+        return row
+
+    def _policy_grads(self, policy: Trainee, micro: list[list[int]], info: dict) -> dict:
+        """Backward over the micro-batches; the loss terms summed as device tensors, each pre-divided by world."""
+        world = self.at.world
+        policy.model.train()
+        policy.optimizer.zero_grad(set_to_none=True)
+        acc = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "kl_loss": 0.0, "entropy": 0.0}
+        n_micro = len(micro)
+        for j, idx in enumerate(micro):
+            _grad_sync(policy.model, self.bp, world, last=j == n_micro - 1)
+            logp, ent = _micro_forward(policy.model, self.rows, idx, self.bp, self.at.device)
+            loss, terms = self._policy_loss(logp, ent, idx, info)
+            loss.backward()
+            # Device tensors, read once per mini-batch: a .item() here would stall the host every micro-batch.
+            for k in ("pg_loss", "entropy", "kl_loss"):
+                if k in terms:
+                    acc[k] += terms[k] / world
+            acc["pg_clipfrac"] += terms["pg_clipfrac"] / n_micro / world
+            acc["ppo_kl"] += terms["ppo_kl"] / n_micro / world
+        return acc
+
+    def _policy_loss(self, logp, ent, idx, info: dict) -> tuple[torch.Tensor, dict]:
+        """verl's policy loss (+ entropy bonus, + KL loss) of one micro-batch, and its terms (detached)."""
+        from verl.trainer.ppo import core_algos
+
+        a, dev, d = self.bp.algorithm, self.at.device, self.data
+        m = self.mask[idx].to(dev)
+        pg_loss, pg_metrics = self.loss_fn(old_log_prob=d.old_logp[idx].to(dev), log_prob=logp,
+                                           advantages=d.adv[idx].to(dev), response_mask=m,
+                                           loss_agg_mode=a.loss_agg_mode, config=self.cfg)
+        loss = pg_loss
+        ent_loss = core_algos.agg_loss(ent, m, a.loss_agg_mode, **info)
+        if a.entropy_coeff:
+            loss = loss - a.entropy_coeff * ent_loss
+        terms = {"pg_loss": pg_loss.detach(), "entropy": ent_loss.detach(),
+                 "pg_clipfrac": pg_metrics["actor/pg_clipfrac"], "ppo_kl": pg_metrics["actor/ppo_kl"]}
+        if a.use_kl_loss:
+            kld = core_algos.kl_penalty(logp, d.ref_logp[idx].to(dev), a.kl_loss_type)
+            kl_loss = core_algos.agg_loss(kld, m, a.loss_agg_mode, **info)
+            loss = loss + a.kl_loss_coef * kl_loss
+            terms["kl_loss"] = kl_loss.detach()
+        if self.inject_nan:
+            loss = loss * float("nan")
+        return loss, terms
+
+    def _critic_step(self, critic: Trainee, micro: list[list[int]], info: dict) -> dict:
+        from verl.trainer.ppo import core_algos
+
+        a, dev, d, world = self.bp.algorithm, self.at.device, self.data, self.at.world
+        critic.model.train()
+        critic.optimizer.zero_grad(set_to_none=True)
+        vf_loss_sum, clipfrac = 0.0, 0.0
+        n_micro = len(micro)
+        for j, idx in enumerate(micro):
+            _grad_sync(critic.model, self.bp, world, last=j == n_micro - 1)
+            vpreds, _ = _micro_forward(critic.model, self.rows, idx, self.bp, dev, critic=True)
+            vf_loss, vf_clipfrac = core_algos.compute_value_loss(
+                vpreds=vpreds, returns=d.ret[idx].to(dev), values=d.values[idx].to(dev),
+                response_mask=self.mask[idx].to(dev), cliprange_value=a.cliprange_value,
+                loss_agg_mode=a.loss_agg_mode, **info)
+            (a.vf_coef * vf_loss).backward()
+            vf_loss_sum += vf_loss.detach() / world
+            clipfrac += float(vf_clipfrac) / n_micro / world
+        norm = _clip(critic.model, a.grad_clip)
+        if not torch.isfinite(norm):
+            raise NonFiniteError(f"critic grad norm is {norm.item()}; nothing was committed. Lower algorithm.critic_lr.")
+        critic.optimizer.step()
+        return {"vf_loss": vf_loss_sum, "vf_clipfrac": clipfrac, "critic_grad_norm": float(norm) / world}
+
+    def _mean_over_ranks(self, acc: dict) -> dict:
+        """One device-to-host read for all of them (floats from verl's metrics join as device scalars)."""
+        keys = sorted(acc)
+        stats = torch.stack([torch.as_tensor(acc[k], dtype=torch.float64, device=self.at.device) for k in keys]).cpu()
+        if self.at.world > 1:
+            dist.all_reduce(stats)  # every entry was pre-divided by world: the sum is the mean over ranks
+        return {k: round(float(v), 6) for k, v in zip(keys, stats)}

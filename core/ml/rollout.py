@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.ml.data import Prompts
 from verlflow.core.ml.generate import encode_prompts, left_pad, sample
+from verlflow.core.ml.placement import Placement
 from verlflow.core.ml.rewards import load_reward
 
 
@@ -23,25 +24,21 @@ def sample_seed(bp: Blueprint, iteration: int) -> int:
     return int(hashlib.sha256(f"{bp.seed}/{iteration}".encode()).hexdigest()[:12], 16)
 
 
-def rank_slice(total: int, rank: int, world: int) -> slice:
-    per = total // world
-    return slice(rank * per, (rank + 1) * per)
-
-
-def generate_share(model, tok, bp: Blueprint, prompts: Prompts, rows: list[int], iteration: int, rank: int,
-                   world: int, device, progress=None) -> list[dict]:
-    """Samples j = p * n + k of the iteration (prompt p, sample k) that fall to this rank, with rewards."""
+def generate_share(model, tok, bp: Blueprint, prompts: Prompts, iteration: int, at: Placement,
+                   progress=None) -> list[dict]:
+    """Samples j = p * n + k of the iteration's `prompts` (prompt p, sample k) that fall to this rank, with
+    rewards."""
     n = bp.rollout.n
-    mine = range(len(prompts) * n)[rank_slice(len(prompts) * n, rank, world)]
+    mine = range(len(prompts) * n)[at.share(len(prompts) * n)]
     p_idx = [j // n for j in mine]
     enc = encode_prompts(tok, [prompts.messages[p] for p in p_idx], bp.data.max_prompt_length,
-                         [rows[p] for p in p_idx])
+                         [prompts.rows[p] for p in p_idx])
     sampler = sample
     if bp.rollout.engine == "static":
         from verlflow.core.ml.fastgen import sample as sampler
     timings = {"setup_s": 0.0}  # the engine's own set-up (build, compile, graph capture), filled by the sampler
     t0 = time.perf_counter()
-    responses = sampler(model, tok, enc, bp.rollout, device, sample_seed(bp, iteration) + mine.start, progress,
+    responses = sampler(model, tok, enc, bp.rollout, at.device, sample_seed(bp, iteration) + mine.start, progress,
                         timings=timings)
     setup_s = timings["setup_s"]
     gen_s = time.perf_counter() - t0 - setup_s  # generation only: tokens_per_s must not pay for the set-up
@@ -52,7 +49,7 @@ def generate_share(model, tok, bp: Blueprint, prompts: Prompts, rows: list[int],
         score = float(reward(prompts.data_source[p], text, prompts.ground_truth[p], prompts.extra_info[p]))
         if not math.isfinite(score):
             raise ValueError(f"reward.function={bp.reward.function} returned {score} for sample {j}")
-        out.append({"sample": j, "group": p, "row": rows[p], "prompt_ids": ids, "response_ids": resp,
+        out.append({"sample": j, "group": p, "row": prompts.rows[p], "prompt_ids": ids, "response_ids": resp,
                     "response": text, "ground_truth": prompts.ground_truth[p], "score": score, "gen_s": gen_s,
                     "setup_s": setup_s})
     return out

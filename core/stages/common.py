@@ -25,6 +25,7 @@ from verlflow.core.testing import faults
 from verlflow.core.stages import modelcache
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.errors import NO_SPACE_FIX, StoreError, is_no_space
+from verlflow.core.ml.placement import Placement
 from verlflow.core.stages import committer as committers
 from verlflow.core.stages.agree import any_rank
 from verlflow.core.store.artifacts import ArtifactStore, digest_files
@@ -84,6 +85,10 @@ class StageContext:
 
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def placement(self) -> Placement:
+        return Placement(self.rank, self.world, self.device)
 
     def timed(self, name: str):
         return _Timer(self.timings, name)

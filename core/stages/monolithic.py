@@ -11,12 +11,53 @@ import torch.distributed as dist
 
 from verlflow.core.ml import checkpoint, model as M, ppo
 from verlflow.core.ml.data import load_prompts, select
-from verlflow.core.ml.optim import apply_hparams, make_optimizer
+from verlflow.core.ml.optim import apply_hparams
 from verlflow.core.ml.rollout import generate_share, load_batch, save_batch
 from verlflow.core.stages.common import StageContext, stage_main
-from verlflow.core.stages.update import sharded
+from verlflow.core.stages.rollout import gather
+from verlflow.core.stages.update import load_trainee, sharded
 
 log = logging.getLogger("verlflow.monolithic")
+
+
+def _trainee(ctx: StageContext, build, role: str) -> ppo.Trainee:
+    """A role's FSDP model and optimizer from the build stage's checkpoint, with the blueprint's hyperparameters."""
+    trainee = load_trainee(ctx, build / "hf_meta", build, role)
+    apply_hparams(trainee.optimizer, ctx.bp, critic=role == "critic")
+    return trainee
+
+
+def _as_batch(ctx: StageContext, samples: list[dict], tok, it: int) -> tuple[dict, dict]:
+    """The samples through the same file format as the staged path (so both see identical tensors), and their
+    statistics."""
+    batch_dir = ctx.out / "batches" / str(it)
+    stats = [None]
+    if ctx.is_main():
+        batch_dir.mkdir(parents=True, exist_ok=True)
+        stats[0] = save_batch(samples, batch_dir, tok.pad_token_id, ctx.bp.rollout.max_new_tokens)
+    dist.broadcast_object_list(stats)
+    return load_batch(batch_dir), stats[0]
+
+
+def _update(ctx: StageContext, ref, models: ppo.Models, batch: dict, it: int) -> list[dict]:
+    bp, at = ctx.bp, ctx.placement
+    ref_logp = ppo.score_all(ref, batch, bp, at)
+    old_logp = ppo.score_all(models.policy.model, batch, bp, at)
+    values = None if models.critic is None else ppo.score_all(models.critic.model, batch, bp, at, critic=True)
+    data, _ = ppo.prepare(bp, batch, old_logp, ref_logp, values, iteration=it)
+    return ppo.train(bp, models, data, at)
+
+
+def _export(ctx: StageContext, policy, meta_dir) -> None:
+    """The HF export the checkpoint stage writes, from the weights in memory."""
+    full = checkpoint.full_state_dict(policy)  # collective: every rank
+    if ctx.is_main():
+        export = M.empty_module(meta_dir, ctx.bp)
+        export.load_state_dict(full)
+        export.config.use_cache = True
+        export.save_pretrained(ctx.out / "hf", safe_serialization=True)
+    if ctx.world > 1:
+        dist.barrier()
 
 
 def run(ctx: StageContext) -> dict:
@@ -25,21 +66,13 @@ def run(ctx: StageContext) -> dict:
     meta_dir = build / "hf_meta"
     tok = M.load_tokenizer(meta_dir)
     data = load_prompts(bp.data.train_files, bp.data.prompt_key)
-    gae = bp.algorithm.adv_estimator == "gae"
-    args = (ctx.rank, ctx.world, ctx.device)
 
     ref = sharded(ctx, meta_dir)
     checkpoint.load(build / "ref", ref)
-    policy = sharded(ctx, meta_dir)
-    popt = make_optimizer(policy, bp)
-    state = checkpoint.load(build / "policy", policy, popt)
-    apply_hparams(popt, bp)
-    critic = copt = None
-    if gae:
-        critic = sharded(ctx, meta_dir, critic=True)
-        copt = make_optimizer(critic, bp, critic=True)
-        checkpoint.load(build / "critic", critic, copt)
-        apply_hparams(copt, bp, critic=True)
+    policy = _trainee(ctx, build, "policy")
+    state = checkpoint.read_state(build / "policy")
+    critic = _trainee(ctx, build, "critic") if bp.algorithm.adv_estimator == "gae" else None
+    models = ppo.Models(policy, critic, step=state["step"])
     with torch.device(ctx.device):
         infer = M.build_module(meta_dir, bp)
     infer.to(M.inference_dtype(bp))
@@ -48,45 +81,23 @@ def run(ctx: StageContext) -> dict:
     for it in range(1, bp.iterations + 1):
         rows = select(len(data), state["data_cursor"], bp.data.batch_size, bp.seed, bp.data.shuffle).tolist()
         with ctx.timed("rollout_s"):
-            infer.load_state_dict(checkpoint.full_state_dict(policy))
-            mine = generate_share(infer, tok, bp, data.take(rows), rows, it, *args)
-            parts = [None] * ctx.world
-            dist.all_gather_object(parts, mine)
-        # The batch goes through the same file format as the staged path (so both see identical tensors).
-        batch_dir = ctx.out / "batches" / str(it)
-        stats = [None]
-        if ctx.is_main():
-            batch_dir.mkdir(parents=True, exist_ok=True)
-            stats[0] = save_batch([s for p in parts for s in p], batch_dir, tok.pad_token_id,
-                                  bp.rollout.max_new_tokens)
-        dist.broadcast_object_list(stats)
-        stats = stats[0]
-        batch = load_batch(batch_dir)
+            infer.load_state_dict(checkpoint.full_state_dict(policy.model))
+            samples = gather(ctx, generate_share(infer, tok, bp, data.take(rows), it, ctx.placement))
+        batch, stats = _as_batch(ctx, samples, tok, it)
         with ctx.timed("update_s"):
-            ref_logp = ppo.score_all(ref, batch, bp, *args)
-            old_logp = ppo.score_all(policy, batch, bp, *args)
-            values = ppo.score_all(critic, batch, bp, *args, critic=True) if gae else None
-            adv, ret, _ = ppo.advantages(bp, batch, old_logp, ref_logp, values)
-            history, step = ppo.train(bp, batch, old_logp, ref_logp, adv, ret, policy, popt, *args, iteration=it,
-                                      step=state["step"], critic=critic, copt=copt, values=values)
-        state = {**state, "step": step, "data_cursor": state["data_cursor"] + bp.data.batch_size, "iteration": it}
+            history = _update(ctx, ref, models, batch, it)
+        state = {**state, "step": models.step, "data_cursor": state["data_cursor"] + bp.data.batch_size,
+                 "iteration": it}
         per_iter.append({"iteration": it, "reward_mean": stats["reward_mean"], "pg_loss": history[-1]["pg_loss"],
                          "rollout_s": round(ctx.timings["rollout_s"] - sum(p["rollout_s"] for p in per_iter), 4),
                          "update_s": round(ctx.timings["update_s"] - sum(p["update_s"] for p in per_iter), 4)})
         log.info("monolithic[%d]: reward mean %.4f", it, stats["reward_mean"])
     with ctx.timed("save_s"):
-        checkpoint.save(ctx.out / "policy", policy, popt, state)
-        if gae:
-            checkpoint.save(ctx.out / "critic", critic, copt, state)
-    with ctx.timed("export_s"):  # the HF export the checkpoint stage writes, from the weights in memory
-        full = checkpoint.full_state_dict(policy)  # collective: every rank
-        if ctx.is_main():
-            export = M.empty_module(meta_dir, bp)
-            export.load_state_dict(full)
-            export.config.use_cache = True
-            export.save_pretrained(ctx.out / "hf", safe_serialization=True)
-        if ctx.world > 1:
-            dist.barrier()
+        for role, trainee in (("policy", policy), ("critic", critic)):
+            if trainee is not None:
+                checkpoint.save(ctx.out / role, trainee.model, trainee.optimizer, state)
+    with ctx.timed("export_s"):
+        _export(ctx, policy.model, meta_dir)
     return {"iterations": per_iter, "step": state["step"]}
 
 

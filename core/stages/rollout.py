@@ -17,6 +17,35 @@ from verlflow.core.stages.common import StageContext, stage_main
 log = logging.getLogger("verlflow.rollout")
 
 
+def _inference_copy(ctx: StageContext, meta_dir, cached, policy_dir):
+    """The policy's weights in an unsharded model of the inference dtype. A warm pool's previous copy is refilled
+    in place: its static engine (compiled, CUDA graphs captured on these very tensors) is reused as the monolithic
+    stage reuses its own."""
+    bp = ctx.bp
+    infer_id = (ctx.identity("build"), bp.fsdp.mixed_precision)
+    model = modelcache.get("infer", infer_id) if cached is not None else None
+    if model is None:
+        with torch.device(ctx.device):  # random init on the device is fast; the load overwrites it
+            model = M.build_module(meta_dir, bp)
+        if cached is None:
+            checkpoint.load_full(policy_dir, model)
+    if cached is not None:
+        model.load_state_dict(checkpoint.full_state_dict(cached[0]))
+    model.to(M.inference_dtype(bp))  # a no-op for the reused copy: its tensors (and graphs) stay
+    modelcache.put("infer", infer_id, model)
+    return model
+
+
+def gather(ctx: StageContext, mine: list[dict]) -> list[dict]:
+    """Every rank's samples, on every rank: one collective after generation, none during it (ranks that finish
+    early simply wait here)."""
+    if ctx.world == 1:
+        return mine
+    parts = [None] * ctx.world
+    dist.all_gather_object(parts, mine)
+    return [s for p in parts for s in p]
+
+
 def run(ctx: StageContext) -> dict:
     bp = ctx.bp
     meta_dir = ctx.input("build") / "hf_meta"
@@ -28,32 +57,14 @@ def run(ctx: StageContext) -> dict:
     data = load_prompts(bp.data.train_files, bp.data.prompt_key)
     rows = select(len(data), state["data_cursor"], bp.data.batch_size, bp.seed, bp.data.shuffle).tolist()
     with ctx.timed("load_s"):
-        # The pool's previous inference copy, refilled in place: its static engine (compiled, CUDA graphs
-        # captured on these very tensors) is reused as the monolithic stage reuses its own.
-        infer_id = (ctx.identity("build"), bp.fsdp.mixed_precision)
-        model = modelcache.get("infer", infer_id) if cached is not None else None
-        if model is None:
-            with torch.device(ctx.device):  # random init on the device is fast; the load overwrites it
-                model = M.build_module(meta_dir, bp)
-            if cached is None:
-                checkpoint.load_full(policy_dir, model)
-        if cached is not None:
-            model.load_state_dict(checkpoint.full_state_dict(cached[0]))
-        model.to(M.inference_dtype(bp))  # a no-op for the reused copy: its tensors (and graphs) stay
-        modelcache.put("infer", infer_id, model)
+        model = _inference_copy(ctx, meta_dir, cached, policy_dir)
     progress = log.info if ctx.is_main() else None
     with ctx.timed("generate_s"):
-        mine = generate_share(model, tok, bp, data.take(rows), rows, ctx.iteration, ctx.rank, ctx.world,
-                              ctx.device, progress)
-    # One collective after generation, none during it: ranks that finish early simply wait here.
-    parts = [None] * ctx.world
-    if ctx.world > 1:
-        dist.all_gather_object(parts, mine)
-    else:
-        parts = [mine]
+        mine = generate_share(model, tok, bp, data.take(rows), ctx.iteration, ctx.placement, progress)
+    samples = gather(ctx, mine)
     if not ctx.is_main():
         return {}
-    stats = save_batch([s for p in parts for s in p], ctx.out, tok.pad_token_id, bp.rollout.max_new_tokens)
+    stats = save_batch(samples, ctx.out, tok.pad_token_id, bp.rollout.max_new_tokens)
     stats["data_cursor"] = state["data_cursor"]
     # generate_s is the whole phase; tokens_per_s counts sampling_s only, without the engine's set-up
     ctx.timings.update(sampling_s=stats.pop("sampling_s"), engine_setup_s=stats.pop("engine_setup_s"))

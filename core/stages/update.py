@@ -25,64 +25,74 @@ def sharded(ctx: StageContext, meta_dir, critic: bool = False):
     return model
 
 
-def _load(ctx: StageContext, meta_dir, prev, role: str):
+def load_trainee(ctx: StageContext, meta_dir, prev, role: str) -> ppo.Trainee:
     """A role's FSDP model and optimizer from the previous checkpoint."""
     critic = role == "critic"
     model = sharded(ctx, meta_dir, critic=critic)
     opt = make_optimizer(model, ctx.bp, critic=critic)
     checkpoint.load(prev / role, model, opt)
-    return model, opt
+    return ppo.Trainee(model, opt)
+
+
+def _ref_logp(ctx: StageContext, build, batch: dict):
+    """Log-probs under the frozen reference (kept in a warm pool's memory across iterations)."""
+    ref = modelcache.get("ref", ctx.identity("build"))
+    if ref is None:
+        ref = sharded(ctx, build / "hf_meta")
+        checkpoint.load(build / "ref", ref)
+        modelcache.put("ref", ctx.identity("build"), ref)
+    return ppo.score_all(ref, batch, ctx.bp, ctx.placement)
+
+
+def _models(ctx: StageContext, meta_dir) -> tuple[ppo.Models, dict]:
+    """The policy (and critic) to train and the policy checkpoint's state. In a warm pool the previous update's
+    models are still in memory (core/stages/modelcache.py); its files may still be being written in the
+    background, and are not needed then."""
+    bp = ctx.bp
+    cached = modelcache.get("policy", ctx.identity("policy"))
+    if cached is not None:
+        policy, state = ppo.Trainee(*cached[:2]), cached[2]
+    else:
+        prev = ctx.input("policy")
+        policy, state = load_trainee(ctx, meta_dir, prev, "policy"), checkpoint.read_state(prev / "policy")
+    apply_hparams(policy.optimizer, bp)
+    critic = None
+    if bp.algorithm.adv_estimator == "gae":
+        critic = modelcache.get("critic", ctx.identity("policy")) or load_trainee(
+            ctx, meta_dir, ctx.input("policy"), "critic")
+        apply_hparams(critic.optimizer, bp, critic=True)
+    return ppo.Models(policy, critic, step=state["step"]), state
+
+
+def _save(ctx: StageContext, models: ppo.Models, state: dict) -> None:
+    policy, critic = models.policy, models.critic
+    checkpoint.save(ctx.out / "policy", policy.model, policy.optimizer, state, ctx.background())
+    modelcache.put("policy", ctx.identity(), (policy.model, policy.optimizer, state))
+    if critic is not None:
+        checkpoint.save(ctx.out / "critic", critic.model, critic.optimizer, state, ctx.background())
+        modelcache.put("critic", ctx.identity(), critic)
 
 
 def run(ctx: StageContext) -> dict:
-    bp, it = ctx.bp, ctx.iteration
+    bp, it, at = ctx.bp, ctx.iteration, ctx.placement
     build = ctx.input("build")
-    meta_dir = build / "hf_meta"
     batch = load_batch(ctx.input("rollout"))
-    gae = bp.algorithm.adv_estimator == "gae"
-    args = (ctx.rank, ctx.world, ctx.device)
     with ctx.timed("ref_s"):
-        ref = modelcache.get("ref", ctx.identity("build"))
-        if ref is None:
-            ref = sharded(ctx, meta_dir)
-            checkpoint.load(build / "ref", ref)
-            modelcache.put("ref", ctx.identity("build"), ref)
-        ref_logp = ppo.score_all(ref, batch, bp, *args)
-        del ref
+        ref_logp = _ref_logp(ctx, build, batch)
     with ctx.timed("load_s"):
-        # In a warm pool the previous update's models are still in memory (core/stages/modelcache.py); its files may
-        # still be being written in the background, and are not needed then.
-        cached = modelcache.get("policy", ctx.identity("policy"))
-        if cached is not None:
-            policy, popt, state = cached
-        else:
-            prev = ctx.input("policy")
-            policy, popt = _load(ctx, meta_dir, prev, "policy")
-            state = checkpoint.read_state(prev / "policy")
-        apply_hparams(popt, bp)
-        critic = copt = values = None
-        if gae:
-            critic, copt = modelcache.get("critic", ctx.identity("policy")) or _load(
-                ctx, meta_dir, ctx.input("policy"), "critic")
-            apply_hparams(copt, bp, critic=True)
+        models, state = _models(ctx, build / "hf_meta")
     with ctx.timed("old_logp_s"):
-        old_logp = ppo.score_all(policy, batch, bp, *args)
-        if gae:
-            values = ppo.score_all(critic, batch, bp, *args, critic=True)
-    adv, ret, adv_metrics = ppo.advantages(bp, batch, old_logp, ref_logp, values)
+        old_logp = ppo.score_all(models.policy.model, batch, bp, at)
+        values = None if models.critic is None else ppo.score_all(models.critic.model, batch, bp, at, critic=True)
+    data, adv_metrics = ppo.prepare(bp, batch, old_logp, ref_logp, values, iteration=it)
     with ctx.timed("train_s"):
-        history, step = ppo.train(bp, batch, old_logp, ref_logp, adv, ret, policy, popt, *args, iteration=it,
-                                  step=state["step"], critic=critic, copt=copt, values=values,
-                                  progress=log.info if ctx.is_main() else None)
-    new_state = {**state, "step": step, "data_cursor": state["data_cursor"] + bp.data.batch_size, "iteration": it}
+        history = ppo.train(bp, models, data, at, progress=log.info if ctx.is_main() else None)
+    new_state = {**state, "step": models.step, "data_cursor": state["data_cursor"] + bp.data.batch_size,
+                 "iteration": it}
     with ctx.timed("save_s"):
-        checkpoint.save(ctx.out / "policy", policy, popt, new_state, ctx.background())
-        modelcache.put("policy", ctx.identity(), (policy, popt, new_state))
-        if gae:
-            checkpoint.save(ctx.out / "critic", critic, copt, new_state, ctx.background())
-            modelcache.put("critic", ctx.identity(), (critic, copt))
+        _save(ctx, models, new_state)
     last = history[-1]
-    return {**adv_metrics, "step": step, "mini_batches": history, "pg_loss": last["pg_loss"],
+    return {**adv_metrics, "step": models.step, "mini_batches": history, "pg_loss": last["pg_loss"],
             "kl_loss": last["kl_loss"], "entropy": last["entropy"], "pg_clipfrac": last["pg_clipfrac"],
             "grad_norm": last["grad_norm"], "tokens_per_s": last["tokens_per_s"]}
 

@@ -432,11 +432,10 @@ def sample(model, tok, prompts: list[list[int]], cfg, device, seed: int, progres
 
     cfg: a RolloutSpec (temperature, top_p, top_k, max_new_tokens, micro_batch_size). top_k=0 means off.
     The engine's set-up (building it, compiling, capturing graphs) is added to ``timings["setup_s"]``."""
-    from verlflow.core.ml.generate import in_micro_batches
+    from verlflow.core.ml.generate import eos_ids as end_ids, in_micro_batches
 
     model.eval()
-    eos = tok.eos_token_id
-    eos_ids = sorted(set(eos if isinstance(eos, list) else [eos]))
+    eos_ids = sorted(end_ids(tok))
     scfg = SamplingConfig(temperature=float(cfg.temperature), top_p=float(cfg.top_p), top_k=int(cfg.top_k or 0))
     mb = min(cfg.micro_batch_size, max(1, len(prompts)))
     width = max((len(p) for p in prompts), default=1)
@@ -449,7 +448,7 @@ def sample(model, tok, prompts: list[list[int]], cfg, device, seed: int, progres
         setup_s[0] += eng.last_stats["setup_s"]  # this micro-batch's compile and captures
         return out
 
-    responses = in_micro_batches(generate, tok, prompts, cfg.micro_batch_size, set(eos_ids), seed, progress)
+    responses = in_micro_batches(generate, tok, prompts, cfg, seed, progress)
     if timings is not None:
         timings["setup_s"] = timings.get("setup_s", 0.0) + setup_s[0]
     return responses
