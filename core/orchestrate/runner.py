@@ -19,6 +19,7 @@ from typing import Callable
 
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.errors import StoreError
+from verlflow.core.job import InputRecord, InputRef, JobSpec, ManifestDraft
 from verlflow.core.orchestrate.backends import launcher_for, scratch_root
 from verlflow.core.orchestrate.launcher import LaunchSpec
 from verlflow.core.orchestrate.pool import Background
@@ -136,28 +137,24 @@ def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[st
         store.rm(out)
 
     scratch = Path(tempfile.mkdtemp(prefix=f"verlflow-{stage}-", dir=scratch_root(res)))
-    job = {
-        "stage": stage, "run_id": run_id, "iteration": iteration, "output": out, "scratch": str(scratch),
-        "blueprint": bp.model_dump(mode="json"), "inputs": inputs,
-        "input_manifests": {n: {"key": m["key"], "metrics": m.get("metrics", {}), "lineage": m.get("lineage", [])}
-                            for n, m in manifests.items()},
-        "manifest": {
-            "stage": stage, "run_id": run_id, "iteration": iteration, "key": key,
-            "inputs": {n: {"stage": inputs[n], "key": m["key"]} for n, m in manifests.items()},
-            "blueprint_hash": bp.hash(), "blueprint_name": bp.name, "code_version": code_version(stage),
-            "lineage": _lineage(manifests, inputs),
-        },
-        "launched_at": time.time(),
-    }
+    job = JobSpec(
+        stage=stage, run_id=run_id, iteration=iteration, output=out, scratch=str(scratch), blueprint=bp,
+        inputs=inputs, input_manifests={n: InputRecord(key=m["key"], metrics=m.get("metrics", {}),
+                                                        lineage=m.get("lineage", [])) for n, m in manifests.items()},
+        manifest=ManifestDraft(
+            stage=stage, run_id=run_id, iteration=iteration, key=key,
+            inputs={n: InputRef(stage=inputs[n], key=m["key"]) for n, m in manifests.items()},
+            blueprint_hash=bp.hash(), blueprint_name=bp.name, code_version=code_version(stage),
+            lineage=_lineage(manifests, inputs)),
+        launched_at=time.time())
     # A job with its own environment needs its own processes: a pool's environment was fixed at its start.
     pool = _warm_pool(res, on_line) if res.warm_pool and not env else None
     pending = sorted(n for n, m in manifests.items() if m.get("pending"))
     if pending:
         # Only the pool that commits an input can wait for it inside the job; any other job starts after it landed.
         _await_inputs(pool, {n: inputs[n] for n in pending}, store, cancel, on_line)
-        job["pending_inputs"] = [n for n in pending if store.read_manifest(inputs[n]) is None]
-    job_file = scratch / "job.json"
-    job_file.write_text(json.dumps(job))
+        job.pending_inputs = [n for n in pending if store.read_manifest(inputs[n]) is None]
+    job_file = job.write(scratch / "job.json")
     nproc = res.nproc_per_node if pool else 1 if single else res.nproc_per_node
     multi = multi_local and not single
     spec = LaunchSpec(module=module_of(stage), args=[str(job_file)], job_arg=0, nproc_per_node=nproc,
