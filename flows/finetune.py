@@ -50,11 +50,11 @@ def finetune(blueprint: Blueprint = Blueprint(), run_id: OptionalText = None, bl
         # resources.warm_workers: the stage tasks share one torchrun job, which keeps its devices between stages,
         # so the flow holds their slots for as long (a task holding slots must never wait on an idle pool's GPUs).
         with run_lease(open_store(bp), run_id, str(get_run_context().flow_run.id), get_run_logger().info), \
-                warm_pools(), pipeline_slots(bp):
+                warm_pools() as pools, pipeline_slots(bp):
             for i, step in enumerate(steps):
                 force = first_forced is not None and i >= first_forced and not recomputed_here(bp, run_id, step)
                 task = stage_task(step.stage, step.iteration, bp)
-                done[step.stage] = task(step.stage, step.iteration, step.inputs, bp, run_id, force)
+                done[step.stage] = task(step.stage, step.iteration, step.inputs, bp, run_id, force, pools=pools)
                 if step.stage == "checkpoint":
                     it = step.iteration
                     report.iteration_done(iteration_row(it, done["rollout"], done["update"], done["checkpoint"]))

@@ -12,7 +12,7 @@ from typing import Callable
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.errors import BlueprintError
 from verlflow.core.orchestrate.pool import warm_pools
-from verlflow.core.orchestrate.runner import StageResult, open_store, run_stage
+from verlflow.core.orchestrate.runner import RunContext, StageResult, open_store, run_stage
 from verlflow.core.store.artifacts import stage_key
 
 
@@ -73,14 +73,14 @@ def run_pipeline(bp: Blueprint, run_id: str, *, on_line: Callable[[str], None] =
     steps = plan(bp, run_id, warm_start_source(bp, run_id))
     first_forced = parse_from(force_from, steps)
     results = []
-    with warm_pools():  # used by stages whose blueprint sets resources.warm_workers
+    with warm_pools() as pools:  # used by stages whose blueprint sets resources.warm_workers
+        ctx = RunContext(bp, run_id, on_line=on_line, cancel=cancel, pools=pools)
         for i, step in enumerate(steps):
-            res = run_stage(step.stage, bp, run_id, step.iteration, step.inputs, on_line=on_line, cancel=cancel,
+            res = run_stage(ctx, step.stage, step.iteration, step.inputs,
                             force=first_forced is not None and i >= first_forced)
             results.append(res)
             if on_step:
                 on_step(step, res)
     # The pools have closed, so every background commit has landed (or warm_pools raised): report the manifests.
-    store = open_store(bp)
-    return [StageResult(store.read_manifest(stage_key(run_id, s.iteration, s.stage)), r.skipped, r.seconds)
+    return [StageResult(ctx.store.read_manifest(stage_key(run_id, s.iteration, s.stage)), r.skipped, r.seconds)
             if r.pending else r for s, r in zip(steps, results)]
