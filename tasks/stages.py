@@ -21,6 +21,7 @@ from prefect.states import Completed, State
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.orchestrate.launcher import StageFailure
 from verlflow.core.orchestrate.logsink import LineSink, stage_log_path
+from verlflow.core.orchestrate.pipeline import Step
 from verlflow.core.orchestrate.pool import WarmPools
 from verlflow.core.orchestrate.runner import (SINGLE_PROCESS, RunContext, StageResult, open_store, run_stage,
                                               stage_status)
@@ -122,6 +123,12 @@ def pipeline_slots(bp: Blueprint):
                           f"{limit_name(bp.resources.device)} for its stages")
     with device_slots(bp.resources.device, n):
         yield
+
+
+def run_step_as_task(ctx: RunContext, step: Step, force: bool) -> StageResult:
+    """The flow's way to run a pipeline step (verlflow.core.orchestrate.pipeline.PipelineHooks): as its stage task."""
+    return stage_task(step.stage, step.iteration, ctx.bp)(step.stage, step.iteration, step.inputs, ctx.bp,
+                                                          ctx.run_id, force, pools=ctx.pools)
 
 
 def stage_task(stage: str, iteration, bp: Blueprint) -> "StageTask":
