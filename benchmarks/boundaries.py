@@ -85,7 +85,7 @@ def main(argv=None) -> int:
 
     from verlflow.core.blueprint import load_blueprint
     from verlflow.core.orchestrate.pipeline import run_pipeline
-    from verlflow.core.orchestrate.runner import run_stage
+    from verlflow.core.orchestrate.runner import RunContext, run_stage
 
     root = Path(tempfile.mkdtemp(prefix="verlflow-bound-"))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))  # persistent across stage jobs
@@ -158,7 +158,8 @@ def main(argv=None) -> int:
 
     say(f"monolithic: the same {k} iterations in one job")
     try:
-        mono = run_stage("monolithic", bp, "staged", "mono", {"build": "runs/staged/init/build"}, on_line=log)
+        mono = run_stage(RunContext(bp, "staged", on_line=log), "monolithic", "mono",
+                         {"build": "runs/staged/init/build"})
     except Exception:
         print("\n".join(lines[-60:]), flush=True)
         raise

@@ -26,7 +26,7 @@ from prefect import flow  # noqa: E402
 
 import verlflow.tasks.stages as ts  # noqa: E402
 from verlflow.core.blueprint import load_blueprint  # noqa: E402
-from verlflow.core.orchestrate.runner import StageResult, run_stage  # noqa: E402
+from verlflow.core.orchestrate.runner import RunContext, StageResult, run_stage  # noqa: E402
 
 TINY = ["iterations=1", "data.batch_size=4", "rollout.n=2", "rollout.max_new_tokens=4",
         "algorithm.ppo_mini_batch_size=2", "algorithm.ppo_micro_batch_size_per_gpu=2", "resources.nproc_per_node=1"]
@@ -39,9 +39,9 @@ def stats(xs):
 def noop_stages(bp, n: int) -> None:
     manifest = {"key": "k", "metrics": {"reward_mean": 0.1}, "timings": {"stage_s": 0.0}, "stage_uri": "file:///x"}
 
-    def fake(stage, bp, run_id, iteration, inputs, *, on_line, **kw):
+    def fake(ctx, stage, iteration, inputs, **kw):
         for i in range(20):  # a stage's worth of output lines
-            on_line(f"[rank0] line {i}")
+            ctx.on_line(f"[rank0] line {i}")
         return StageResult(dict(manifest, stage=stage, iteration=iteration), False, 0.0)
 
     ts.run_stage, ts.is_committed = fake, (lambda *a, **k: False)
@@ -57,7 +57,7 @@ def noop_stages(bp, n: int) -> None:
 
     t = time.perf_counter()
     for i in range(n):
-        fake("rollout", bp, "bench", i, {}, on_line=lambda line: None)
+        fake(RunContext(bp, "bench", on_line=lambda line: None), "rollout", i, {})
     plain = (time.perf_counter() - t) / n
     t = time.perf_counter()
     per_task = bench()

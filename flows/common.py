@@ -11,10 +11,11 @@ from prefect.context import get_run_context
 
 from verlflow.core.blueprint import Blueprint, load_blueprint
 from verlflow.core.errors import StoreError
-from verlflow.core.orchestrate.pipeline import Step
+from verlflow.core.orchestrate.pipeline import PipelineHooks, Step
 from verlflow.core.orchestrate.runner import open_store
 from verlflow.core.store.artifacts import stage_key
 from verlflow.core.wait import wait_until
+from verlflow.tasks.stages import pipeline_slots, run_step_as_task
 
 
 def resolve_blueprint(blueprint: Blueprint, blueprint_file: str | None) -> Blueprint:
@@ -110,3 +111,10 @@ def recomputed_here(bp: Blueprint, run_id: str, step: Step) -> bool:
     created = int(get_run_context().flow_run.created.timestamp())  # committed_at has whole seconds
     return dt.datetime.fromisoformat(m["committed_at"]).timestamp() >= created
 
+
+def flow_hooks(bp: Blueprint, run_id: str) -> PipelineHooks:
+    """The pipeline loop as a flow: each step a stage task; with warm workers the flow holds the pool's device
+    slots (its torchrun job keeps its devices between stages, and a task holding slots must never wait on an
+    idle pool's GPUs); a Retry does not force again what this flow run already recomputed."""
+    return PipelineHooks(run_step=run_step_as_task, hold=lambda: pipeline_slots(bp),
+                         recomputed=lambda step: recomputed_here(bp, run_id, step))

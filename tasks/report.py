@@ -64,12 +64,20 @@ def run_summary(store: ArtifactStore, bp: Blueprint, run_id: str, rows: list[dic
 
 
 class RunReport:
-    """Created at the start of a flow run; `iteration_done` refreshes the table, progress and plot."""
+    """Created at the start of a flow run; `step_done` (`iteration_done`) refreshes the table, progress and plot."""
 
     def __init__(self, bp: Blueprint, run_id: str):
         self.bp, self.run_id, self.key, self.rows = bp, run_id, artifact_key(run_id), []
+        self._done: dict[str, StageResult] = {}  # the iteration's steps so far, by stage
         self.progress_id = create_progress_artifact(0.0, key=f"{self.key}-progress",
                                                     description=f"{run_id}: iterations done")
+
+    def step_done(self, step, res: StageResult) -> None:
+        """After each pipeline step: the iteration's row once its checkpoint is done."""
+        self._done[step.stage] = res
+        if step.stage == "checkpoint":
+            d = self._done
+            self.iteration_done(iteration_row(step.iteration, d["rollout"], d["update"], d["checkpoint"]))
 
     def iteration_done(self, row: dict) -> None:
         self.rows.append(row)

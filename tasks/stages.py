@@ -21,7 +21,10 @@ from prefect.states import Completed, State
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.orchestrate.launcher import StageFailure
 from verlflow.core.orchestrate.logsink import LineSink, stage_log_path
-from verlflow.core.orchestrate.runner import SINGLE_PROCESS, StageResult, open_store, run_stage, stage_status
+from verlflow.core.orchestrate.pipeline import Step
+from verlflow.core.orchestrate.pool import WarmPools
+from verlflow.core.orchestrate.runner import (SINGLE_PROCESS, RunContext, StageResult, open_store, run_stage,
+                                              stage_status)
 from verlflow.core.errors import StoreError
 from verlflow.core.store.artifacts import ArtifactStore, stage_key
 from verlflow.tasks.report import link, location
@@ -34,10 +37,10 @@ def retryable(task, task_run, state) -> bool:
     return isinstance(exc, StageFailure) and exc.retryable
 
 
-def is_committed(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[str, str]) -> bool:
+def is_committed(ctx: RunContext, stage: str, iteration, inputs: dict[str, str]) -> bool:
     """Whether run_stage will reuse this stage (its own read-only check): then it needs no device slots."""
     try:
-        key, _, existing, _ = stage_status(stage, bp, run_id, iteration, inputs)
+        key, _, existing, _ = stage_status(ctx, stage, iteration, inputs)
     except StoreError:  # an input is missing: run_stage will say so
         return False
     return existing is not None and existing.get("key") == key
@@ -83,22 +86,24 @@ def cancel_requested(every_s: float = 2.0, flow_run_id=None):
 @task(name="stage", cache_policy=NO_CACHE, persist_result=False, retries=1, retry_delay_seconds=5,
       retry_condition_fn=retryable)
 def run_stage_task(stage: str, iteration, inputs: dict[str, str], bp: Blueprint, run_id: str,
-                   force: bool = False) -> "StageResult | State":
+                   force: bool = False, pools: WarmPools | None = None) -> "StageResult | State":
+    """`pools`: the flow's warm pools (verlflow.core.orchestrate.pool), for a blueprint with warm workers."""
     log = get_run_logger()
     ranks = 1 if stage in SINGLE_PROCESS else bp.resources.nproc_per_node
+    store, out = open_store(bp), stage_key(run_id, iteration, stage)
     # Every line to the stage's log file; a rank's traceback as one ERROR record in the task's logs.
-    sink = LineSink(stage_log_path(open_store(bp), run_id, stage, iteration), log.log)
+    sink = LineSink(stage_log_path(store, run_id, stage, iteration), log.log)
     with cancel_requested() as cancel, sink:
+        ctx = RunContext(bp, run_id, on_line=sink, cancel=cancel, pools=pools, store=store)
         # Slurm and Kubernetes allocate devices themselves; a reused stage needs none; a warm pool's slots are
         # held by its flow (pipeline_slots).
         if bp.resources.backend != "local" or bp.resources.warm_pool or (
-                not force and is_committed(stage, bp, run_id, iteration, inputs)):
-            res = run_stage(stage, bp, run_id, iteration, inputs, on_line=sink, cancel=cancel, force=force)
+                not force and is_committed(ctx, stage, iteration, inputs)):
+            res = run_stage(ctx, stage, iteration, inputs, force=force)
         else:
             log.info(f"[verlflow] {stage}[{iteration}] needs {ranks} slot(s) of {limit_name(bp.resources.device)}")
             with device_slots(bp.resources.device, ranks):
-                res = run_stage(stage, bp, run_id, iteration, inputs, on_line=sink, cancel=cancel, force=force)
-    store, out = open_store(bp), stage_key(run_id, iteration, stage)
+                res = run_stage(ctx, stage, iteration, inputs, force=force)
     create_markdown_artifact(summary_markdown(f"{stage}[{iteration}]", res, store, out),
                              description=f"{stage}[{iteration}]")
     if res.skipped:  # named in the task list; StageTask hands the result to the flow
@@ -118,6 +123,12 @@ def pipeline_slots(bp: Blueprint):
                           f"{limit_name(bp.resources.device)} for its stages")
     with device_slots(bp.resources.device, n):
         yield
+
+
+def run_step_as_task(ctx: RunContext, step: Step, force: bool) -> StageResult:
+    """The flow's way to run a pipeline step (verlflow.core.orchestrate.pipeline.PipelineHooks): as its stage task."""
+    return stage_task(step.stage, step.iteration, ctx.bp)(step.stage, step.iteration, step.inputs, ctx.bp,
+                                                          ctx.run_id, force, pools=ctx.pools)
 
 
 def stage_task(stage: str, iteration, bp: Blueprint) -> "StageTask":

@@ -39,7 +39,7 @@ from verlflow.core.ml import checkpoint, model as M
 from verlflow.core.errors import ChecksumError, StoreError
 from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
 from verlflow.core.orchestrate.pipeline import plan, run_pipeline
-from verlflow.core.orchestrate.runner import STAGES, run_stage
+from verlflow.core.orchestrate.runner import STAGES, RunContext, run_stage
 from verlflow.core.store.artifacts import MANIFEST, ArtifactStore, stage_key
 
 REPO = Path(__file__).resolve().parents[1]
@@ -230,7 +230,7 @@ def test_sigkill_of_one_rank_in_update(ref, monkeypatch):
     monkeypatch.setenv("VERLFLOW_FAULT", "kill_rank1_in_update")
     lines = Lines()
     with pytest.raises(StageFailure) as e:
-        run_stage("update", bp2, "kill", 1, step.inputs, on_line=lines)
+        run_stage(RunContext(bp2, "kill", on_line=lines), "update", 1, step.inputs)
     err = e.value
     assert (err.kind, err.rank, err.signal, err.retryable) == (FailureKind.KILLED, 1, "SIGKILL", True), lines.tail()
     assert "rank 1 was killed by SIGKILL" in str(err)
@@ -429,7 +429,7 @@ def test_s3_endpoint_stops_during_an_upload(ref, endpoint, own_s3, tmp_path, mon
     endpoint.cut_at(f"PUT /{s3_bucket.name}/vf/runs/s3/1/checkpoint/".encode(), 3)
     lines = Lines()
     with pytest.raises(StageFailure) as e:
-        run_stage("checkpoint", bp, "s3", 1, step.inputs, on_line=lines)
+        run_stage(RunContext(bp, "s3", on_line=lines), "checkpoint", 1, step.inputs)
     err = e.value
     assert endpoint.down and endpoint.cut_time is not None, lines.tail()
     assert err.kind is FailureKind.STORE_UNREACHABLE and err.retryable, str(err)
@@ -450,7 +450,7 @@ def test_s3_endpoint_stops_during_an_upload(ref, endpoint, own_s3, tmp_path, mon
     assert not any(k.startswith("vf/pointers/") for k in keys)
 
     endpoint.restore()
-    assert not run_stage("checkpoint", bp, "s3", 1, step.inputs, on_line=Lines()).skipped
+    assert not run_stage(RunContext(bp, "s3", on_line=Lines()), "checkpoint", 1, step.inputs).skipped
     assert_nothing_lost(store, "s3", ALL[1:])  # the two stray objects are gone: the rerun cleared the prefix
     assert store.get_pointer("runs/s3/latest")["checkpoint"] == "runs/s3/1/checkpoint"
     exported = store.read_manifest("runs/s3/1/checkpoint")["files"]["hf/model.safetensors"]
@@ -699,8 +699,8 @@ def test_corrupted_file_on_disk_is_named_by_the_next_stage(ref):
     assert store.read_manifest("runs/rot/1/rollout") is None and not store.ls("runs/rot/1")
 
     steps = {s.name: s for s in plan(bp, "rot")}
-    run_stage("build", bp, "rot", "init", steps["build[init]"].inputs, on_line=Lines(), force=True)
-    run_stage("rollout", bp, "rot", 1, steps["rollout[1]"].inputs, on_line=Lines())
+    run_stage(RunContext(bp, "rot", on_line=Lines()), "build", "init", steps["build[init]"].inputs, force=True)
+    run_stage(RunContext(bp, "rot", on_line=Lines()), "rollout", 1, steps["rollout[1]"].inputs)
     assert_nothing_lost(store, "rot", UP_TO_ROLLOUT)
     batch = store.read_manifest("runs/rot/1/rollout")["files"]["batch.safetensors"]
     assert batch["sha256"] == store.read_manifest("runs/ref/1/rollout")["files"]["batch.safetensors"]["sha256"]

@@ -61,7 +61,7 @@ def test_retries_follow_the_failure_class(prefect_server, tiny_kit, tmp_path, mo
     calls = []
 
     def flaky(kind):
-        def run_stage(stage, bp, run_id, iteration, inputs, **kw):
+        def run_stage(ctx, stage, iteration, inputs, **kw):
             calls.append(kind)
             if len(calls) == 1:
                 raise StageFailure(kind, "injected")
@@ -483,9 +483,9 @@ def test_one_warm_pool_rule_drives_the_runner_and_the_flow_slots(prefect_server,
 
     @flow
     def one() -> int:
-        with warm_pools(), ts.pipeline_slots(bp):
+        with warm_pools() as pools, ts.pipeline_slots(bp):
             held = api(prefect_server, f"/v2/concurrency_limits/{limit_name('cpu')}")["active_slots"]
-            ts.stage_task("validate", "init", bp)("validate", "init", {}, bp, "rule", True)
+            ts.stage_task("validate", "init", bp)("validate", "init", {}, bp, "rule", True, pools=pools)
         return held
 
     state = one(return_state=True)

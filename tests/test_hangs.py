@@ -16,7 +16,7 @@ from tinybp import tiny_blueprint
 from verlflow.core.ml import checkpoint, model as M
 from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
 from verlflow.core.orchestrate.pipeline import run_pipeline
-from verlflow.core.orchestrate.runner import run_stage
+from verlflow.core.orchestrate.runner import RunContext, run_stage
 
 QUIET = dict(on_line=lambda line: None)
 
@@ -66,7 +66,7 @@ def test_twenty_stages_with_background_commits_under_cpu_load(tiny_kit, tmp_path
     results = run_pipeline(bp, "load", on_step=lambda step, res: pending.append(res.pending), **QUIET)
     assert len(results) == 20 and all(r.manifest.get("committed_at") for r in results)
     assert sum(pending) >= 6  # every update's commit went to the background
-    mono = run_stage("monolithic", bp, "load", "mono", {"build": "runs/load/init/build"}, **QUIET)
+    mono = run_stage(RunContext(bp, "load", **QUIET), "monolithic", "mono", {"build": "runs/load/init/build"})
     got, want = _weights(tmp_path, "load", "6/update", bp), _weights(tmp_path, "load", "mono/monolithic", bp)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     rewards = [r.manifest["metrics"]["reward_mean"] for r in results if r.manifest["stage"] == "rollout"]

@@ -370,14 +370,14 @@ class Lines(list):
 
 def test_stage_runs_as_two_pods_through_the_api(fake_k8s, tiny_kit, tmp_path):
     """run_stage('validate') with backend kubernetes: 2 pods x 1 process, the real client, logs streamed."""
-    from verlflow.core.orchestrate.runner import run_stage
+    from verlflow.core.orchestrate.runner import RunContext, run_stage
 
     bp = tiny_blueprint(tiny_kit, tmp_path / "store", resources__backend="kubernetes", resources__nnodes=2,
                         resources__nproc_per_node=1, resources__kubernetes__image="verlflow:test",
                         resources__kubernetes__namespace="ml")
     lines = Lines()
     t0 = time.monotonic()
-    res = run_stage("validate", bp, "k8", "init", {}, on_line=lines)
+    res = run_stage(RunContext(bp, "k8", on_line=lines), "validate", "init", {})
     print(f"validate via fake Kubernetes: {time.monotonic() - t0:.1f} s")
     assert res.manifest["world_size"] == 2
     text = lines.text()

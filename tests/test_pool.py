@@ -120,6 +120,22 @@ def test_background_commits_upload_to_s3(tiny_kit, s3_bucket, tmp_path):
     assert _no_children()
 
 
+def test_a_pipeline_lands_its_background_commits_before_it_returns_whatever_its_caller_holds(tiny_kit, tmp_path):
+    """The loop owns its warm pools: a caller's own pools block (another loop's, a flow's) neither keeps them open
+    past the loop nor hands the loop's stages back before their background commits landed and promoted."""
+    from verlflow.core.orchestrate.pool import warm_pools
+
+    bp = tiny_blueprint(tiny_kit, tmp_path, resources__warm_workers=True, iterations=1)
+    with warm_pools():
+        pending = []
+        results = run_pipeline(bp, "own", on_line=lambda line: None,
+                               on_step=lambda step, res: pending.append(res.pending))
+        assert any(pending)  # the run had background commits to land
+        assert all(r.manifest and r.manifest.get("committed_at") for r in results)
+        assert (tmp_path / "pointers/runs/own/latest.json").is_file()  # checkpoint[1]'s commit promoted it
+        assert _no_children()  # the pools were closed when the loop ended
+
+
 def test_cancel_kills_the_pool(tiny_kit, tmp_path, monkeypatch):
     bp = tiny_blueprint(tiny_kit, tmp_path, resources__warm_workers=True)
     monkeypatch.setenv("VERLFLOW_FAULT", "hang_in_rollout")
@@ -181,15 +197,15 @@ def test_a_pool_waiting_for_gpus_does_not_block_the_other_pools(tmp_path):
             self.started = True  # no torchrun job: the registry logic is what is under test
             return self
 
-    with P.warm_pools():
+    with P.warm_pools() as pools:
         result = {}
-        t = threading.Thread(target=lambda: result.update(slow=P.acquire(("a",), slow_make)))
+        t = threading.Thread(target=lambda: result.update(slow=pools.acquire(("a",), slow_make)))
         t.start()
         assert waiting.wait(10)
         t0 = time.monotonic()
-        other = P.acquire(("b",), lambda: Recorder(1, {}, str(tmp_path), print))
+        other = pools.acquire(("b",), lambda: Recorder(1, {}, str(tmp_path), print))
         assert other is not None and started == [other] and time.monotonic() - t0 < 5
-        P._POOLS[("a",)] = Recorder(1, {}, str(tmp_path), print).start()  # someone else got key "a" first
+        pools.acquire(("a",), lambda: Recorder(1, {}, str(tmp_path), print))  # someone else got key "a" first
         release.set()
         t.join(30)
         assert result["slow"] is None  # the late pool was discarded, not registered or started
@@ -234,14 +250,15 @@ def test_a_background_commit_logs_under_its_own_stage(tiny_kit, tmp_path):
     log of the stage running meanwhile."""
     from verlflow.core.orchestrate.pipeline import plan, warm_start_source
     from verlflow.core.orchestrate.pool import warm_pools
-    from verlflow.core.orchestrate.runner import run_stage
+    from verlflow.core.orchestrate.runner import RunContext, run_stage
 
     bp = tiny_blueprint(tiny_kit, tmp_path, resources__warm_workers=True)
     logs, done = {}, {}
-    with warm_pools():
+    with warm_pools() as pools:
         for step in plan(bp, "t", warm_start_source(bp, "t")):
             lines = logs.setdefault(step.name, [])
-            done[step.name] = run_stage(step.stage, bp, "t", step.iteration, step.inputs, on_line=lines.append)
+            ctx = RunContext(bp, "t", on_line=lines.append, pools=pools)
+            done[step.name] = run_stage(ctx, step.stage, step.iteration, step.inputs)
     assert done["update[1]"].pending
     commit = [line for line in logs["update[1]"] if "[background update[1]] committed" in line]
     assert len(commit) == 1 and "runs/t/1/update" in commit[0], logs["update[1]"][-5:]

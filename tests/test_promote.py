@@ -3,6 +3,7 @@
 import json
 
 from verlflow.core.blueprint import Blueprint
+from verlflow.core.job import JobSpec
 from verlflow.core.store.promote import promote, prune
 from verlflow.core.store.artifacts import ArtifactStore, file_digest
 
@@ -38,8 +39,8 @@ def test_promote_moves_latest_pointers(tmp_path):
     bp = Blueprint(name="nm", storage={"uri": str(tmp_path / "store")})
     for it in (1, 2):
         m = _fake_checkpoint(store, tmp_path, "r", it, 0.1 * it)
-        job = {"run_id": "r", "iteration": it, "output": f"runs/r/{it}/checkpoint",
-               "inputs": {"update": f"runs/r/{it}/update", "build": "runs/r/init/build"}}
+        job = JobSpec.model_construct(run_id="r", iteration=it, output=f"runs/r/{it}/checkpoint",
+                                      inputs={"update": f"runs/r/{it}/update", "build": "runs/r/init/build"})
         promote(store, bp, job, m)
         for name in ("runs/r/latest", "blueprints/nm/latest"):
             p = store.get_pointer(name)

@@ -104,14 +104,14 @@ BAD_RUN_IDS = ["../x", "..", "/etc", "a/b", "x/../../y", ".hidden", "a\\b", "", 
 @pytest.mark.parametrize("run_id", BAD_RUN_IDS)
 def test_run_ids_that_escape_are_refused(tiny_kit, tmp_path, run_id):
     from verlflow.core.orchestrate.pipeline import run_pipeline
-    from verlflow.core.orchestrate.runner import run_stage
+    from verlflow.core.orchestrate.runner import RunContext, run_stage
 
     store = tmp_path / "store"
     bp = tiny_blueprint(tiny_kit, store, resources__nproc_per_node=1)
     with pytest.raises(UnsafeKeyError, match="run_id .* is refused"):
         run_pipeline(bp, run_id, **QUIET)
     with pytest.raises(UnsafeKeyError):
-        run_stage("validate", bp, run_id, "init", {}, **QUIET)
+        run_stage(RunContext(bp, run_id, **QUIET), "validate", "init", {})
     assert not _files(store)
 
 
@@ -128,16 +128,16 @@ def test_from_steps_that_escape_are_refused(tiny_kit, tmp_path, step):
 
 def test_stage_inputs_and_cli_options_that_escape_are_refused(tiny_kit, tmp_path, capsys):
     from verlflow.core.orchestrate.cli import main
-    from verlflow.core.orchestrate.runner import run_stage
+    from verlflow.core.orchestrate.runner import RunContext, run_stage
 
     store = tmp_path / "store"
     bp = tiny_blueprint(tiny_kit, store, resources__nproc_per_node=1)
     for inputs in ({"build": "runs/../../etc", "policy": "runs/r/init/build"}, {"build": "/etc", "policy": "/etc"},
                    {"build": "runs/r/init/build/../../../../x", "policy": "x"}):
         with pytest.raises(UnsafeKeyError, match="is refused"):
-            run_stage("rollout", bp, "r", 1, inputs, **QUIET)
+            run_stage(RunContext(bp, "r", **QUIET), "rollout", 1, inputs)
     with pytest.raises(UnsafeKeyError):
-        run_stage("rollout", bp, "r", "../1", {}, **QUIET)
+        run_stage(RunContext(bp, "r", **QUIET), "rollout", "../1", {})
     base = [f"model.path={tiny_kit['model_dir']}", f"data.train_files=[{tiny_kit['train_file']}]",
             f"storage.uri={store}", "resources.nproc_per_node=1"]
     for argv, want in ((["run", *base, "--from", "../../etc"], "--from ../../etc: no such step"),
@@ -348,7 +348,7 @@ def _fabricated_build(kit: dict, store: ArtifactStore, bp) -> str:
 
 
 def test_tampered_checkpoint_metadata_is_refused_before_it_is_unpickled(tiny_kit, tmp_path):
-    from verlflow.core.orchestrate.runner import run_stage
+    from verlflow.core.orchestrate.runner import RunContext, run_stage
 
     mark = tmp_path / "pwned"
     store_root = tmp_path / "store"
@@ -373,7 +373,7 @@ def test_tampered_checkpoint_metadata_is_refused_before_it_is_unpickled(tiny_kit
 
     # The stage that reads the checkpoint checks it against the manifest first, and never unpickles it.
     with pytest.raises(StageFailure) as e:
-        run_stage("rollout", bp, "sec", 1, {"build": build, "policy": build}, **QUIET)
+        run_stage(RunContext(bp, "sec", **QUIET), "rollout", 1, {"build": build, "policy": build})
     msg = str(e.value)
     assert "ChecksumError" in msg and store.uri(f"{build}/policy/dcp/.metadata") in msg, msg
     assert e.value.kind is FailureKind.USER_ERROR

@@ -199,12 +199,12 @@ def test_blueprint_slurm_section_validates():
 
 def test_stage_runs_across_two_nodes(slurm_cluster, tiny_kit, tmp_path, shared):
     """validate (all-reduce + FSDP shard check at world size 2) and build as 2 nodes x 1 process."""
-    from verlflow.core.orchestrate.runner import run_stage
+    from verlflow.core.orchestrate.runner import RunContext, run_stage
 
     bp = _slurm_bp(tiny_kit, tmp_path / "store", shared)
     lines = Lines()
     t0 = time.monotonic()
-    res = run_stage("validate", bp, "sl", "init", {}, on_line=lines)
+    res = run_stage(RunContext(bp, "sl", on_line=lines), "validate", "init", {})
     TIMINGS["validate_2x1_wall_s"] = round(time.monotonic() - t0, 2)
     assert res.manifest["world_size"] == 2
     text = lines.text()
@@ -216,7 +216,7 @@ def test_stage_runs_across_two_nodes(slurm_cluster, tiny_kit, tmp_path, shared):
     running = next(t for t, line in lines if "RUNNING on" in line)
     TIMINGS["submit_to_running_s"] = round(running - submit, 2)
     t0 = time.monotonic()
-    build = run_stage("build", bp, "sl", "init", {}, on_line=lines)
+    build = run_stage(RunContext(bp, "sl", on_line=lines), "build", "init", {})
     TIMINGS["build_2x1_wall_s"] = round(time.monotonic() - t0, 2)
     assert build.manifest["world_size"] == 2
     assert build.manifest["metrics"]["policy_shard_balance"] == pytest.approx([1.0, 1.0], abs=0.05)

@@ -10,7 +10,7 @@ from verlflow.core.ml import checkpoint, model as M
 from verlflow.core.errors import StoreError
 from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
 from verlflow.core.orchestrate.pipeline import run_pipeline
-from verlflow.core.orchestrate.runner import run_stage
+from verlflow.core.orchestrate.runner import RunContext, run_stage
 
 QUIET = dict(on_line=lambda line: None)
 
@@ -65,7 +65,7 @@ def test_pipeline_commits_every_stage(staged):
 def test_staged_equals_monolithic(staged):
     """The same 2 iterations in one process (models kept in memory) give bit-identical fp32 weights."""
     bp, store, results = staged
-    mono = run_stage("monolithic", bp, "eq", "mono", {"build": "runs/eq/init/build"}, **QUIET)
+    mono = run_stage(RunContext(bp, "eq", **QUIET), "monolithic", "mono", {"build": "runs/eq/init/build"})
     staged_w = full_weights(store, "eq/2/update", bp)
     mono_w = full_weights(store, "eq/mono/monolithic", bp)
     init_w = full_weights(store, "eq/init/build", bp)
@@ -149,8 +149,8 @@ def test_learning_beats_random_variation(tiny_kit, tmp_path, estimator, lr):
     ~0.016: 0.1 is > 6 standard errors. Measured: grpo 0.08 -> 0.36, gae (PPO with critic) 0.07 -> 0.36."""
     bp = tiny_blueprint(tiny_kit, tmp_path, iterations=10, data__batch_size=8, algorithm__ppo_mini_batch_size=4,
                         algorithm__adv_estimator=estimator, algorithm__lr=lr, algorithm__critic_lr=1e-2)
-    run_stage("build", bp, "learn", "init", {}, **QUIET)
-    res = run_stage("monolithic", bp, "learn", "mono", {"build": "runs/learn/init/build"}, **QUIET)
+    run_stage(RunContext(bp, "learn", **QUIET), "build", "init", {})
+    res = run_stage(RunContext(bp, "learn", **QUIET), "monolithic", "mono", {"build": "runs/learn/init/build"})
     rewards = [it["reward_mean"] for it in res.manifest["metrics"]["iterations"]]
     assert sum(rewards[-2:]) / 2 - sum(rewards[:2]) / 2 > 0.1, rewards
 
@@ -201,7 +201,7 @@ def test_dataset_missing_columns_fails_validate(tiny_kit, tmp_path):
     pq.write_table(pa.table({"prompt": [[{"role": "user", "content": "hi"}]]}), bad)
     bp = tiny_blueprint(tiny_kit, tmp_path / "s", data__train_files=[str(bad)])
     with pytest.raises(StageFailure) as e:
-        run_stage("validate", bp, "bad", "init", {}, **QUIET)
+        run_stage(RunContext(bp, "bad", **QUIET), "validate", "init", {})
     assert e.value.kind is FailureKind.USER_ERROR
     assert "data.train_files" in str(e.value) and "data_source" in str(e.value)
     _nothing_committed(tmp_path / "s", "bad", "validate", "init")
@@ -211,7 +211,7 @@ def test_unknown_reward_and_bad_model_reported_together(tiny_kit, tmp_path):
     bp = tiny_blueprint(tiny_kit, tmp_path / "s", reward__function="no_such_reward")
     bp.model.path = str(tmp_path / "nope")
     with pytest.raises(StageFailure) as e:
-        run_stage("validate", bp, "bad", "init", {}, **QUIET)
+        run_stage(RunContext(bp, "bad", **QUIET), "validate", "init", {})
     msg = str(e.value)
     assert "reward.function" in msg and "no_such_reward" in msg and "model.path" in msg
     _nothing_committed(tmp_path / "s", "bad", "validate", "init")
@@ -222,7 +222,8 @@ def test_overlong_prompt_fails_rollout(staged, tmp_path):
     short = bp.model_copy(deep=True)
     short.data.max_prompt_length = 4
     with pytest.raises(StageFailure) as e:
-        run_stage("rollout", short, "eq", 9, {"build": "runs/eq/init/build", "policy": "runs/eq/init/build"}, **QUIET)
+        run_stage(RunContext(short, "eq", **QUIET), "rollout", 9,
+                  {"build": "runs/eq/init/build", "policy": "runs/eq/init/build"})
     assert "data.max_prompt_length=4" in str(e.value)
     _nothing_committed(store, "eq", "rollout", 9)
 
@@ -231,10 +232,10 @@ def test_checkpoint_of_another_model_is_refused(staged, tiny_llama_kit, tmp_path
     bp, store, _ = staged
     # A build of the llama kit, then an update that feeds it the qwen2 run's policy.
     other = tiny_blueprint(tiny_llama_kit, store)
-    run_stage("build", other, "other", "init", {}, **QUIET)
+    run_stage(RunContext(other, "other", **QUIET), "build", "init", {})
     with pytest.raises(StageFailure) as e:
-        run_stage("update", other, "other", 1, {"build": "runs/other/init/build", "policy": "runs/eq/1/update",
-                                                "rollout": "runs/eq/1/rollout"}, **QUIET)
+        run_stage(RunContext(other, "other", **QUIET), "update", 1,
+                  {"build": "runs/other/init/build", "policy": "runs/eq/1/update", "rollout": "runs/eq/1/rollout"})
     assert "does not match" in str(e.value)
     _nothing_committed(store, "other", "update", 1)
 
@@ -242,15 +243,16 @@ def test_checkpoint_of_another_model_is_refused(staged, tiny_llama_kit, tmp_path
 def test_missing_input_is_a_clear_error(tiny_kit, tmp_path):
     bp = tiny_blueprint(tiny_kit, tmp_path)
     with pytest.raises(StoreError, match="not committed"):
-        run_stage("rollout", bp, "x", 1, {"build": "runs/x/init/build", "policy": "runs/x/init/build"}, **QUIET)
+        run_stage(RunContext(bp, "x", **QUIET), "rollout", 1,
+                  {"build": "runs/x/init/build", "policy": "runs/x/init/build"})
 
 
 def test_nonfinite_loss_commits_nothing(staged, monkeypatch):
     bp, store, _ = staged
     monkeypatch.setenv("VERLFLOW_FAULT", "nan_loss")
     with pytest.raises(StageFailure) as e:
-        run_stage("update", bp, "eq", 7, {"build": "runs/eq/init/build", "policy": "runs/eq/init/build",
-                                          "rollout": "runs/eq/1/rollout"}, **QUIET)
+        run_stage(RunContext(bp, "eq", **QUIET), "update", 7,
+                  {"build": "runs/eq/init/build", "policy": "runs/eq/init/build", "rollout": "runs/eq/1/rollout"})
     assert e.value.kind is FailureKind.NONFINITE and not e.value.retryable
     _nothing_committed(store, "eq", "update", 7)
 
@@ -268,6 +270,6 @@ def test_blueprint_lr_overrides_the_checkpointed_optimizer(staged):
     bp, store, _ = staged
     other = bp.model_copy(deep=True)
     other.algorithm.lr = 1.5e-3
-    res = run_stage("update", other, "eq", 8, {"build": "runs/eq/init/build", "policy": "runs/eq/init/build",
-                                               "rollout": "runs/eq/1/rollout"}, **QUIET)
+    res = run_stage(RunContext(other, "eq", **QUIET), "update", 8,
+                    {"build": "runs/eq/init/build", "policy": "runs/eq/init/build", "rollout": "runs/eq/1/rollout"})
     assert {row["lr"] for row in res.manifest["metrics"]["mini_batches"]} == {1.5e-3}

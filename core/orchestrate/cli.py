@@ -81,7 +81,7 @@ def _print_summary(bp, run_id: str, results) -> None:
 
 def cmd_run(args) -> int:
     from verlflow.core.store.lease import run_lease
-    from verlflow.core.orchestrate.pipeline import parse_from, plan, run_pipeline
+    from verlflow.core.orchestrate.pipeline import checked_plan, run_pipeline
     from verlflow.core.orchestrate.runner import open_store
     from verlflow.core.store.artifacts import safe_run_id
 
@@ -90,8 +90,7 @@ def cmd_run(args) -> int:
     if args.run_id is not None:
         safe_run_id(args.run_id, "rerun RUN" if getattr(args, "run", None) is not None else "--run-id")
     run_id = args.run_id or f"{bp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    steps = plan(bp, run_id)
-    parse_from(args.from_step, steps)
+    steps, _ = checked_plan(bp, run_id, args.from_step)
     _preflight(bp)
     if getattr(args, "prefect", False):  # the same pipeline as a Prefect flow run (tasks, logs, artifacts, lease)
         return _run_flow(bp, args.run_id, args.from_step)

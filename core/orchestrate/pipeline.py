@@ -1,18 +1,19 @@
 """The pipeline as data: validate -> build -> (rollout -> update -> checkpoint) x iterations.
 
 Inputs are store paths known in advance, so the plan is fixed before anything runs; the CLI and the Prefect
-flow both walk the same plan and call `run_stage` for each step.
+flow both run it through the one loop here (`run_pipeline`), the flow with its hooks (tasks, slots, its Retry).
 """
 
 import re
 import threading
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.errors import BlueprintError
 from verlflow.core.orchestrate.pool import warm_pools
-from verlflow.core.orchestrate.runner import StageResult, open_store, run_stage
+from verlflow.core.orchestrate.runner import RunContext, StageResult, open_store, run_stage
 from verlflow.core.store.artifacts import stage_key
 
 
@@ -67,20 +68,40 @@ def parse_from(text: str | None, steps: list[Step]) -> int | None:
     raise BlueprintError(f"--from {text}: no such step; choose one of {', '.join(names)}")
 
 
+def checked_plan(bp: Blueprint, run_id: str, force_from: str | None,
+                 warm_start: str | None = None) -> tuple[list[Step], int | None]:
+    """The steps and the index of the first forced one; raises on a bad run id or --from before anything runs."""
+    steps = plan(bp, run_id, warm_start)
+    return steps, parse_from(force_from, steps)
+
+
+def run_here(ctx: RunContext, step: Step, force: bool) -> StageResult:
+    return run_stage(ctx, step.stage, step.iteration, step.inputs, force=force)
+
+
+@dataclass(frozen=True)
+class PipelineHooks:
+    """What an orchestrator adds to the one loop (the Prefect flow: verlflow.flows.common.flow_hooks)."""
+    run_step: Callable[[RunContext, Step, bool], StageResult] = run_here  # how a step runs (a Prefect task...)
+    hold: Callable[[], AbstractContextManager] = nullcontext  # held around the loop, inside its warm pools
+    recomputed: Callable[[Step], bool] = lambda step: False  # a forced step this orchestrator run already redid
+
+
 def run_pipeline(bp: Blueprint, run_id: str, *, on_line: Callable[[str], None] = print,
                  on_step: Callable[[Step, StageResult], None] | None = None, force_from: str | None = None,
-                 cancel: threading.Event | None = None) -> list[StageResult]:
-    steps = plan(bp, run_id, warm_start_source(bp, run_id))
-    first_forced = parse_from(force_from, steps)
+                 cancel: threading.Event | None = None, hooks: PipelineHooks = PipelineHooks()) -> list[StageResult]:
+    """The pipeline, step by step; a stage committed with the same key is reused. Returns each step's result,
+    with the manifests that warm pools committed in their background once the pools have closed."""
+    steps, first_forced = checked_plan(bp, run_id, force_from, warm_start_source(bp, run_id))
     results = []
-    with warm_pools():  # used by stages whose blueprint sets resources.warm_workers
+    with warm_pools() as pools, hooks.hold():  # pools: for stages whose blueprint sets resources.warm_workers
+        ctx = RunContext(bp, run_id, on_line=on_line, cancel=cancel, pools=pools)
         for i, step in enumerate(steps):
-            res = run_stage(step.stage, bp, run_id, step.iteration, step.inputs, on_line=on_line, cancel=cancel,
-                            force=first_forced is not None and i >= first_forced)
+            force = first_forced is not None and i >= first_forced and not hooks.recomputed(step)
+            res = hooks.run_step(ctx, step, force)
             results.append(res)
             if on_step:
                 on_step(step, res)
     # The pools have closed, so every background commit has landed (or warm_pools raised): report the manifests.
-    store = open_store(bp)
-    return [StageResult(store.read_manifest(stage_key(run_id, s.iteration, s.stage)), r.skipped, r.seconds)
+    return [StageResult(ctx.store.read_manifest(stage_key(run_id, s.iteration, s.stage)), r.skipped, r.seconds)
             if r.pending else r for s, r in zip(steps, results)]

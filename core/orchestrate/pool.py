@@ -16,15 +16,12 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from verlflow.core.stages import module_of
 from verlflow.core.orchestrate.launcher import FailureKind, LaunchSpec, StageFailure, launch
 
 _BACKGROUND = re.compile(r"\[background (\S+)\] ")  # verlflow.core.stages.committer's tag
-_LOCK = threading.Lock()
-_POOLS: dict[tuple, "WarmPool"] = {}
-_DEPTH = 0
 
 
 @dataclass
@@ -38,20 +35,24 @@ class Background:
 
 
 class WarmPool:
-    def __init__(self, nproc: int, env: dict, scratch: str | None, on_line: Callable[[str], None]):
+    """One pool: `run` a stage job in it (it must have been acquired from its WarmPools, and is free again after
+    the job), `commit_in_background` for a job whose commit it goes on writing, `close` when the loop ends."""
+
+    def __init__(self, nproc: int, env: dict, scratch: str | None, on_line: Callable[[str], None], *,
+                 commit_timeout_s: float = 1800.0, held: contextlib.ExitStack | None = None):
         self.dir = Path(tempfile.mkdtemp(prefix="verlflow-pool-", dir=scratch))
         self.nproc, self.n = nproc, 0
-        self.commit_timeout_s = 1800.0  # how long close() waits for background commits (the stage timeout)
-        self.busy = threading.Lock()
+        self.commit_timeout_s = commit_timeout_s  # how long close() waits for background commits (the stage timeout)
+        self._busy = threading.Lock()
         self._sink = on_line
         self._kill = threading.Event()
         self._expire = threading.Event()  # a stage's timeout: the launch prints every rank's stack, then kills
         self._gone = threading.Event()
         self.error: BaseException | None = None
         self.started = False
-        self.resources = contextlib.ExitStack()  # GPU claims held for the pool's life
+        self._held = held or contextlib.ExitStack()  # GPU claims held for the pool's life
         # Stages whose commit runs in the pool's background (resources.async_checkpoint), by store path.
-        self.pending: dict[str, Background] = {}
+        self._pending: dict[str, Background] = {}
         self.spec = LaunchSpec(module=module_of("pool"), args=[str(self.dir)], nproc_per_node=nproc, nnodes=1,
                                timeout_s=None, env={**env, "VERLFLOW_WARM_POOL": "1"}, log_dir=str(self.dir / "logs"))
 
@@ -71,7 +72,7 @@ class WarmPool:
     def _route(self, line: str) -> None:
         """A background commit's line to the log of the stage it commits, any other to the running stage's."""
         m = _BACKGROUND.search(line)
-        owner = next((b for b in self.pending.values() if b.name == m[1]), None) if m else None
+        owner = next((b for b in self._pending.values() if b.name == m[1]), None) if m else None
         (owner.on_line if owner is not None else self._sink)(line)
 
     @property
@@ -80,8 +81,16 @@ class WarmPool:
 
     def run(self, stage: str, job_file: Path, *, on_line: Callable[[str], None], cancel: threading.Event | None,
             timeout_s: float | None) -> dict:
-        """Run one stage job in the pool; raises what a fresh launch would (StageFailure). Returns rank 0's
-        answer: {"pending": True, "manifest": ...} when the stage's commit went to the background."""
+        """Run one stage job in the pool, which is then free for the next; raises what a fresh launch would
+        (StageFailure). Returns rank 0's answer: {"pending": True, "manifest": ...} when the stage's commit went
+        to the background."""
+        try:
+            return self._run(stage, job_file, on_line=on_line, cancel=cancel, timeout_s=timeout_s)
+        finally:
+            self._busy.release()
+
+    def _run(self, stage: str, job_file: Path, *, on_line: Callable[[str], None], cancel: threading.Event | None,
+             timeout_s: float | None) -> dict:
         self._sink = on_line
         self.n += 1
         self._send({"stage": stage, "job": str(job_file)})
@@ -106,6 +115,15 @@ class WarmPool:
                                    "(resources.stage_timeout_s); its warm worker pool was killed", traceback=stacks)
         return json.loads(done.read_text())
 
+    def commit_in_background(self, output: str, background: Background) -> None:
+        """The stage at `output` returned while its commit goes on in this pool (resources.async_checkpoint)."""
+        self._pending[output] = background
+
+    def committing(self, output: str) -> dict | None:
+        """The manifest to come of `output`, while this live pool commits it in its background; else None."""
+        b = self._pending.get(output)
+        return b.manifest if b is not None and self.alive else None
+
     def _send(self, msg: dict) -> None:
         tmp = self.dir / f".job-{self.n}.json"
         tmp.write_text(json.dumps(msg))
@@ -121,40 +139,86 @@ class WarmPool:
         if self.started and self.alive:
             self.n += 1
             self._send({"stop": True})
-            if not self._gone.wait(grace_s + (self.commit_timeout_s if self.pending else 0)):
+            if not self._gone.wait(grace_s + (self.commit_timeout_s if self._pending else 0)):
                 self.kill()
-        self.resources.close()
+        self._held.close()
         shutil.rmtree(self.dir, ignore_errors=True)
-        lost = [name for name, b in self.pending.items() if not b.landed()]
-        for b in self.pending.values():  # the pool is gone: no commit is still writing
+        lost = [name for name, b in self._pending.items() if not b.landed()]
+        for b in self._pending.values():  # the pool is gone: no commit is still writing
             b.discard()
         return [f"{name} ({self.error})" if self.error else name for name in lost]
 
 
-@contextlib.contextmanager
-def warm_pools():
-    """Within this block, stages whose blueprint sets resources.warm_workers share pools; all close at exit. A
-    background commit that did not land fails the block (when nothing else did)."""
-    global _DEPTH
-    with _LOCK:
-        _DEPTH += 1
-    lost: list[str] = []
-    abandon = False
-    try:
-        yield
-    except BaseException as e:
-        abandon = _abandons(e)
-        raise
-    finally:
-        with _LOCK:
-            _DEPTH -= 1
-            closing = list(_POOLS.values()) if _DEPTH == 0 else []
-            if _DEPTH == 0:
-                _POOLS.clear()
+class WarmPools:
+    """The warm pools of one pipeline loop, one per (ranks, device, scratch) key, made by `warm_pools()`."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pools: dict[tuple, WarmPool] = {}
+        self._open = True
+
+    def acquire(self, key: tuple, make: Callable[[], WarmPool]) -> WarmPool | None:
+        """The live, idle pool for `key` (started with `make` if none), locked for one job (`WarmPool.run` frees
+        it); None once the loop's block ended or while the pool is busy with another job (the caller then
+        launches a fresh job).
+
+        `make` may wait for GPUs: it runs outside the registry lock, so pools of other keys can be used and closed
+        meanwhile (the pool whose GPUs it waits for may be one of them)."""
+        with self._lock:
+            if not self._open:
+                return None
+            pool = self._pools.get(key)
+            dead = pool if pool is not None and not pool.alive else None
+            if dead is not None:
+                del self._pools[key]
+            elif pool is not None:
+                return pool if pool._busy.acquire(blocking=False) else None
+        if dead is not None:
+            dead.close()
+        made = make()
+        with self._lock:
+            if self._open and key not in self._pools:
+                self._pools[key] = made.start()
+                made._busy.acquire()
+                return made
+        # The block ended, or another thread registered a pool for this key while we waited: ours never started.
+        made.close()
+        return None
+
+    def pending_manifest(self, output: str) -> tuple[WarmPool, dict] | None:
+        """The live pool committing `output` in its background, and the manifest to come; None if none is."""
+        with self._lock:
+            for pool in self._pools.values():
+                if (manifest := pool.committing(output)) is not None:
+                    return pool, manifest
+        return None
+
+    def close(self, abandon: bool) -> list[str]:
+        """Close every pool (abandon: kill it first); the stages whose background commit did not land."""
+        with self._lock:
+            self._open, closing = False, list(self._pools.values())
+            self._pools.clear()
+        lost: list[str] = []
         for pool in closing:
             if abandon:  # no waiting for a stop message a hung pool would never read, nor for its commits
                 pool.kill()
             lost += pool.close()
+        return lost
+
+
+@contextlib.contextmanager
+def warm_pools() -> Iterator[WarmPools]:
+    """The pools that stages whose blueprint sets resources.warm_workers share within this block; all close at
+    exit. A background commit that did not land fails the block (when nothing else did)."""
+    pools = WarmPools()
+    abandon = False
+    try:
+        yield pools
+    except BaseException as e:
+        abandon = _abandons(e)
+        raise
+    finally:
+        lost = pools.close(abandon)
     if lost:
         raise StageFailure(FailureKind.UNKNOWN, "the warm worker pool's background commit did not land for "
                            + ", ".join(lost) + "; those stages are not committed, and a rerun runs them again")
@@ -165,40 +229,3 @@ def _abandons(exc: BaseException) -> bool:
     then the pools die at once. The runner that sent SIGTERM kills this process 30 s later anyway (Prefect's
     grace), leaving the ranks to die only with it."""
     return not isinstance(exc, Exception) or (isinstance(exc, StageFailure) and exc.kind is FailureKind.CANCELLED)
-
-
-def pending_manifest(output: str) -> tuple["WarmPool", dict] | None:
-    """The live pool committing `output` in its background, and the manifest to come; None if none is."""
-    with _LOCK:
-        for pool in _POOLS.values():
-            if output in pool.pending and pool.alive:
-                return pool, pool.pending[output].manifest
-    return None
-
-
-def acquire(key: tuple, make: Callable[[], WarmPool]) -> WarmPool | None:
-    """The live, idle pool for `key` (started with `make` if none), locked for one job; None outside
-    warm_pools() or while the pool is busy with another job (the caller then launches a fresh job).
-
-    `make` may wait for GPUs: it runs outside the registry lock, so pools of other keys can be used and closed
-    meanwhile (the pool whose GPUs it waits for may be one of them)."""
-    with _LOCK:
-        if _DEPTH == 0:
-            return None
-        pool = _POOLS.get(key)
-        dead = pool if pool is not None and not pool.alive else None
-        if dead is not None:
-            del _POOLS[key]
-        elif pool is not None:
-            return pool if pool.busy.acquire(blocking=False) else None
-    if dead is not None:
-        dead.close()
-    made = make()
-    with _LOCK:
-        if _DEPTH > 0 and key not in _POOLS:
-            _POOLS[key] = made.start()
-            made.busy.acquire()
-            return made
-    # The block ended, or another thread registered a pool for this key while we waited: ours never started.
-    made.close()
-    return None

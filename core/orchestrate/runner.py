@@ -12,16 +12,17 @@ import shutil
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.errors import StoreError
+from verlflow.core.job import InputRecord, InputRef, JobSpec, ManifestDraft
 from verlflow.core.orchestrate.backends import launcher_for, scratch_root
 from verlflow.core.orchestrate.launcher import LaunchSpec
-from verlflow.core.orchestrate.pool import Background
+from verlflow.core.orchestrate.pool import Background, WarmPool, WarmPools
 from verlflow.core.stages import module_of
 from verlflow.core.store.artifacts import ArtifactStore, stage_key
 
@@ -88,118 +89,202 @@ class StageResult:
         return bool(self.manifest.get("pending"))
 
 
-def stage_status(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[str, str], *,
-                 store: ArtifactStore | None = None, extra_key: dict | None = None, read_output: bool = True):
+@dataclass
+class RunContext:
+    """What the stages of one run share: the blueprint, the run, where their lines go, the cancel, the loop's pools."""
+    bp: Blueprint
+    run_id: str
+    on_line: Callable[[str], None] = print
+    cancel: threading.Event | None = None
+    pools: WarmPools | None = None  # the pipeline loop's warm pools; None: every stage is a fresh job
+    env: dict | None = None  # extra environment for the stage jobs (such a job gets its own processes, not a pool)
+    store: ArtifactStore = field(default=None)  # opened from the blueprint when not given
+
+    def __post_init__(self):
+        if self.store is None:
+            self.store = open_store(self.bp)
+
+
+def stage_status(ctx: RunContext, stage: str, iteration, inputs: dict[str, str], *, read_output: bool = True):
     """Read-only: (key, output stage path, committed manifest there or None, input manifests). The stage is
     reusable when the committed manifest's key equals `key`. read_output=False: the output's manifest is not read
     (a forced stage replaces it, even a damaged one)."""
-    from verlflow.core.orchestrate.pool import pending_manifest
-
-    store = store or open_store(bp)
     manifests = {}
     for name, skey in inputs.items():
-        m = store.read_manifest(skey)
-        if m is None and (in_pool := pending_manifest(skey)) is not None:
+        m = ctx.store.read_manifest(skey)
+        if m is None and ctx.pools is not None and (in_pool := ctx.pools.pending_manifest(skey)) is not None:
             m = in_pool[1]  # committing in a warm pool's background: its key and metrics are known
         if m is None:
-            raise StoreError(f"{stage}[{iteration}]: input '{name}' ({store.uri(skey)}) is not committed; "
+            raise StoreError(f"{stage}[{iteration}]: input '{name}' ({ctx.store.uri(skey)}) is not committed; "
                              "run the earlier stages first (verlflow rerun resumes at the first missing one).")
         manifests[name] = m
-    key = compute_key(stage, bp, iteration, {n: m["key"] for n, m in manifests.items()}, extra_key)
-    out = stage_key(run_id, iteration, stage)
-    return key, out, store.read_manifest(out) if read_output else None, manifests
+    key = compute_key(stage, ctx.bp, iteration, {n: m["key"] for n, m in manifests.items()})
+    out = stage_key(ctx.run_id, iteration, stage)
+    return key, out, ctx.store.read_manifest(out) if read_output else None, manifests
 
 
-def run_stage(stage: str, bp: Blueprint, run_id: str, iteration, inputs: dict[str, str], *,
-              on_line: Callable[[str], None] = print, cancel: threading.Event | None = None, force: bool = False,
-              store: ArtifactStore | None = None, extra_key: dict | None = None, env: dict | None = None) -> StageResult:
+@dataclass
+class _Attempt:
+    """A stage that runs (it is not reusable): its key, its output's store path, its inputs' manifests."""
+    stage: str
+    iteration: int | str
+    inputs: dict[str, str]
+    key: str
+    out: str
+    manifests: dict[str, dict]
+    t0: float
+    launched_at: float = 0.0  # when its job was launched (a pool's start-up counts from here, timed apart)
+
+    @property
+    def name(self) -> str:
+        return f"{self.stage}[{self.iteration}]"
+
+
+def run_stage(ctx: RunContext, stage: str, iteration, inputs: dict[str, str], *, force: bool = False) -> StageResult:
     """Run `stage` for `iteration` unless a committed manifest with the same key exists. `inputs` maps an input
     name to the stage key (store path) of a committed stage."""
     t0 = time.time()
-    store = store or open_store(bp)
-    key, out, existing, manifests = stage_status(stage, bp, run_id, iteration, inputs, store=store,
-                                                 extra_key=extra_key, read_output=not force)
+    key, out, existing, manifests = stage_status(ctx, stage, iteration, inputs, read_output=not force)
     if existing is not None and existing.get("key") == key and not force:
-        on_line(f"[verlflow] {stage}[{iteration}] is committed with the same key: reusing {store.uri(out)}")
+        ctx.on_line(f"[verlflow] {stage}[{iteration}] is committed with the same key: reusing {ctx.store.uri(out)}")
         return StageResult(existing, True, time.time() - t0)
-    res = bp.resources
-    single = stage in SINGLE_PROCESS
-    # Static multi-node local: every node's agent runs this same call; node 0 leads (clears the output, runs
-    # the single-process stages), the others join the torchrun job and leave the store to it.
-    multi_local = res.backend == "local" and res.nnodes > 1
-    follower = multi_local and res.node_rank > 0
-    if follower and single:
-        return _await_commit(stage, iteration, store, out, key, res.stage_timeout_s, on_line, cancel, t0)
-    if (existing is not None or force) and not follower:
-        store.uncommit(out)  # invisible first, then replaced
+    run = _Attempt(stage, iteration, inputs, key, out, manifests, t0)
+    follower = _follows(ctx.bp.resources)
+    if follower and stage in SINGLE_PROCESS:
+        return _await_commit(ctx, run)
     if not follower:
-        store.rm(out)
+        if existing is not None or force:
+            ctx.store.uncommit(out)  # invisible first, then replaced
+        ctx.store.rm(out)
+    run.launched_at = time.time()
+    pool = None if follower else _warm_pool(ctx)
+    return _run_in_pool(ctx, run, pool) if pool is not None else _run_fresh(ctx, run, leader=not follower)
 
-    scratch = Path(tempfile.mkdtemp(prefix=f"verlflow-{stage}-", dir=scratch_root(res)))
-    job = {
-        "stage": stage, "run_id": run_id, "iteration": iteration, "output": out, "scratch": str(scratch),
-        "blueprint": bp.model_dump(mode="json"), "inputs": inputs,
-        "input_manifests": {n: {"key": m["key"], "metrics": m.get("metrics", {}), "lineage": m.get("lineage", [])}
-                            for n, m in manifests.items()},
-        "manifest": {
-            "stage": stage, "run_id": run_id, "iteration": iteration, "key": key,
-            "inputs": {n: {"stage": inputs[n], "key": m["key"]} for n, m in manifests.items()},
-            "blueprint_hash": bp.hash(), "blueprint_name": bp.name, "code_version": code_version(stage),
-            "lineage": _lineage(manifests, inputs),
-        },
-        "launched_at": time.time(),
-    }
-    # A job with its own environment needs its own processes: a pool's environment was fixed at its start.
-    pool = _warm_pool(res, on_line) if res.warm_pool and not env else None
-    pending = sorted(n for n, m in manifests.items() if m.get("pending"))
+
+def _follows(res) -> bool:
+    """Static multi-node local: every node's agent runs the same stages; node 0 leads (clears the output, runs the
+    single-process stages), the others join its torchrun jobs and leave the store to it."""
+    return res.backend == "local" and res.nnodes > 1 and res.node_rank > 0
+
+
+def _multi_node(res, stage: str) -> bool:
+    return res.backend == "local" and res.nnodes > 1 and stage not in SINGLE_PROCESS
+
+
+def _run_fresh(ctx: RunContext, run: _Attempt, *, leader: bool = True) -> StageResult:
+    """The stage as a torchrun job of its own (on a follower node: its part of node 0's job)."""
+    res = ctx.bp.resources
+    scratch = _scratch(res, run.stage)
+    try:
+        spec = _launch_spec(ctx, run, _write_job(ctx, run, scratch, pool=None), scratch)
+        where = f", node {res.node_rank} of {res.nnodes}" if _multi_node(res, run.stage) else ""
+        _say_launch(ctx, run, spec.nproc_per_node, spec.nnodes, f"{res.backend}{where}")
+        with _nothing_left_on_failure(ctx, run, leader), _gpus(res, spec, ctx.on_line):
+            launcher_for(res)(spec, on_line=ctx.on_line, cancel=ctx.cancel)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return _committed(ctx, run)
+
+
+def _run_in_pool(ctx: RunContext, run: _Attempt, pool: WarmPool) -> StageResult:
+    """The stage as a job of the loop's warm pool; its commit may go on in the pool's background."""
+    res = ctx.bp.resources
+    scratch = _scratch(res, run.stage)
+    try:
+        job_file = _write_job(ctx, run, scratch, pool)
+        _say_launch(ctx, run, res.nproc_per_node, 1, f"{res.backend}, warm pool")
+        with _nothing_left_on_failure(ctx, run):
+            done = pool.run(run.stage, job_file, on_line=ctx.on_line, cancel=ctx.cancel,
+                            timeout_s=res.stage_timeout_s)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    if done.get("pending"):
+        return _committing_in_background(ctx, run, pool, done["manifest"], scratch)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return _committed(ctx, run)
+
+
+def _committing_in_background(ctx: RunContext, run: _Attempt, pool: WarmPool, manifest: dict,
+                              scratch: Path) -> StageResult:
+    """The stage returned while the pool goes on committing it; the pool removes its scratch folder after the
+    commit (a remote store's output is staged there)."""
+    manifest = {**manifest, "pending": True}
+    pool.commit_in_background(run.out, Background(manifest, run.name, ctx.on_line,
+                                                  *_landed_and_discard(ctx.store, run.out, run.key, scratch)))
+    ctx.on_line(f"[verlflow] {run.name} done; its commit runs in the warm pool's background")
+    return StageResult(manifest, False, time.time() - run.t0)
+
+
+def _scratch(res, stage: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=f"verlflow-{stage}-", dir=scratch_root(res)))
+
+
+def _say_launch(ctx: RunContext, run: _Attempt, nproc: int, nnodes: int, how: str) -> None:
+    ctx.on_line(f"[verlflow] {run.name} -> {ctx.store.uri(run.out)} ({nproc} x {nnodes} ranks, {how})")
+
+
+def _write_job(ctx: RunContext, run: _Attempt, scratch: Path, pool: WarmPool | None) -> Path:
+    """The job file, once the inputs that another pool commits in its background have landed."""
+    pending = sorted(n for n, m in run.manifests.items() if m.get("pending"))
     if pending:
         # Only the pool that commits an input can wait for it inside the job; any other job starts after it landed.
-        _await_inputs(pool, {n: inputs[n] for n in pending}, store, cancel, on_line)
-        job["pending_inputs"] = [n for n in pending if store.read_manifest(inputs[n]) is None]
-    job_file = scratch / "job.json"
-    job_file.write_text(json.dumps(job))
-    nproc = res.nproc_per_node if pool else 1 if single else res.nproc_per_node
-    multi = multi_local and not single
-    spec = LaunchSpec(module=module_of(stage), args=[str(job_file)], job_arg=0, nproc_per_node=nproc,
+        _await_inputs(ctx, pool, {n: run.inputs[n] for n in pending})
+    job = _job_spec(ctx, run, scratch)
+    job.pending_inputs = [n for n in pending if ctx.store.read_manifest(run.inputs[n]) is None]
+    return job.write(scratch / "job.json")
+
+
+def _job_spec(ctx: RunContext, run: _Attempt, scratch: Path) -> JobSpec:
+    bp, manifests, inputs = ctx.bp, run.manifests, run.inputs
+    return JobSpec(
+        stage=run.stage, run_id=ctx.run_id, iteration=run.iteration, output=run.out, scratch=str(scratch),
+        blueprint=bp, inputs=inputs, launched_at=run.launched_at,
+        input_manifests={n: InputRecord(key=m["key"], metrics=m.get("metrics", {}), lineage=m.get("lineage", []))
+                         for n, m in manifests.items()},
+        manifest=ManifestDraft(
+            stage=run.stage, run_id=ctx.run_id, iteration=run.iteration, key=run.key,
+            inputs={n: InputRef(stage=inputs[n], key=m["key"]) for n, m in manifests.items()},
+            blueprint_hash=bp.hash(), blueprint_name=bp.name, code_version=code_version(run.stage),
+            lineage=_lineage(manifests, inputs)))
+
+
+def _launch_spec(ctx: RunContext, run: _Attempt, job_file: Path, scratch: Path) -> LaunchSpec:
+    res = ctx.bp.resources
+    single, multi = run.stage in SINGLE_PROCESS, _multi_node(res, run.stage)
+    nproc = 1 if single else res.nproc_per_node
+    return LaunchSpec(module=module_of(run.stage), args=[str(job_file)], job_arg=0, nproc_per_node=nproc,
                       nnodes=1 if single else res.nnodes, timeout_s=res.stage_timeout_s,
                       node_rank=res.node_rank if multi else 0, rdzv_endpoint=res.rdzv_endpoint if multi else None,
-                      rdzv_id=f"vf-{key[:20]}" if multi else None,  # the same on every node's agent
-                      env={**_worker_env(nproc), **(env or {})}, log_dir=str(scratch / "logs"))
-    where = f", node {res.node_rank} of {res.nnodes}" if multi else ""
-    on_line(f"[verlflow] {stage}[{iteration}] -> {store.uri(out)} ({nproc} x {spec.nnodes} ranks, "
-            f"{res.backend}{where}{', warm pool' if pool else ''})")
-    background = False
+                      rdzv_id=f"vf-{run.key[:20]}" if multi else None,  # the same on every node's agent
+                      env={**_worker_env(nproc), **(ctx.env or {})}, log_dir=str(scratch / "logs"))
+
+
+@contextmanager
+def _nothing_left_on_failure(ctx: RunContext, run: _Attempt, leader: bool = True):
+    """A failed stage leaves nothing behind, not even invisible partial data (a follower leaves that to node 0)."""
     try:
-        if pool is not None:
-            try:
-                done = pool.run(stage, job_file, on_line=on_line, cancel=cancel, timeout_s=res.stage_timeout_s)
-            finally:
-                pool.busy.release()
-            if done.get("pending"):
-                background = True
-                manifest = {**done["manifest"], "pending": True}
-                pool.pending[out] = Background(manifest, f"{stage}[{iteration}]", on_line,
-                                               *_landed_and_discard(store, out, key, scratch))
-                on_line(f"[verlflow] {stage}[{iteration}] done; its commit runs in the warm pool's background")
-                return StageResult(manifest, False, time.time() - t0)
-        else:
-            with _gpus(res, nproc, spec, on_line):
-                launcher_for(res)(spec, on_line=on_line, cancel=cancel)
+        yield
     except BaseException:
-        try:
-            if not follower and store.read_manifest(out) is None:
-                store.rm(out)  # a failed stage leaves nothing behind, not even invisible partial data
-        except Exception as exc:  # e.g. the S3 endpoint is down: keep the job's own error, not this one
-            on_line(f"[verlflow] {stage}[{iteration}]: could not remove the partial output at {store.uri(out)} "
-                    f"({type(exc).__name__}); it has no manifest, so nothing reads it, and the rerun replaces it")
+        if leader:
+            _remove_partial(ctx, run)
         raise
-    finally:
-        if not background:  # else the pool removes it after the commit (a remote store's output is in it)
-            shutil.rmtree(scratch, ignore_errors=True)
-    manifest = store.read_manifest(out)
-    if manifest is None or manifest.get("key") != key:
-        raise StoreError(f"{stage}[{iteration}]: the job exited cleanly but committed no manifest at {store.uri(out)}")
-    return StageResult(manifest, False, time.time() - t0)
+
+
+def _remove_partial(ctx: RunContext, run: _Attempt) -> None:
+    try:
+        if ctx.store.read_manifest(run.out) is None:
+            ctx.store.rm(run.out)
+    except Exception as exc:  # e.g. the S3 endpoint is down: keep the job's own error, not this one
+        ctx.on_line(f"[verlflow] {run.name}: could not remove the partial output at {ctx.store.uri(run.out)} "
+                    f"({type(exc).__name__}); it has no manifest, so nothing reads it, and the rerun replaces it")
+
+
+def _committed(ctx: RunContext, run: _Attempt) -> StageResult:
+    manifest = ctx.store.read_manifest(run.out)
+    if manifest is None or manifest.get("key") != run.key:
+        raise StoreError(f"{run.name}: the job exited cleanly but committed no manifest at {ctx.store.uri(run.out)}")
+    return StageResult(manifest, False, time.time() - run.t0)
 
 
 def _landed_and_discard(store: ArtifactStore, out: str, key: str, scratch: Path):
@@ -219,72 +304,73 @@ def _landed_and_discard(store: ArtifactStore, out: str, key: str, scratch: Path)
     return landed, discard
 
 
-def _await_inputs(pool, inputs: dict[str, str], store: ArtifactStore, cancel, on_line) -> None:
+def _await_inputs(ctx: RunContext, pool: WarmPool | None, inputs: dict[str, str]) -> None:
     """Wait until inputs that a warm pool commits in its background have landed, unless this job runs in that
     same pool (which waits inside the job, and only if the stage reads the files)."""
     from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
-    from verlflow.core.orchestrate.pool import pending_manifest
 
     for name, skey in inputs.items():
-        owner = pending_manifest(skey)
+        owner = ctx.pools.pending_manifest(skey) if ctx.pools is not None else None
         if owner is None or owner[0] is pool:
             continue
-        on_line(f"[verlflow] waiting for {store.uri(skey)} ({name}) to be committed by the warm pool")
-        while store.read_manifest(skey) is None:
+        ctx.on_line(f"[verlflow] waiting for {ctx.store.uri(skey)} ({name}) to be committed by the warm pool")
+        while ctx.store.read_manifest(skey) is None:
             if not owner[0].alive:
-                raise StageFailure(FailureKind.UNKNOWN, f"input '{name}' ({store.uri(skey)}) was never committed: "
+                raise StageFailure(FailureKind.UNKNOWN, f"input '{name}' ({ctx.store.uri(skey)}) was never committed: "
                                    f"the warm worker pool committing it exited ({owner[0].error})")
-            if cancel is not None and cancel.is_set():
-                raise StageFailure(FailureKind.CANCELLED, f"cancelled while waiting for {store.uri(skey)}")
+            if ctx.cancel is not None and ctx.cancel.is_set():
+                raise StageFailure(FailureKind.CANCELLED, f"cancelled while waiting for {ctx.store.uri(skey)}")
             time.sleep(0.2)
 
 
-def _await_commit(stage, iteration, store, out, key, timeout_s, on_line, cancel, t0) -> StageResult:
+def _await_commit(ctx: RunContext, run: _Attempt) -> StageResult:
     """A follower node (node_rank > 0) of a static multi-node run: node 0 runs a single-process stage alone."""
     from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
 
-    on_line(f"[verlflow] {stage}[{iteration}] runs on node 0 only: waiting for its commit at {store.uri(out)}")
+    timeout_s = ctx.bp.resources.stage_timeout_s
+    ctx.on_line(f"[verlflow] {run.name} runs on node 0 only: waiting for its commit at {ctx.store.uri(run.out)}")
     deadline = time.monotonic() + timeout_s
     while True:
-        m = store.read_manifest(out)
-        if m is not None and m.get("key") == key:
-            return StageResult(m, False, time.time() - t0)
-        if cancel is not None and cancel.is_set():
-            raise StageFailure(FailureKind.CANCELLED, f"{stage}[{iteration}]: cancelled while waiting for node 0")
+        m = ctx.store.read_manifest(run.out)
+        if m is not None and m.get("key") == run.key:
+            return StageResult(m, False, time.time() - run.t0)
+        if ctx.cancel is not None and ctx.cancel.is_set():
+            raise StageFailure(FailureKind.CANCELLED, f"{run.name}: cancelled while waiting for node 0")
         if time.monotonic() > deadline:
-            raise StageFailure(FailureKind.TIMEOUT, f"{stage}[{iteration}]: node 0 did not commit it within "
+            raise StageFailure(FailureKind.TIMEOUT, f"{run.name}: node 0 did not commit it within "
                                f"{timeout_s} s (resources.stage_timeout_s)")
         time.sleep(0.5)
 
 
-def _warm_pool(res, on_line):
-    """This node's warm pool for these resources (verlflow.core.orchestrate.pool), or None (outside warm_pools(), or busy)."""
-    from verlflow.core.orchestrate import pool as P
-
+def _warm_pool(ctx: RunContext) -> WarmPool | None:
+    """This node's warm pool for these resources, or None: the loop has no pools, the blueprint no warm workers,
+    the job its own environment (a pool's was fixed at its start), or the pool is busy."""
+    res = ctx.bp.resources
+    if ctx.pools is None or not res.warm_pool or ctx.env:
+        return None
     nproc = res.nproc_per_node
 
-    def make() -> "P.WarmPool":
-        pool = P.WarmPool(nproc, _worker_env(nproc), scratch_root(res), on_line)
-        pool.commit_timeout_s = res.stage_timeout_s
+    def make() -> WarmPool:
+        env, held = _worker_env(nproc), ExitStack()
         if res.device == "cuda":
             from verlflow.core.orchestrate import devices
 
-            ids = pool.resources.enter_context(devices.claim(nproc, devices.visible_devices(), on_wait=on_line))
-            pool.spec.env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
-        return pool
+            ids = held.enter_context(devices.claim(nproc, devices.visible_devices(), on_wait=ctx.on_line))
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+        return WarmPool(nproc, env, scratch_root(res), ctx.on_line, commit_timeout_s=res.stage_timeout_s, held=held)
 
-    return P.acquire((nproc, res.device, str(scratch_root(res))), make)
+    return ctx.pools.acquire((nproc, res.device, str(scratch_root(res))), make)
 
 
 @contextmanager
-def _gpus(res, nproc: int, spec: LaunchSpec, on_line):
+def _gpus(res, spec: LaunchSpec, on_line):
     """Local CUDA jobs get distinct GPUs of this host (held while the job runs) via CUDA_VISIBLE_DEVICES."""
     if res.backend != "local" or res.device != "cuda":
         yield
         return
     from verlflow.core.orchestrate import devices
 
-    with devices.claim(nproc, devices.visible_devices(), on_wait=on_line) as ids:
+    with devices.claim(spec.nproc_per_node, devices.visible_devices(), on_wait=on_line) as ids:
         spec.env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
         yield
 

@@ -32,7 +32,7 @@ def copy_meta(src: Path, dst: Path) -> None:
 
 def run(ctx: StageContext) -> dict:
     bp = ctx.bp
-    warm = ctx.job["inputs"].get("warm_start")
+    warm = ctx.job.inputs.get("warm_start")
     src = Path(bp.model.path)
     problems = model_dir_problems(src)
     if problems:

@@ -33,7 +33,7 @@ def run(ctx: StageContext) -> dict:
         model.save_pretrained(ctx.out / "hf", safe_serialization=True)
         copy_meta(meta_dir, ctx.out / "hf")
     state = checkpoint.read_state(policy_dir) if cached is None else cached[2]
-    rollout = ctx.input_manifest("rollout")["metrics"]
+    rollout = ctx.input_manifest("rollout").metrics
     return {"step": state["step"], "data_cursor": state["data_cursor"], "reward_mean": rollout.get("reward_mean"),
             "reward_std": rollout.get("reward_std")}
 

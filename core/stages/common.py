@@ -4,7 +4,6 @@ A stage module is `main = stage_main(run)` where `run(ctx) -> metrics`. The work
 `ctx.out`; after every rank is done, rank 0 commits the manifest (so a crash commits nothing).
 """
 
-import json
 import logging
 import os
 import platform
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from verlflow.core.testing import faults
 from verlflow.core.stages import modelcache
 from verlflow.core.blueprint import Blueprint
+from verlflow.core.job import InputRecord, JobSpec
 from verlflow.core.errors import NO_SPACE_FIX, StoreError, is_no_space
 from verlflow.core.ml.placement import Placement
 from verlflow.core.stages import committer as committers
@@ -35,7 +35,7 @@ log = logging.getLogger("verlflow.stage")
 
 @dataclass
 class StageContext:
-    job: dict
+    job: JobSpec
     bp: Blueprint
     store: ArtifactStore
     rank: int
@@ -48,19 +48,19 @@ class StageContext:
 
     @property
     def iteration(self):
-        return self.job["iteration"]
+        return self.job.iteration
 
     def input(self, name: str) -> Path:
         """Local folder of a committed input stage, checksums verified (once per node). An input still committing
         in this pool's background: in a local store, its folder once its files are written (this pool wrote them,
         and its commit digests them); in a remote one, after its commit."""
-        key = self.job["inputs"][name]
-        if name in self.job.get("pending_inputs", ()):
+        key = self.job.inputs[name]
+        if name in self.job.pending_inputs:
             folder = self.store.local_path(key)
             self.committer.wait(key, written=folder is not None)
             if folder is not None:
                 return folder
-        cache = Path(self.job["scratch"]) / "inputs" / name
+        cache = Path(self.job.scratch) / "inputs" / name
         path = None
         if self.local_rank == 0:
             path = self.store.materialize(key, cache)
@@ -73,11 +73,11 @@ class StageContext:
         sections that shape its modules: the key of verlflow.core.stages.modelcache."""
         shape = self.bp.section_hash("model", "fsdp", "algorithm.use_remove_padding", "algorithm.adv_estimator")
         if name is None:
-            return self.job["output"], self.job["manifest"]["key"], shape
-        return self.job["inputs"][name], self.job["input_manifests"][name]["key"], shape
+            return self.job.output, self.job.manifest.key, shape
+        return self.job.inputs[name], self.job.input_manifests[name].key, shape
 
-    def input_manifest(self, name: str) -> dict:
-        return self.job["input_manifests"][name]
+    def input_manifest(self, name: str) -> InputRecord:
+        return self.job.input_manifests[name]
 
     def background(self):
         """The pool's committer when this stage may write its checkpoint in the background, else None."""
@@ -165,28 +165,28 @@ def _seed(bp: Blueprint, iteration, rank: int) -> None:
 
 def _commit(ctx: StageContext, metrics: dict, t_start: float, group=None) -> dict | None:
     """Digest (and upload, for remote stores) what this node wrote; rank 0 writes the manifest last."""
-    local_store = ctx.store.local_path(ctx.job["output"]) is not None
+    local_store = ctx.store.local_path(ctx.job.output) is not None
     files: dict = {}
     writer = ctx.rank == 0 if local_store else ctx.local_rank == 0
     if writer:
         rels = sorted(p.relative_to(ctx.out).as_posix() for p in ctx.out.rglob("*") if p.is_file())
         files = digest_files(ctx.out, rels, stamp=local_store)
         if not local_store:
-            ctx.store.upload_dir(ctx.out, ctx.job["output"])
+            ctx.store.upload_dir(ctx.out, ctx.job.output)
     if ctx.world > 1:
         gathered = [None] * ctx.world
         dist.all_gather_object(gathered, files, group=group)
         files = {k: v for part in gathered if part for k, v in part.items()}
     if ctx.rank == 0:
-        manifest = dict(ctx.job["manifest"])
+        manifest = ctx.job.manifest.model_dump()
         manifest.update(
             metrics=metrics,
             timings={"stage_s": round(time.time() - t_start, 3), **ctx.timings},
             env=env_summary(),
             world_size=ctx.world,
         )
-        manifest = ctx.store.commit(ctx.job["output"], manifest, files)
-        log.info("committed %s (%d files)", ctx.store.uri(ctx.job["output"]), len(files))
+        manifest = ctx.store.commit(ctx.job.output, manifest, files)
+        log.info("committed %s (%d files)", ctx.store.uri(ctx.job.output), len(files))
         return manifest
     return None
 
@@ -225,16 +225,16 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
     first job gets `pool_ready_at` (when its ranks had started and imported), so the pool's start-up is its own
     timing, not the stage's."""
     t_start = time.time()
-    job = json.loads(job_file.read_text())
-    bp = Blueprint.model_validate(job["blueprint"])
+    job = JobSpec.read(job_file)
+    bp = job.blueprint
     rank, world, local_rank, device = _init_process_group(bp)
     committer = committers.for_pool(collective_timeout(bp)) if in_pool else None
     setup_logging(rank)
-    _seed(bp, job["iteration"], rank)
+    _seed(bp, job.iteration, rank)
     store = ArtifactStore(bp.storage.uri, endpoint_url=bp.storage.endpoint_url, region=bp.storage.region)
-    out = store.local_path(job["output"])
+    out = store.local_path(job.output)
     if out is None:  # remote store: write on local disk, upload at commit
-        out = Path(job["scratch"]) / "out"
+        out = Path(job.scratch) / "out"
         if local_rank == 0:
             shutil.rmtree(out, ignore_errors=True)
     if world > 1:
@@ -242,7 +242,7 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
     out.mkdir(parents=True, exist_ok=True)
     ctx = StageContext(job, bp, store, rank, world, local_rank, device, out, committer=committer,
                        timings=_launch_timings(job, t_start, pool_ready_at))
-    faults.hang_point(job["stage"], rank)  # test hook: VERLFLOW_FAULT=hang_in_<stage>, barrier_hang_in_<stage>
+    faults.hang_point(job.stage, rank)  # test hook: VERLFLOW_FAULT=hang_in_<stage>, barrier_hang_in_<stage>
     modelcache.hits.clear()
     with _no_space_named(ctx):
         metrics = run(ctx) or {}
@@ -260,10 +260,10 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
             ctx.timings["background_s"] = round(time.time() - t_end, 3)
             _commit_and_after(ctx, metrics, t_start, after_commit, committer.group)
             if ctx.local_rank == 0:
-                shutil.rmtree(job["scratch"], ignore_errors=True)  # the runner left it to us (its remote out/)
+                shutil.rmtree(job.scratch, ignore_errors=True)  # the runner left it to us (its remote out/)
 
-        committer.submit(job["output"], f"{job['stage']}[{job['iteration']}]", commit, where=_where(ctx))
-        return {"pending": True, "manifest": {**job["manifest"], "metrics": metrics, "timings": ctx.timings,
+        committer.submit(job.output, job.name, commit, where=_where(ctx))
+        return {"pending": True, "manifest": {**job.manifest.model_dump(), "metrics": metrics, "timings": ctx.timings,
                                               "world_size": world}}
     with _no_space_named(ctx):
         _commit_and_after(ctx, metrics, t_start, after_commit)
@@ -271,7 +271,7 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
 
 
 def _where(ctx: StageContext) -> str:
-    return ctx.store.uri(ctx.job["output"]) if ctx.store.local_path(ctx.job["output"]) else f"scratch {ctx.out}"
+    return ctx.store.uri(ctx.job.output) if ctx.store.local_path(ctx.job.output) else f"scratch {ctx.out}"
 
 
 @contextmanager
@@ -283,14 +283,14 @@ def _no_space_named(ctx: StageContext):
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if not is_no_space(e):
             raise
-        raise StoreError(f"no space left on device: {ctx.job['stage']}[{ctx.iteration}] could not write its "
+        raise StoreError(f"no space left on device: {ctx.job.name} could not write its "
                          f"files to {_where(ctx)}; {NO_SPACE_FIX}") from e
 
 
-def _launch_timings(job: dict, t_start: float, pool_ready_at: float | None) -> dict:
+def _launch_timings(job: JobSpec, t_start: float, pool_ready_at: float | None) -> dict:
     """From the runner's launch to this worker's start: a fresh job's spawn and imports, a warm job's hand-over;
     a pool's first job has the pool's own start-up apart."""
-    launched = job.get("launched_at", t_start)
+    launched = job.launched_at
     if pool_ready_at is None:
         return {"launch_to_worker_s": round(t_start - launched, 3)}
     return {"pool_start_s": round(max(0.0, pool_ready_at - launched), 3),

@@ -26,12 +26,13 @@ STAGE_VERSION = {"validate": 1, "build": 1, "rollout": 1, "update": 1, "checkpoi
 
 # Modules a worker imports that move bytes or report, never compute outputs: their edits keep every key. The
 # blueprint's *values* are in the key through its sections; the store verifies every file by its checksum; the
-# model cache returns what a load would (bit-identical, tested); faults are inert test hooks.
+# model cache returns what a load would (bit-identical, tested); faults are inert test hooks; the job spec is
+# the runner -> worker message.
 # The rooms' own __init__ files (docstrings only) are plumbing too: importing `model` from `ml` must not pull in
 # every module of `ml`.
 PLUMBING = frozenset({PACKAGE} | {f"{PACKAGE}.{m}" for m in (
     "orchestrate", "store", "ml", "testing",
-    "blueprint", "errors", "store.artifacts", "orchestrate.launcher", "testing.faults", "stages.modelcache",
+    "blueprint", "errors", "job", "store.artifacts", "orchestrate.launcher", "testing.faults", "stages.modelcache",
     "orchestrate.pool", "orchestrate.devices", "stages", "stages.agree", "stages.committer", "stages.pool")})
 
 
