@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prefect import flow  # noqa: E402
 
-import verlflow.tasks.stages as ts  # noqa: E402
 from verlflow.core.blueprint import load_blueprint  # noqa: E402
 from verlflow.core.orchestrate.runner import RunContext, StageResult, run_stage  # noqa: E402
+import verlflow.tasks.stages as ts  # noqa: E402
 
 TINY = ["iterations=1", "data.batch_size=4", "rollout.n=2", "rollout.max_new_tokens=4",
         "algorithm.ppo_mini_batch_size=2", "algorithm.ppo_micro_batch_size_per_gpu=2", "resources.nproc_per_node=1"]

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rollout import SHAPES  # noqa: E402  (one table of model shapes for both benchmarks)
 
-from verlflow.core.ml import model as M, ppo  # noqa: E402
 from verlflow.core.blueprint import load_blueprint  # noqa: E402
+from verlflow.core.ml import model as M, ppo  # noqa: E402
 from verlflow.core.ml.optim import make_optimizer  # noqa: E402
 from verlflow.core.ml.placement import Placement  # noqa: E402
 

@@ -636,11 +636,11 @@ def json_schema() -> dict:
 def missing_inputs(bp: Blueprint) -> list[str]:
     """Files, URIs and names the blueprint refers to that are not usable, each with the fix (cheap: no torch
     or verl import; the datasets are read with pyarrow, the reward function is resolved)."""
-    from verlflow.core.orchestrate import preflight
+    from verlflow.core.errors import VerlflowError
     from verlflow.core.ml.data import load_prompts, missing_file_problems
     from verlflow.core.ml.modeldir import model_dir_problems
-    from verlflow.core.errors import VerlflowError
     from verlflow.core.ml.rewards import load_reward
+    from verlflow.core.orchestrate import preflight
     from verlflow.core.store.artifacts import carries_credentials
 
     problems = model_dir_problems(bp.model.path) + _engine_problems(bp)

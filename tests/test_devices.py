@@ -43,8 +43,8 @@ def test_claim_fits_beside_another_and_refuses_too_many(tmp_path):
 
 
 def test_runner_sets_cuda_visible_devices_for_local_cuda_jobs(monkeypatch, tmp_path):
-    from verlflow.core.orchestrate import devices, runner
     from verlflow.core.blueprint import Blueprint
+    from verlflow.core.orchestrate import devices, runner
     from verlflow.core.orchestrate.launcher import LaunchSpec
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")

@@ -207,8 +207,8 @@ def test_top_k_holds_at_every_step_and_seed_reproduces(models):
 def test_rollout_engine_static_matches_hf_path(tiny_kit):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verlflow.core.ml import fastgen, generate
     from verlflow.core.blueprint import RolloutSpec
+    from verlflow.core.ml import fastgen, generate
 
     with pytest.raises(Exception):
         RolloutSpec(engine="vllm")

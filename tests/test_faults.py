@@ -35,8 +35,8 @@ import pytest
 import torch
 from tinybp import prompt_rows, tiny_blueprint
 
-from verlflow.core.ml import checkpoint, model as M
 from verlflow.core.errors import ChecksumError, StoreError
+from verlflow.core.ml import checkpoint, model as M
 from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
 from verlflow.core.orchestrate.pipeline import plan, run_pipeline
 from verlflow.core.orchestrate.runner import STAGES, RunContext, run_stage

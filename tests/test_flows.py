@@ -54,8 +54,8 @@ def test_retries_follow_the_failure_class(prefect_server, tiny_kit, tmp_path, mo
     """A collective timeout is retried; a NaN is not (the launcher's classification decides)."""
     from prefect import flow
 
-    import verlflow.tasks.stages as ts
     from verlflow.core.orchestrate.runner import StageResult
+    import verlflow.tasks.stages as ts
 
     bp = tiny_blueprint(tiny_kit, tmp_path / "store")
     calls = []
@@ -472,10 +472,10 @@ def test_one_warm_pool_rule_drives_the_runner_and_the_flow_slots(prefect_server,
     device slots (the flow for a pool, else the stage task): set against warm_workers, both follow it."""
     from prefect import flow
 
-    import verlflow.tasks.stages as ts
     from verlflow.core.blueprint import ResourcesSpec
     from verlflow.core.orchestrate.pool import warm_pools
     from verlflow.tasks.slots import limit_name
+    import verlflow.tasks.stages as ts
 
     monkeypatch.setattr(ResourcesSpec, "warm_pool", property(lambda self: pooled))
     bp = tiny_blueprint(tiny_kit, tmp_path / "store", f"name=rule-{str(pooled).lower()}",

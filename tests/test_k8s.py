@@ -32,8 +32,8 @@ from tinybp import tiny_blueprint
 
 pytest.importorskip("kubernetes")
 
-from verlflow.core.orchestrate.backends.kubernetes import INDEX_KEY, KubernetesBackend, render  # noqa: E402
 from verlflow.core.blueprint import KubernetesSpec  # noqa: E402
+from verlflow.core.orchestrate.backends.kubernetes import INDEX_KEY, KubernetesBackend, render  # noqa: E402
 from verlflow.core.orchestrate.launcher import FailureKind, LaunchSpec, StageFailure  # noqa: E402
 
 SCHEMAS = Path(__file__).parent / "data" / "k8s-schemas"

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from tinybp import tiny_blueprint
 
+from verlflow.core.orchestrate.pipeline import plan
 import verlflow.core.orchestrate.runner as runner
 from verlflow.core.store.keys import STAGE_VERSION, stage_code_versions
-from verlflow.core.orchestrate.pipeline import plan
 
 CORE = Path(runner.__file__).parents[1]
 

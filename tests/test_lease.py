@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from verlflow.core.store.lease import Lease, RunBusyError, run_lease
 from verlflow.core.store.artifacts import ArtifactStore
+from verlflow.core.store.lease import Lease, RunBusyError, run_lease
 
 VERLFLOW = str(Path(sys.executable).with_name("verlflow"))
 

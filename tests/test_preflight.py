@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from verlflow.core.orchestrate.cli import main
 from verlflow.core.ml.fastgen import SUPPORTED_MODEL_TYPES
+from verlflow.core.orchestrate.cli import main
 from tinybp import prompt_rows
 
 SMALL = ["resources.nproc_per_node=1", "data.batch_size=4", "algorithm.ppo_mini_batch_size=2",

@@ -4,8 +4,8 @@ import json
 
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.job import JobSpec
-from verlflow.core.store.promote import promote, prune
 from verlflow.core.store.artifacts import ArtifactStore, file_digest
+from verlflow.core.store.promote import promote, prune
 
 
 def _fake_checkpoint(store: ArtifactStore, tmp_path, run_id: str, it: int, reward: float) -> dict:

@@ -11,8 +11,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
 
-from verlflow.core.ml import rewards  # noqa: E402
 from verlflow.core.errors import BlueprintError, NonFiniteError, VerlflowError  # noqa: E402
+from verlflow.core.ml import rewards  # noqa: E402
 from verlflow.core.ml.rewards import get_reward, load_reward, register_reward, reward_names  # noqa: E402
 
 

@@ -21,8 +21,8 @@ import pytest
 from sysdeps import unavailable
 from tinybp import tiny_blueprint
 
-from verlflow.core.orchestrate.backends.slurm import SlurmBackend, job_info, render_sbatch, squeue_ids
 from verlflow.core.blueprint import SlurmSpec
+from verlflow.core.orchestrate.backends.slurm import SlurmBackend, job_info, render_sbatch, squeue_ids
 from verlflow.core.orchestrate.launcher import FailureKind, LaunchSpec, StageFailure
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]

@@ -6,8 +6,8 @@ import pytest
 import torch
 from tinybp import tiny_blueprint
 
-from verlflow.core.ml import checkpoint, model as M
 from verlflow.core.errors import StoreError
+from verlflow.core.ml import checkpoint, model as M
 from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
 from verlflow.core.orchestrate.pipeline import run_pipeline
 from verlflow.core.orchestrate.runner import RunContext, run_stage

@@ -14,11 +14,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from verlflow.core.testing import faults
-from verlflow.core.ml import packing
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.errors import NonFiniteError
+from verlflow.core.ml import packing
 from verlflow.core.ml.placement import Placement
+from verlflow.core.testing import faults
 
 log = logging.getLogger("verlflow.ppo")
 

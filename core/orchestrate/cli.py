@@ -80,10 +80,10 @@ def _print_summary(bp, run_id: str, results) -> None:
 
 
 def cmd_run(args) -> int:
-    from verlflow.core.store.lease import run_lease
     from verlflow.core.orchestrate.pipeline import checked_plan, run_pipeline
     from verlflow.core.orchestrate.runner import open_store
     from verlflow.core.store.artifacts import safe_run_id
+    from verlflow.core.store.lease import run_lease
 
     bp = _blueprint(args)
     # Everything the user typed is checked before the store is touched (the preflight probe writes to it).
@@ -185,9 +185,9 @@ def _stage_state(store, skey: str, sizes: dict | None, checksums: bool) -> tuple
 
 
 def cmd_ls(args) -> int:
-    from verlflow.core.store.lease import holder_of
     from verlflow.core.orchestrate.runner import open_store
     from verlflow.core.store.artifacts import safe_run_id
+    from verlflow.core.store.lease import holder_of
 
     bp = _blueprint(args)
     if args.run is not None:

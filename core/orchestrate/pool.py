@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from verlflow.core.stages import module_of
 from verlflow.core.orchestrate.launcher import FailureKind, LaunchSpec, StageFailure, launch
+from verlflow.core.stages import module_of
+from verlflow.core.wait import wait_until
 
 _BACKGROUND = re.compile(r"\[background (\S+)\] ")  # verlflow.core.stages.committer's tag
 
@@ -95,24 +96,30 @@ class WarmPool:
         self.n += 1
         self._send({"stage": stage, "job": str(job_file)})
         done = self.dir / f"done-{self.n}.json"
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not done.exists():
-            if self._gone.wait(0.02):
-                if done.exists():
-                    break
-                if isinstance(self.error, StageFailure):
-                    raise self.error
-                raise StageFailure(FailureKind.UNKNOWN, f"{stage}: the warm worker pool exited without finishing it"
-                                   + (f" ({self.error})" if self.error else ""))
-            if cancel is not None and cancel.is_set():
-                self.kill()
-                raise StageFailure(FailureKind.CANCELLED, f"{stage} was cancelled; its warm worker pool was killed")
-            if deadline is not None and time.monotonic() > deadline:
-                self._expire.set()
-                self._gone.wait(60)
-                stacks = self.error.traceback if isinstance(self.error, StageFailure) else ""
-                raise StageFailure(FailureKind.TIMEOUT, f"{stage} ran past its timeout of {timeout_s:g} s "
-                                   "(resources.stage_timeout_s); its warm worker pool was killed", traceback=stacks)
+
+        def finished() -> bool:
+            if done.exists():
+                return True
+            if not self._gone.is_set() or done.exists():
+                return False
+            if isinstance(self.error, StageFailure):
+                raise self.error
+            raise StageFailure(FailureKind.UNKNOWN, f"{stage}: the warm worker pool exited without finishing it"
+                               + (f" ({self.error})" if self.error else ""))
+
+        def cancelled():
+            self.kill()
+            raise StageFailure(FailureKind.CANCELLED, f"{stage} was cancelled; its warm worker pool was killed")
+
+        def expired():
+            self._expire.set()
+            self._gone.wait(60)
+            stacks = self.error.traceback if isinstance(self.error, StageFailure) else ""
+            raise StageFailure(FailureKind.TIMEOUT, f"{stage} ran past its timeout of {timeout_s:g} s "
+                               "(resources.stage_timeout_s); its warm worker pool was killed", traceback=stacks)
+
+        wait_until(finished, interval_s=0.02, timeout_s=timeout_s, cancel=cancel, on_cancel=cancelled,
+                   on_timeout=expired)
         return json.loads(done.read_text())
 
     def commit_in_background(self, output: str, background: Background) -> None:

@@ -25,6 +25,7 @@ from verlflow.core.orchestrate.launcher import LaunchSpec
 from verlflow.core.orchestrate.pool import Background, WarmPool, WarmPools
 from verlflow.core.stages import module_of
 from verlflow.core.store.artifacts import ArtifactStore, stage_key
+from verlflow.core.wait import wait_until
 
 log = logging.getLogger("verlflow.runner")
 
@@ -314,13 +315,17 @@ def _await_inputs(ctx: RunContext, pool: WarmPool | None, inputs: dict[str, str]
         if owner is None or owner[0] is pool:
             continue
         ctx.on_line(f"[verlflow] waiting for {ctx.store.uri(skey)} ({name}) to be committed by the warm pool")
-        while ctx.store.read_manifest(skey) is None:
-            if not owner[0].alive:
+
+        def landed(name=name, skey=skey, committer=owner[0]) -> bool:
+            if ctx.store.read_manifest(skey) is not None:
+                return True
+            if not committer.alive:
                 raise StageFailure(FailureKind.UNKNOWN, f"input '{name}' ({ctx.store.uri(skey)}) was never committed: "
-                                   f"the warm worker pool committing it exited ({owner[0].error})")
-            if ctx.cancel is not None and ctx.cancel.is_set():
-                raise StageFailure(FailureKind.CANCELLED, f"cancelled while waiting for {ctx.store.uri(skey)}")
-            time.sleep(0.2)
+                                   f"the warm worker pool committing it exited ({committer.error})")
+            return False
+
+        wait_until(landed, interval_s=0.2, cancel=ctx.cancel, on_cancel=_raises(
+            FailureKind.CANCELLED, f"cancelled while waiting for {ctx.store.uri(skey)}"))
 
 
 def _await_commit(ctx: RunContext, run: _Attempt) -> StageResult:
@@ -329,17 +334,26 @@ def _await_commit(ctx: RunContext, run: _Attempt) -> StageResult:
 
     timeout_s = ctx.bp.resources.stage_timeout_s
     ctx.on_line(f"[verlflow] {run.name} runs on node 0 only: waiting for its commit at {ctx.store.uri(run.out)}")
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def committed() -> dict | None:
         m = ctx.store.read_manifest(run.out)
-        if m is not None and m.get("key") == run.key:
-            return StageResult(m, False, time.time() - run.t0)
-        if ctx.cancel is not None and ctx.cancel.is_set():
-            raise StageFailure(FailureKind.CANCELLED, f"{run.name}: cancelled while waiting for node 0")
-        if time.monotonic() > deadline:
-            raise StageFailure(FailureKind.TIMEOUT, f"{run.name}: node 0 did not commit it within "
-                               f"{timeout_s} s (resources.stage_timeout_s)")
-        time.sleep(0.5)
+        return m if m is not None and m.get("key") == run.key else None
+
+    m = wait_until(committed, interval_s=0.5, timeout_s=timeout_s, cancel=ctx.cancel,
+                   on_cancel=_raises(FailureKind.CANCELLED, f"{run.name}: cancelled while waiting for node 0"),
+                   on_timeout=_raises(FailureKind.TIMEOUT, f"{run.name}: node 0 did not commit it within "
+                                      f"{timeout_s} s (resources.stage_timeout_s)"))
+    return StageResult(m, False, time.time() - run.t0)
+
+
+def _raises(kind, message: str):
+    """An on_cancel/on_timeout of wait_until: the StageFailure this wait ends with."""
+    from verlflow.core.orchestrate.launcher import StageFailure
+
+    def fail():
+        raise StageFailure(kind, message)
+
+    return fail
 
 
 def _warm_pool(ctx: RunContext) -> WarmPool | None:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from verlflow.core.ml import checkpoint, model as M
 from verlflow.core.errors import InputError
+from verlflow.core.ml import checkpoint, model as M
 from verlflow.core.ml.modeldir import model_dir_problems
 from verlflow.core.ml.optim import make_optimizer
 from verlflow.core.stages.common import StageContext, stage_main

@@ -8,9 +8,9 @@ import logging
 
 from verlflow.core.ml import checkpoint, model as M
 from verlflow.core.stages import modelcache
-from verlflow.core.store.promote import promote
 from verlflow.core.stages.build import copy_meta
 from verlflow.core.stages.common import StageContext, stage_main
+from verlflow.core.store.promote import promote
 
 log = logging.getLogger("verlflow.checkpoint")
 

@@ -20,15 +20,15 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from verlflow.core.testing import faults
-from verlflow.core.stages import modelcache
 from verlflow.core.blueprint import Blueprint
-from verlflow.core.job import InputRecord, JobSpec
 from verlflow.core.errors import NO_SPACE_FIX, StoreError, is_no_space
+from verlflow.core.job import InputRecord, JobSpec
 from verlflow.core.ml.placement import Placement
+from verlflow.core.stages import modelcache
 from verlflow.core.stages import committer as committers
 from verlflow.core.stages.agree import any_rank
 from verlflow.core.store.artifacts import ArtifactStore, digest_files
+from verlflow.core.testing import faults
 
 log = logging.getLogger("verlflow.stage")
 

@@ -43,8 +43,8 @@ def main() -> None:
         import torch
         import torch.distributed as dist
 
-        from verlflow.core.stages import committer as committers
         from verlflow.core.orchestrate.runner import STAGES
+        from verlflow.core.stages import committer as committers
         from verlflow.core.stages.common import run_job
 
         worker_guard()

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from verlflow.core.ml import checkpoint, model as M
-from verlflow.core.stages import modelcache
 from verlflow.core.ml.data import load_prompts, select
 from verlflow.core.ml.rollout import generate_share, save_batch
+from verlflow.core.stages import modelcache
 from verlflow.core.stages.common import StageContext, stage_main
 
 log = logging.getLogger("verlflow.rollout")

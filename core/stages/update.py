@@ -6,9 +6,9 @@ Inputs: `build` (hf_meta/, ref/), `policy` (policy/ [+ critic/]), `rollout` (bat
 import logging
 
 from verlflow.core.ml import checkpoint, model as M, ppo
-from verlflow.core.stages import modelcache
 from verlflow.core.ml.optim import apply_hparams, make_optimizer
 from verlflow.core.ml.rollout import load_batch
+from verlflow.core.stages import modelcache
 from verlflow.core.stages.common import StageContext, stage_main
 
 log = logging.getLogger("verlflow.update")

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from packaging.version import Version
 
-from verlflow.core.ml import model as M
 from verlflow.core.errors import InputError
+from verlflow.core.ml import model as M
 from verlflow.core.ml.modeldir import model_dir_problems
 from verlflow.core.stages.common import StageContext, stage_main
 

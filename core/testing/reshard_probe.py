@@ -8,8 +8,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from verlflow.core.ml import checkpoint, model as M
 from verlflow.core.blueprint import Blueprint
+from verlflow.core.ml import checkpoint, model as M
 from verlflow.core.orchestrate.launcher import worker_guard
 
 
