@@ -9,7 +9,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from prefect_server import api, manifest, tiny_blueprint, wait_state, write_blueprint
+from tinybp import ONE_RANK, tiny_blueprint
+from prefect_server import api, manifest, wait_state, write_blueprint
 
 from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
 
@@ -57,7 +58,7 @@ def test_retries_follow_the_failure_class(prefect_server, tiny_kit, tmp_path, mo
     import verlflow.tasks.stages as ts
     from verlflow.core.orchestrate.runner import StageResult
 
-    bp = tiny_blueprint(tiny_kit, tmp_path / "store")
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK)
     calls = []
 
     def flaky(kind):
@@ -112,11 +113,11 @@ def test_warm_workers_flow_holds_the_slots_and_runs_the_stages_in_one_job(prefec
     from verlflow.flows.finetune import finetune
     from verlflow.tasks.slots import limit_name
 
-    bp = tiny_blueprint(tiny_kit, tmp_path / "store", "name=tiny-warm", "resources.warm_workers=true")
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "name=tiny-warm", "resources.warm_workers=true")
     state = finetune(blueprint=bp, run_id="warm1", return_state=True)
     assert state.is_completed(), state.message
     msgs = logs(prefect_server, state.state_details.flow_run_id, "warm pool")
-    assert any("warm workers: the flow holds 1 slot(s)" in m for m in msgs)  # TINY has 1 rank
+    assert any("warm workers: the flow holds 1 slot(s)" in m for m in msgs)  # ONE_RANK: 1 rank
     assert not any("needs 1 slot(s)" in m for m in msgs)  # no per-task slot requests
     waits = [manifest(bp, "warm1", 1, st)["timings"]["launch_to_worker_s"] for st in ("rollout", "update", "checkpoint")]
     assert max(waits) < 0.5, waits
@@ -164,7 +165,7 @@ def test_in_process_validate_flow_is_cancelled_through_the_api(prefect_server, t
 
     from verlflow.flows.validate import validate
 
-    f = write_blueprint(tiny_blueprint(tiny_kit, tmp_path / "store", "name=vcancel"), tmp_path / "v.yaml")
+    f = write_blueprint(tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "name=vcancel"), tmp_path / "v.yaml")
     result = {}
     ctx = contextvars.copy_context()  # this thread's Prefect settings (the test server), as a CLI process has
     t = threading.Thread(target=ctx.run, args=(lambda: result.update(
@@ -189,18 +190,19 @@ def test_lr_change_keeps_validate_build_and_rollout_keys(tiny_kit, tmp_path):
     """algorithm.lr is read by update only (optimizer hyperparameters are re-applied after every load)."""
     from verlflow.core.orchestrate.runner import compute_key
 
-    a, b = tiny_blueprint(tiny_kit, tmp_path), tiny_blueprint(tiny_kit, tmp_path, "algorithm.lr=0.01")
+    a = tiny_blueprint(tiny_kit, tmp_path, *ONE_RANK)
+    b = tiny_blueprint(tiny_kit, tmp_path, *ONE_RANK, "algorithm.lr=0.01")
     for stage, it in (("validate", "init"), ("build", "init"), ("rollout", 1), ("checkpoint", 1)):
         assert compute_key(stage, a, it, {}) == compute_key(stage, b, it, {}), stage
     assert compute_key("update", a, 1, {}) != compute_key("update", b, 1, {})
-    c = tiny_blueprint(tiny_kit, tmp_path, "algorithm.adv_estimator=gae")  # a critic: build changes
+    c = tiny_blueprint(tiny_kit, tmp_path, *ONE_RANK, "algorithm.adv_estimator=gae")  # a critic: build changes
     assert compute_key("build", a, "init", {}) != compute_key("build", c, "init", {})
 
 
 def test_deploy_creates_a_work_pool_deployment_with_the_blueprint(prefect_server, tiny_kit, tmp_path):
     from verlflow.core.orchestrate.cli import main
 
-    bp = tiny_blueprint(tiny_kit, tmp_path / "store", "name=nightly", "algorithm.lr=0.004")
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "name=nightly", "algorithm.lr=0.004")
     assert main(["deploy", str(write_blueprint(bp, tmp_path / "bp.yaml")), "--cron", "0 4 * * *"]) == 0
     dep = api(prefect_server, "/deployments/name/finetune/nightly")
     assert dep["work_pool_name"] == "verlflow" and dep["entrypoint"] == "verlflow.flows.finetune.finetune"
@@ -228,7 +230,7 @@ def backfill(server, deployment_id, start: dt.datetime, end: dt.datetime) -> dic
 @pytest.fixture(scope="module")
 def sched(prefect_server, tiny_kit, tmp_path_factory):
     d = tmp_path_factory.mktemp("sched")
-    bp = tiny_blueprint(tiny_kit, d / "store", "name=sched", "schedule.init_from=previous")
+    bp = tiny_blueprint(tiny_kit, d / "store", *ONE_RANK, "name=sched", "schedule.init_from=previous")
     return {"bp": bp, "file": write_blueprint(bp, d / "sched.yaml"), "now": dt.datetime.now(dt.timezone.utc)}
 
 
@@ -416,7 +418,7 @@ def test_summaries_link_final_locations_and_the_policy_and_a_rerun_shows_cached(
     same run id reuses every stage and its task runs end in the state named Cached, the flow still gets results."""
     from verlflow.flows.finetune import finetune
 
-    bp = tiny_blueprint(tiny_kit, tmp_path / "store", "name=tiny-links", "resources.warm_workers=true")
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "name=tiny-links", "resources.warm_workers=true")
     first = finetune(blueprint=bp, run_id="links1", return_state=True)
     assert first.is_completed(), first.message
     fr = first.state_details.flow_run_id
@@ -478,7 +480,7 @@ def test_one_warm_pool_rule_drives_the_runner_and_the_flow_slots(prefect_server,
     from verlflow.tasks.slots import limit_name
 
     monkeypatch.setattr(ResourcesSpec, "warm_pool", property(lambda self: pooled))
-    bp = tiny_blueprint(tiny_kit, tmp_path / "store", f"name=rule-{str(pooled).lower()}",
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, f"name=rule-{str(pooled).lower()}",
                         f"resources.warm_workers={str(not pooled).lower()}")
 
     @flow
