@@ -9,6 +9,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from reference import copy_store
 from tinybp import ONE_RANK, tiny_blueprint
 from prefect_server import api, manifest, wait_state, write_blueprint
 
@@ -130,8 +131,9 @@ def test_changed_field_reruns_its_stage_and_later_ones(prefect_server, tiny_flow
     """`verlflow rerun RUN --prefect` with rollout.temperature changed: build is reused, rollout on rerun."""
     from verlflow.core.orchestrate.cli import main
 
-    bp, before = tiny_flow_run.bp, {s: committed_at(tiny_flow_run.bp, "flow1", it, s)
-                                    for it, s in (("init", "build"), (1, "rollout"), (1, "update"), (1, "checkpoint"))}
+    bp, _ = copy_store(tiny_flow_run.bp, "flow1", tmp_path)  # the shared run stays as it was
+    before = {s: committed_at(bp, "flow1", it, s)
+              for it, s in (("init", "build"), (1, "rollout"), (1, "update"), (1, "checkpoint"))}
     f = write_blueprint(bp, tmp_path / "bp.yaml")
     assert main(["rerun", "flow1", str(f), "rollout.temperature=0.7", "--prefect"]) == 0
     out = capsys.readouterr().out
@@ -142,11 +144,10 @@ def test_changed_field_reruns_its_stage_and_later_ones(prefect_server, tiny_flow
         assert committed_at(bp, "flow1", 1, s) != before[s], s
 
 
-def test_from_step_forces_a_restart_there(prefect_server, tiny_flow_run):
+def test_from_step_forces_a_restart_there(prefect_server, tiny_flow_run, tmp_path):
     from verlflow.flows.finetune import finetune
 
-    bp = tiny_flow_run.bp.model_copy(deep=True)
-    bp.rollout.temperature = 0.7  # as the previous test left the run
+    bp, _ = copy_store(tiny_flow_run.bp, "flow1", tmp_path)  # the shared run stays as it was
     before = {s: committed_at(bp, "flow1", 1, s) for s in ("rollout", "update", "checkpoint")}
     out = finetune(blueprint=bp, run_id="flow1", from_step="checkpoint[1]")
     assert out["iterations"][0]["reused"] == "rollout,update"
@@ -263,12 +264,27 @@ def test_scheduled_run_fails_in_update_and_the_ui_retry_resumes(prefect_server, 
     assert manifest(bp, run_id, 1, "checkpoint") is not None
     assert any("rollout[1] is committed with the same key: reusing" in m
                for m in logs(prefect_server, run["id"], "reusing"))
-    sched["first"] = run_id
 
 
 @pytest.fixture(scope="module")
 def sched_served(serve, sched):
     return serve(sched["file"], "--cron", CRON)
+
+
+@pytest.fixture(scope="module")
+def sched_previous(sched, reference) -> str:
+    """The run id of a promoted earlier run of blueprint `sched`, for the next scheduled run to warm-start from:
+    the reference run's first iteration cloned into sched's store and promoted (whichever tests ran before)."""
+    from reference import clone_stages, promote_clone
+
+    from verlflow.core.orchestrate.runner import open_store
+    from verlflow.core.store.artifacts import ArtifactStore
+
+    steps = [("init", "build"), (1, "rollout"), (1, "update"), (1, "checkpoint")]
+    clone_stages(ArtifactStore(reference.root), reference.run_id, "sched-previous", steps,
+                 dst_store=open_store(sched["bp"]))
+    promote_clone(sched["bp"], "sched-previous", 1)
+    return "sched-previous"
 
 
 def _stage_job(root_pid: int, stage: str) -> list[psutil.Process]:
@@ -284,26 +300,24 @@ def _stage_job(root_pid: int, stage: str) -> list[psutil.Process]:
     return []
 
 
-def test_next_scheduled_run_warm_starts_and_cancel_kills_its_job(prefect_server, sched, sched_served):
+def test_next_scheduled_run_warm_starts_and_cancel_kills_its_job(prefect_server, sched, sched_served,
+                                                                  sched_previous):
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
 
-    bp, now = sched["bp"], sched["now"]
-    if "first" not in sched:
-        pytest.fail("needs the promoted first run of test_scheduled_run_fails_in_update_and_the_ui_retry_resumes, "
-                    "which did not complete (run the whole file)")
+    bp, now, first = sched["bp"], sched["now"], sched_previous
     dep = api(prefect_server, "/deployments/name/finetune/sched")
     run = backfill(prefect_server, dep["id"], now - dt.timedelta(hours=12), now)
     run_id = run_id_of("sched", run)
-    assert run_id != sched["first"]  # a scheduled run is its own run: nothing is fully cached
+    assert run_id != first  # a scheduled run is its own run: nothing is fully cached
     deadline, job = time.monotonic() + 180, []
     while not job:
         assert time.monotonic() < deadline, "the rollout job never started"
         job = _stage_job(sched_served.proc.pid, "rollout")
         time.sleep(0.2)
     build = manifest(bp, run_id, "init", "build")
-    assert build["inputs"]["warm_start"]["stage"] == f"runs/{sched['first']}/1/update"
-    assert build["lineage"][-1]["run_id"] == sched["first"]
+    assert build["inputs"]["warm_start"]["stage"] == f"runs/{first}/1/update"
+    assert build["lineage"][-1]["run_id"] == first
 
     t0 = time.monotonic()
     with get_client(sync_client=True) as client:  # what the UI's Cancel button sends
