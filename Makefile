@@ -59,7 +59,7 @@ postgres:
 		echo "PostgreSQL missing and not root with apt-get: tests/test_postgres.py will be skipped"
 
 test: $(VENV)/.installed-dev chromium slurm postgres
-	$(BIN)/python -m pytest -q --durations=20 tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 clean:
 	rm -rf artifacts tiny .pytest_cache

@@ -4,7 +4,7 @@ Fixtures:
   prefect_server  (session) -> PrefectServer(url, ui, home, env): `prefect server start` on 127.0.0.1 with a
                                temporary PREFECT_HOME (SQLite there), telemetry and analytics off; this process
                                and its children talk to it (os.environ and Prefect's settings context).
-  tiny_flow_run   (session) -> FinishedRun: the whole tiny pipeline (1 iteration, 1 rank) as a flow run.
+  tiny_flow_run   (session) -> FinishedRun: the whole tiny pipeline (1 iteration, 1 rank, a warm pool) as a flow run.
   serve           (session) -> start(blueprint_file, **env) -> Served: `verlflow serve` in a subprocess.
 
 Helpers: api(server, path, body), wait_state(flow_run_id, done), manifest(bp, run_id, it, stage),
@@ -154,7 +154,9 @@ def tiny_flow_run(prefect_server, tiny_kit, tmp_path_factory) -> FinishedRun:
 
     from tinybp import ONE_RANK, tiny_blueprint
 
-    bp = tiny_blueprint(tiny_kit, tmp_path_factory.mktemp("store-inproc"), *ONE_RANK, "name=tiny-flow")
+    # A warm pool, as the demo runs (one job for every stage; fresh jobs are the stage and fault tests' subject).
+    bp = tiny_blueprint(tiny_kit, tmp_path_factory.mktemp("store-inproc"), *ONE_RANK, "name=tiny-flow",
+                        "resources.warm_workers=true")
     t0 = time.perf_counter()
     state = finetune(blueprint=bp, run_id="flow1", return_state=True)
     return FinishedRun(bp, "flow1", state.state_details.flow_run_id, state, time.perf_counter() - t0)

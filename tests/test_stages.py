@@ -119,6 +119,7 @@ def test_rerun_reuses_and_resumes_at_another_world_size(staged_copy):
     bp1 = bp.model_copy(deep=True)
     bp1.iterations = 3
     bp1.resources.nproc_per_node = 1
+    bp1.resources.warm_workers = True  # the new stages in one job: resharding, not the launcher, is the subject
     results = run_pipeline(bp1, "eq", **QUIET)
     skipped = [r.manifest["stage"] + str(r.manifest["iteration"]) for r in results if r.skipped]
     assert skipped == ["build" + "init", "rollout1", "update1", "checkpoint1", "rollout2", "update2", "checkpoint2"]
