@@ -7,7 +7,7 @@ Fixture:
                          pool). Its store is read-only for tests: a test that writes to a store (runs a stage there,
                          adds a run, moves a pointer) works on `reference.copy(tmp_path)`.
 
-Helpers: copy_store(bp, run_id, dst) (any local store), rekey(bp, run_id), clone_stages(src_store, src, dst, steps),
+Helpers: copy_store(bp, dst) (any local store), rekey(bp, run_id), clone_stages(src_store, src, dst, steps),
 promote_clone(bp, run_id, iteration).
 """
 
@@ -33,16 +33,18 @@ class Reference:
 
     def copy(self, dst: Path):
         """(blueprint, store folder) of a private copy of the store under `dst`, for a test that writes to it."""
-        return copy_store(self.bp, self.run_id, dst)
+        bp, root = copy_store(self.bp, dst)
+        rekey(bp, self.run_id)  # every stage reused there, as here
+        return bp, root
 
 
-def copy_store(bp, run_id: str, dst: Path):
-    """(blueprint, store folder): a copy of bp's local store under `dst`, run_id re-keyed for it (rekey)."""
+def copy_store(bp, dst: Path):
+    """(blueprint, store folder): a copy of bp's local store under `dst`. Its validate and checkpoint stages
+    then rerun, as in any moved store (their keys hold storage.uri), unless rekey'd."""
     root = Path(dst) / "store"
     shutil.copytree(bp.storage.uri.removeprefix("file://"), root)
     bp = bp.model_copy(deep=True)
     bp.storage.uri = str(root)
-    rekey(bp, run_id)
     return bp, root
 
 

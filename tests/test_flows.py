@@ -131,7 +131,7 @@ def test_changed_field_reruns_its_stage_and_later_ones(prefect_server, tiny_flow
     """`verlflow rerun RUN --prefect` with rollout.temperature changed: build is reused, rollout on rerun."""
     from verlflow.core.orchestrate.cli import main
 
-    bp, _ = copy_store(tiny_flow_run.bp, "flow1", tmp_path)  # the shared run stays as it was
+    bp, _ = copy_store(tiny_flow_run.bp, tmp_path)  # the shared run stays as it was
     before = {s: committed_at(bp, "flow1", it, s)
               for it, s in (("init", "build"), (1, "rollout"), (1, "update"), (1, "checkpoint"))}
     f = write_blueprint(bp, tmp_path / "bp.yaml")
@@ -147,7 +147,7 @@ def test_changed_field_reruns_its_stage_and_later_ones(prefect_server, tiny_flow
 def test_from_step_forces_a_restart_there(prefect_server, tiny_flow_run, tmp_path):
     from verlflow.flows.finetune import finetune
 
-    bp, _ = copy_store(tiny_flow_run.bp, "flow1", tmp_path)  # the shared run stays as it was
+    bp, _ = copy_store(tiny_flow_run.bp, tmp_path)  # the shared run stays as it was
     before = {s: committed_at(bp, "flow1", 1, s) for s in ("rollout", "update", "checkpoint")}
     out = finetune(blueprint=bp, run_id="flow1", from_step="checkpoint[1]")
     assert out["iterations"][0]["reused"] == "rollout,update"

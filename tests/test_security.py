@@ -64,8 +64,7 @@ def test_secret_from_the_environment_never_leaks(prefect_server, s3_bucket, tiny
     monkeypatch.setenv("VERLFLOW_SLOT_POOL", f"security-{os.getpid()}")  # slots no other test can hold
     monkeypatch.setenv("VERLFLOW_SLOTS", "4")
     monkeypatch.setenv("VERLFLOW_CACHE_DIR", str(tmp_path / "cache"))
-    bp = tiny_blueprint(tiny_kit, f"{s3_bucket.uri}/vf", resources__nproc_per_node=1, resources__warm_workers=True,
-                        name="secrets")  # the demo's way: one warm pool for every stage
+    bp = tiny_blueprint(tiny_kit, f"{s3_bucket.uri}/vf", resources__nproc_per_node=1, name="secrets")
     state = finetune(blueprint=bp, run_id="sec1", return_state=True)
     assert state.is_completed(), state.message
     flow_run_id = str(state.state_details.flow_run_id)
