@@ -58,8 +58,10 @@ postgres:
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends postgresql; }; }; } || \
 		echo "PostgreSQL missing and not root with apt-get: tests/test_postgres.py will be skipped"
 
+# Two workers, each taking whole files (a file's module fixtures, e.g. the Slurm cluster, are made once): most
+# stage jobs are one rank importing torch on one core, so a second worker fills the other. The 25 slowest last.
 test: $(VENV)/.installed-dev chromium slurm postgres
-	$(BIN)/python -m pytest -q --durations=20 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
 clean:
 	rm -rf artifacts tiny .pytest_cache

@@ -4,10 +4,10 @@ Fixtures:
   prefect_server  (session) -> PrefectServer(url, ui, home, env): `prefect server start` on 127.0.0.1 with a
                                temporary PREFECT_HOME (SQLite there), telemetry and analytics off; this process
                                and its children talk to it (os.environ and Prefect's settings context).
-  tiny_flow_run   (session) -> FinishedRun: the whole tiny pipeline (1 iteration, 1 rank) as a flow run.
+  tiny_flow_run   (session) -> FinishedRun: the whole tiny pipeline (1 iteration, 1 rank, a warm pool) as a flow run.
   serve           (session) -> start(blueprint_file, **env) -> Served: `verlflow serve` in a subprocess.
 
-Helpers: api(server, path, body), tiny_blueprint(kit, store, *overrides), wait_state(flow_run_id, done), manifest(bp, run_id, it, stage),
+Helpers: api(server, path, body), wait_state(flow_run_id, done), manifest(bp, run_id, it, stage),
 start_server(home, **settings) (another server, e.g. with the scheduler service on), start_serve(server, ...).
 """
 
@@ -30,10 +30,6 @@ VERLFLOW = str(Path(sys.executable).parent / "verlflow")
 QUIET = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
          "PREFECT_CLOUD_ENABLE_ORCHESTRATION_TELEMETRY": "false", "PREFECT_TELEMETRY_ENABLE_RESOURCE_METRICS": "false",
          "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false", "HF_HUB_OFFLINE": "1"}
-# Small enough that a stage job is seconds on 2 cores; one rank unless ranks are the point.
-TINY = ["iterations=1", "data.batch_size=4", "data.max_prompt_length=64", "rollout.n=2", "rollout.max_new_tokens=4",
-        "algorithm.ppo_mini_batch_size=2", "algorithm.ppo_micro_batch_size_per_gpu=2", "resources.nproc_per_node=1",
-        "resources.stage_timeout_s=300", "algorithm.lr=0.003"]
 
 
 @dataclass
@@ -121,13 +117,6 @@ def api(server: PrefectServer, path: str, body=None, method: str | None = None):
     return r.json() if r.content else None
 
 
-def tiny_blueprint(kit: dict, store, *overrides: str):
-    from verlflow.core.blueprint import load_blueprint
-
-    return load_blueprint(None, [f"model.path={kit['model_dir']}", f"data.train_files=[{kit['train_file']}]",
-                                 f"storage.uri={store}", *TINY, *overrides])
-
-
 def manifest(bp, run_id: str, iteration, stage: str) -> dict | None:
     from verlflow.core.orchestrate.runner import open_store
     from verlflow.core.store.artifacts import stage_key
@@ -163,7 +152,11 @@ class FinishedRun:
 def tiny_flow_run(prefect_server, tiny_kit, tmp_path_factory) -> FinishedRun:
     from verlflow.flows.finetune import finetune
 
-    bp = tiny_blueprint(tiny_kit, tmp_path_factory.mktemp("store-inproc"), "name=tiny-flow")
+    from tinybp import ONE_RANK, tiny_blueprint
+
+    # A warm pool, as the demo runs (one job for every stage; fresh jobs are the stage and fault tests' subject).
+    bp = tiny_blueprint(tiny_kit, tmp_path_factory.mktemp("store-inproc"), *ONE_RANK, "name=tiny-flow",
+                        "resources.warm_workers=true")
     t0 = time.perf_counter()
     state = finetune(blueprint=bp, run_id="flow1", return_state=True)
     return FinishedRun(bp, "flow1", state.state_details.flow_run_id, state, time.perf_counter() - t0)

@@ -560,14 +560,14 @@ def test_a_rank_traceback_is_one_error_record_in_the_task_logs(prefect_server, t
     import httpx
     from prefect import flow
 
-    from prefect_server import tiny_blueprint
+    from tinybp import ONE_RANK, tiny_blueprint
     from verlflow.tasks.stages import stage_task
 
     (tmp_path / "badreward.py").write_text(BAD_REWARD)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("VERLFLOW_CACHE_DIR", str(tmp_path / "cache"))
-    bp = tiny_blueprint(tiny_kit, tmp_path / "store", "reward.module=badreward", "reward.function=bad")
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "reward.module=badreward", "reward.function=bad")
 
     @flow
     def one():

@@ -7,10 +7,11 @@ half-written is visible), there are no temporary files, and the rerun completes.
 deterministic the final policy weights are compared with those of one uninterrupted reference run (`ref`).
 
 Time on 2 CPU cores: every stage job spends most of its 8-20 s importing torch/transformers, so the stages a
-scenario does not exercise are *cloned* from the reference run (same store, same keys; manifests rewritten to
-the new run id, as if that run had committed them), and jobs run on 1 rank unless ranks are the point. On the
-tiny kit an update on 1 rank and on 2 ranks of the same rollout give bit-identical weights (checked when the
-suite was written), so the 2-rank fault of test 1 is compared with the 1-rank reference.
+scenario does not exercise are *cloned* from the session's reference run (tests/reference.py, 2 ranks; copied
+into this module's store, then cloned per scenario: same keys, manifests rewritten to the new run id, as if that
+run had committed them), and jobs run on 1 rank unless ranks are the point. On the tiny kit an update on 1 rank
+and on 2 ranks of the same rollout give bit-identical weights, so the 1-rank reruns are compared with the
+reference's 2-rank update.
 
 Fault hooks (core/testing/faults.py, read by the stage workers): VERLFLOW_FAULT=kill_rank<N>_in_update | hang_in_<stage>
 | nan_loss, and VERLFLOW_FAULT_ONCE=<marker file> so only the first job fires it.
@@ -33,6 +34,7 @@ import httpx
 import psutil
 import pytest
 import torch
+from reference import clone_stages, promote_clone, rekey
 from tinybp import prompt_rows, tiny_blueprint
 
 from verlflow.core.errors import ChecksumError, StoreError
@@ -62,12 +64,12 @@ class Lines(list):
 
 @dataclass
 class Ref:
-    """One uninterrupted 1-iteration run `ref` (1 rank) in a store shared by the file:// scenarios."""
+    """One uninterrupted 1-iteration run `ref` in a store shared by the file:// scenarios."""
 
     kit: dict
     root: Path
-    bp: object
-    results: list
+    bp: object  # its blueprint as the scenarios run it: 1 rank
+    results: list  # its committed manifests, in plan order
 
     @property
     def store(self) -> ArtifactStore:
@@ -82,36 +84,18 @@ class Ref:
 
 
 @pytest.fixture(scope="module")
-def ref(tiny_kit, tmp_path_factory) -> Ref:
-    root = tmp_path_factory.mktemp("faults-store")
-    bp = tiny_blueprint(tiny_kit, root, resources__nproc_per_node=1, name="faults")
-    lines = Lines()
-    results = run_pipeline(bp, "ref", on_line=lines)
-    assert [r.manifest["stage"] for r in results] == list(STAGES), lines.tail()
-    return Ref(tiny_kit, root, bp, results)
-
-
-def _rewrite(manifest: dict, src: str, dst: str) -> dict:
-    kept = {k: v for k, v in manifest.items() if k not in ("files", "format", "stage_uri", "committed_at")}
-    kept = json.loads(json.dumps(kept).replace(f"runs/{src}/", f"runs/{dst}/"))
-    kept["run_id"] = dst
-    return kept
-
-
-def clone_stages(src_store: ArtifactStore, src: str, dst: str, steps, dst_store: ArtifactStore | None = None):
-    """Commit copies of committed stages of run `src` as run `dst` (upload every file, then the manifest)."""
-    dst_store = dst_store or src_store
-    for it, stage in steps:
-        a, b = stage_key(src, it, stage), stage_key(dst, it, stage)
-        m = src_store.read_manifest(a)
-        assert m is not None, f"{a} is not committed"
-        folder = src_store.materialize(a)
-        if dst_store.is_local:
-            shutil.copytree(folder, dst_store.local_path(b), ignore=shutil.ignore_patterns(MANIFEST))
-        else:
-            for rel in m["files"]:
-                dst_store.upload_file(folder / rel, f"{b}/{rel}")
-        dst_store.commit(b, _rewrite(m, src, dst), m["files"])
+def ref(reference, tmp_path_factory) -> Ref:
+    """The session's reference run (tests/reference.py), its first iteration cloned as run `ref` of blueprint
+    `faults` and promoted, in a copy of its store: the scenarios add runs and move pointers there."""
+    _, root = reference.copy(tmp_path_factory.mktemp("faults"))
+    bp = tiny_blueprint(reference.kit, root, resources__nproc_per_node=1, name="faults")
+    store = ArtifactStore(root)
+    clone_stages(store, reference.run_id, "ref", ALL)
+    rekey(bp, "ref")  # validate's key holds the resources: 1 rank here
+    promote_clone(bp, "ref", 1)
+    results = [store.read_manifest(stage_key("ref", it, stage)) for it, stage in ALL]
+    assert [m["stage"] for m in results] == list(STAGES)
+    return Ref(reference.kit, root, bp, results)
 
 
 def assert_nothing_lost(store: ArtifactStore, run_id: str, committed) -> None:
@@ -699,8 +683,9 @@ def test_corrupted_file_on_disk_is_named_by_the_next_stage(ref):
     assert store.read_manifest("runs/rot/1/rollout") is None and not store.ls("runs/rot/1")
 
     steps = {s.name: s for s in plan(bp, "rot")}
-    run_stage(RunContext(bp, "rot", on_line=Lines()), "build", "init", steps["build[init]"].inputs, force=True)
-    run_stage(RunContext(bp, "rot", on_line=Lines()), "rollout", 1, steps["rollout[1]"].inputs)
+    at_ref = ref.variant(resources__nproc_per_node=2)  # the reference's ranks: sampling depends on the world size
+    run_stage(RunContext(at_ref, "rot", on_line=Lines()), "build", "init", steps["build[init]"].inputs, force=True)
+    run_stage(RunContext(at_ref, "rot", on_line=Lines()), "rollout", 1, steps["rollout[1]"].inputs)
     assert_nothing_lost(store, "rot", UP_TO_ROLLOUT)
     batch = store.read_manifest("runs/rot/1/rollout")["files"]["batch.safetensors"]
     assert batch["sha256"] == store.read_manifest("runs/ref/1/rollout")["files"]["batch.safetensors"]["sha256"]

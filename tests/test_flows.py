@@ -9,7 +9,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from prefect_server import api, manifest, tiny_blueprint, wait_state, write_blueprint
+from reference import copy_store
+from tinybp import ONE_RANK, tiny_blueprint
+from prefect_server import api, manifest, wait_state, write_blueprint
 
 from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
 
@@ -57,7 +59,7 @@ def test_retries_follow_the_failure_class(prefect_server, tiny_kit, tmp_path, mo
     from verlflow.core.orchestrate.runner import StageResult
     import verlflow.tasks.stages as ts
 
-    bp = tiny_blueprint(tiny_kit, tmp_path / "store")
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK)
     calls = []
 
     def flaky(kind):
@@ -112,11 +114,11 @@ def test_warm_workers_flow_holds_the_slots_and_runs_the_stages_in_one_job(prefec
     from verlflow.flows.finetune import finetune
     from verlflow.tasks.slots import limit_name
 
-    bp = tiny_blueprint(tiny_kit, tmp_path / "store", "name=tiny-warm", "resources.warm_workers=true")
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "name=tiny-warm", "resources.warm_workers=true")
     state = finetune(blueprint=bp, run_id="warm1", return_state=True)
     assert state.is_completed(), state.message
     msgs = logs(prefect_server, state.state_details.flow_run_id, "warm pool")
-    assert any("warm workers: the flow holds 1 slot(s)" in m for m in msgs)  # TINY has 1 rank
+    assert any("warm workers: the flow holds 1 slot(s)" in m for m in msgs)  # ONE_RANK: 1 rank
     assert not any("needs 1 slot(s)" in m for m in msgs)  # no per-task slot requests
     waits = [manifest(bp, "warm1", 1, st)["timings"]["launch_to_worker_s"] for st in ("rollout", "update", "checkpoint")]
     assert max(waits) < 0.5, waits
@@ -129,8 +131,9 @@ def test_changed_field_reruns_its_stage_and_later_ones(prefect_server, tiny_flow
     """`verlflow rerun RUN --prefect` with rollout.temperature changed: build is reused, rollout on rerun."""
     from verlflow.core.orchestrate.cli import main
 
-    bp, before = tiny_flow_run.bp, {s: committed_at(tiny_flow_run.bp, "flow1", it, s)
-                                    for it, s in (("init", "build"), (1, "rollout"), (1, "update"), (1, "checkpoint"))}
+    bp, _ = copy_store(tiny_flow_run.bp, tmp_path)  # the shared run stays as it was
+    before = {s: committed_at(bp, "flow1", it, s)
+              for it, s in (("init", "build"), (1, "rollout"), (1, "update"), (1, "checkpoint"))}
     f = write_blueprint(bp, tmp_path / "bp.yaml")
     assert main(["rerun", "flow1", str(f), "rollout.temperature=0.7", "--prefect"]) == 0
     out = capsys.readouterr().out
@@ -141,11 +144,10 @@ def test_changed_field_reruns_its_stage_and_later_ones(prefect_server, tiny_flow
         assert committed_at(bp, "flow1", 1, s) != before[s], s
 
 
-def test_from_step_forces_a_restart_there(prefect_server, tiny_flow_run):
+def test_from_step_forces_a_restart_there(prefect_server, tiny_flow_run, tmp_path):
     from verlflow.flows.finetune import finetune
 
-    bp = tiny_flow_run.bp.model_copy(deep=True)
-    bp.rollout.temperature = 0.7  # as the previous test left the run
+    bp, _ = copy_store(tiny_flow_run.bp, tmp_path)  # the shared run stays as it was
     before = {s: committed_at(bp, "flow1", 1, s) for s in ("rollout", "update", "checkpoint")}
     out = finetune(blueprint=bp, run_id="flow1", from_step="checkpoint[1]")
     assert out["iterations"][0]["reused"] == "rollout,update"
@@ -164,7 +166,7 @@ def test_in_process_validate_flow_is_cancelled_through_the_api(prefect_server, t
 
     from verlflow.flows.validate import validate
 
-    f = write_blueprint(tiny_blueprint(tiny_kit, tmp_path / "store", "name=vcancel"), tmp_path / "v.yaml")
+    f = write_blueprint(tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "name=vcancel"), tmp_path / "v.yaml")
     result = {}
     ctx = contextvars.copy_context()  # this thread's Prefect settings (the test server), as a CLI process has
     t = threading.Thread(target=ctx.run, args=(lambda: result.update(
@@ -189,18 +191,19 @@ def test_lr_change_keeps_validate_build_and_rollout_keys(tiny_kit, tmp_path):
     """algorithm.lr is read by update only (optimizer hyperparameters are re-applied after every load)."""
     from verlflow.core.orchestrate.runner import compute_key
 
-    a, b = tiny_blueprint(tiny_kit, tmp_path), tiny_blueprint(tiny_kit, tmp_path, "algorithm.lr=0.01")
+    a = tiny_blueprint(tiny_kit, tmp_path, *ONE_RANK)
+    b = tiny_blueprint(tiny_kit, tmp_path, *ONE_RANK, "algorithm.lr=0.01")
     for stage, it in (("validate", "init"), ("build", "init"), ("rollout", 1), ("checkpoint", 1)):
         assert compute_key(stage, a, it, {}) == compute_key(stage, b, it, {}), stage
     assert compute_key("update", a, 1, {}) != compute_key("update", b, 1, {})
-    c = tiny_blueprint(tiny_kit, tmp_path, "algorithm.adv_estimator=gae")  # a critic: build changes
+    c = tiny_blueprint(tiny_kit, tmp_path, *ONE_RANK, "algorithm.adv_estimator=gae")  # a critic: build changes
     assert compute_key("build", a, "init", {}) != compute_key("build", c, "init", {})
 
 
 def test_deploy_creates_a_work_pool_deployment_with_the_blueprint(prefect_server, tiny_kit, tmp_path):
     from verlflow.core.orchestrate.cli import main
 
-    bp = tiny_blueprint(tiny_kit, tmp_path / "store", "name=nightly", "algorithm.lr=0.004")
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "name=nightly", "algorithm.lr=0.004")
     assert main(["deploy", str(write_blueprint(bp, tmp_path / "bp.yaml")), "--cron", "0 4 * * *"]) == 0
     dep = api(prefect_server, "/deployments/name/finetune/nightly")
     assert dep["work_pool_name"] == "verlflow" and dep["entrypoint"] == "verlflow.flows.finetune.finetune"
@@ -228,7 +231,7 @@ def backfill(server, deployment_id, start: dt.datetime, end: dt.datetime) -> dic
 @pytest.fixture(scope="module")
 def sched(prefect_server, tiny_kit, tmp_path_factory):
     d = tmp_path_factory.mktemp("sched")
-    bp = tiny_blueprint(tiny_kit, d / "store", "name=sched", "schedule.init_from=previous")
+    bp = tiny_blueprint(tiny_kit, d / "store", *ONE_RANK, "name=sched", "schedule.init_from=previous")
     return {"bp": bp, "file": write_blueprint(bp, d / "sched.yaml"), "now": dt.datetime.now(dt.timezone.utc)}
 
 
@@ -261,12 +264,27 @@ def test_scheduled_run_fails_in_update_and_the_ui_retry_resumes(prefect_server, 
     assert manifest(bp, run_id, 1, "checkpoint") is not None
     assert any("rollout[1] is committed with the same key: reusing" in m
                for m in logs(prefect_server, run["id"], "reusing"))
-    sched["first"] = run_id
 
 
 @pytest.fixture(scope="module")
 def sched_served(serve, sched):
     return serve(sched["file"], "--cron", CRON)
+
+
+@pytest.fixture(scope="module")
+def sched_previous(sched, reference) -> str:
+    """The run id of a promoted earlier run of blueprint `sched`, for the next scheduled run to warm-start from:
+    the reference run's first iteration cloned into sched's store and promoted (whichever tests ran before)."""
+    from reference import clone_stages, promote_clone
+
+    from verlflow.core.orchestrate.runner import open_store
+    from verlflow.core.store.artifacts import ArtifactStore
+
+    steps = [("init", "build"), (1, "rollout"), (1, "update"), (1, "checkpoint")]
+    clone_stages(ArtifactStore(reference.root), reference.run_id, "sched-previous", steps,
+                 dst_store=open_store(sched["bp"]))
+    promote_clone(sched["bp"], "sched-previous", 1)
+    return "sched-previous"
 
 
 def _stage_job(root_pid: int, stage: str) -> list[psutil.Process]:
@@ -282,26 +300,24 @@ def _stage_job(root_pid: int, stage: str) -> list[psutil.Process]:
     return []
 
 
-def test_next_scheduled_run_warm_starts_and_cancel_kills_its_job(prefect_server, sched, sched_served):
+def test_next_scheduled_run_warm_starts_and_cancel_kills_its_job(prefect_server, sched, sched_served,
+                                                                  sched_previous):
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
 
-    bp, now = sched["bp"], sched["now"]
-    if "first" not in sched:
-        pytest.fail("needs the promoted first run of test_scheduled_run_fails_in_update_and_the_ui_retry_resumes, "
-                    "which did not complete (run the whole file)")
+    bp, now, first = sched["bp"], sched["now"], sched_previous
     dep = api(prefect_server, "/deployments/name/finetune/sched")
     run = backfill(prefect_server, dep["id"], now - dt.timedelta(hours=12), now)
     run_id = run_id_of("sched", run)
-    assert run_id != sched["first"]  # a scheduled run is its own run: nothing is fully cached
+    assert run_id != first  # a scheduled run is its own run: nothing is fully cached
     deadline, job = time.monotonic() + 180, []
     while not job:
         assert time.monotonic() < deadline, "the rollout job never started"
         job = _stage_job(sched_served.proc.pid, "rollout")
         time.sleep(0.2)
     build = manifest(bp, run_id, "init", "build")
-    assert build["inputs"]["warm_start"]["stage"] == f"runs/{sched['first']}/1/update"
-    assert build["lineage"][-1]["run_id"] == sched["first"]
+    assert build["inputs"]["warm_start"]["stage"] == f"runs/{first}/1/update"
+    assert build["lineage"][-1]["run_id"] == first
 
     t0 = time.monotonic()
     with get_client(sync_client=True) as client:  # what the UI's Cancel button sends
@@ -416,7 +432,7 @@ def test_summaries_link_final_locations_and_the_policy_and_a_rerun_shows_cached(
     same run id reuses every stage and its task runs end in the state named Cached, the flow still gets results."""
     from verlflow.flows.finetune import finetune
 
-    bp = tiny_blueprint(tiny_kit, tmp_path / "store", "name=tiny-links", "resources.warm_workers=true")
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "name=tiny-links", "resources.warm_workers=true")
     first = finetune(blueprint=bp, run_id="links1", return_state=True)
     assert first.is_completed(), first.message
     fr = first.state_details.flow_run_id
@@ -478,7 +494,7 @@ def test_one_warm_pool_rule_drives_the_runner_and_the_flow_slots(prefect_server,
     import verlflow.tasks.stages as ts
 
     monkeypatch.setattr(ResourcesSpec, "warm_pool", property(lambda self: pooled))
-    bp = tiny_blueprint(tiny_kit, tmp_path / "store", f"name=rule-{str(pooled).lower()}",
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, f"name=rule-{str(pooled).lower()}",
                         f"resources.warm_workers={str(not pooled).lower()}")
 
     @flow

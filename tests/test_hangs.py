@@ -109,9 +109,10 @@ def test_cancel_of_a_served_run_hung_in_a_collective_is_prompt(prefect_server, s
     seconds (it took ~31 s: the flow process waited for the hung pool to stop until Prefect's 30 s grace ran out)."""
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
-    from prefect_server import tiny_blueprint as flow_blueprint, wait_state, write_blueprint
+    from prefect_server import wait_state, write_blueprint
+    from tinybp import ONE_RANK
 
-    bp = flow_blueprint(tiny_kit, tmp_path / "store", "name=hung", "resources.nproc_per_node=2",
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "name=hung", "resources.nproc_per_node=2",
                         "resources.warm_workers=true")
     served = serve(write_blueprint(bp, tmp_path / "hung.yaml"), VERLFLOW_FAULT="barrier_hang_in_validate")
     with get_client(sync_client=True) as client:

@@ -192,9 +192,9 @@ def test_a_second_verlflow_rerun_of_a_running_run_is_refused(tiny_kit, tmp_path)
 
 def test_the_flow_refuses_a_run_held_by_another_runner_and_a_run_id_too_long(prefect_server, tiny_kit, tmp_path):
     from verlflow.flows.finetune import finetune
-    from prefect_server import tiny_blueprint
+    from tinybp import ONE_RANK, tiny_blueprint
 
-    bp = tiny_blueprint(tiny_kit, tmp_path / "store")
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK)
     store = ArtifactStore(tmp_path / "store")
     _plant(store, "held1", flow_run_id="someone-else")
     state = finetune(blueprint=bp, run_id="held1", return_state=True)

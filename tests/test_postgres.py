@@ -22,7 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 from sysdeps import unavailable
-from prefect_server import PREFECT, QUIET, ROOT, VERLFLOW, _free_port, _stop, manifest, tiny_blueprint, \
+from tinybp import ONE_RANK, tiny_blueprint
+from prefect_server import PREFECT, QUIET, ROOT, VERLFLOW, _free_port, _stop, manifest, \
     write_blueprint
 
 DB, USER, PW = "prefect", "verlflow", "pg-test-pw"
@@ -156,7 +157,7 @@ def test_scheduled_run_executes_through_a_process_worker_on_postgres(pg_prefect,
     occ = (dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=1)).replace(second=0, microsecond=0)
     cron = f"{occ.minute} {occ.hour} * * *"
     store = tmp_path / "store"
-    bp = tiny_blueprint(tiny_kit, store, "name=pg-nightly")
+    bp = tiny_blueprint(tiny_kit, store, *ONE_RANK, "name=pg-nightly", "resources.warm_workers=true")
     bp_file = write_blueprint(bp, tmp_path / "bp.yaml")
     env = {**os.environ, **stack.env}
     out = subprocess.run([VERLFLOW, "deploy", str(bp_file), "--name", "pg-nightly", "--cron", cron], cwd=ROOT,

@@ -218,10 +218,10 @@ def test_reward_that_returns_text(tiny_kit, tmp_path, capsys, monkeypatch):
 def test_the_flow_refuses_at_validate(prefect_server, tiny_kit, tmp_path):
     """A flow run (UI, schedule) has no CLI preflight: its validate stage runs the same checks."""
     from verlflow.flows.finetune import finetune
-    from prefect_server import tiny_blueprint
+    from tinybp import ONE_RANK, tiny_blueprint
 
     model = _mistral(tiny_kit, tmp_path)
-    bp = tiny_blueprint({**tiny_kit, "model_dir": str(model)}, tmp_path / "store", "rollout.engine=static")
+    bp = tiny_blueprint({**tiny_kit, "model_dir": str(model)}, tmp_path / "store", *ONE_RANK, "rollout.engine=static")
     state = finetune(blueprint=bp, run_id="bad-flow", return_state=True)
     assert state.is_failed(), state
     msg = state.message + str(state.result(raise_on_failure=False))

@@ -13,7 +13,8 @@ import datetime as dt
 import time
 
 import pytest
-from prefect_server import _stop, api, manifest, start_serve, start_server, tiny_blueprint, write_blueprint
+from tinybp import ONE_RANK, tiny_blueprint
+from prefect_server import _stop, api, manifest, start_serve, start_server, write_blueprint
 
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
 
@@ -45,7 +46,7 @@ def wait_final(server, run_ids: list[str], timeout_s: float) -> dict[str, dict]:
 
 
 def test_a_scheduled_batch_gets_three_run_ids_that_train_and_warm_start_in_order(sched_server, tiny_kit, tmp_path):
-    bp = tiny_blueprint(tiny_kit, tmp_path / "store", "name=nightly", "schedule.cron='0 3 * * *'",
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "name=nightly", "schedule.cron='0 3 * * *'",
                         "schedule.init_from=previous", "resources.warm_workers=true")
     served = start_serve(sched_server, write_blueprint(bp, tmp_path / "nightly.yaml"), log=tmp_path / "serve.log")
     try:
@@ -87,7 +88,7 @@ def test_runs_created_in_the_same_second_through_the_api_get_distinct_run_ids(sc
     from verlflow.flows.common import run_id_for
     from verlflow.flows.deploy import finetune_deployment
 
-    bp = tiny_blueprint(tiny_kit, tmp_path / "store", "name=adhoc")
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "name=adhoc")
     with temporary_settings({PREFECT_API_URL: sched_server.url}):
         dep_id = str(finetune_deployment(bp).apply())
     at = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=30)).replace(microsecond=0).isoformat()
@@ -98,7 +99,7 @@ def test_runs_created_in_the_same_second_through_the_api_get_distinct_run_ids(sc
 
 
 def test_serve_restart_keeps_schedules_added_in_the_ui(sched_server, tiny_kit, tmp_path):
-    bp = tiny_blueprint(tiny_kit, tmp_path / "store", "name=keep", "schedule.cron='0 3 * * *'")
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "name=keep", "schedule.cron='0 3 * * *'")
     f = write_blueprint(bp, tmp_path / "keep.yaml")
 
     def schedules() -> set:
@@ -130,7 +131,7 @@ def test_a_run_waits_only_for_earlier_runs_that_are_running_or_about_to_start(sc
     from verlflow.flows.common import START_GRACE_S, earlier_unfinished_runs
     from verlflow.flows.deploy import finetune_deployment
 
-    bp = tiny_blueprint(tiny_kit, tmp_path / "store", "name=order")
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "name=order")
     now = dt.datetime.now(dt.timezone.utc)
     with temporary_settings({PREFECT_API_URL: sched_server.url}):
         dep_id = str(finetune_deployment(bp).apply())

@@ -22,13 +22,18 @@ def full_weights(store_root, stage_dir: str, bp) -> dict:
     return model.state_dict()
 
 
-@pytest.fixture(scope="module")
-def staged(tiny_kit, tmp_path_factory):
-    """Two GRPO iterations as separate stage jobs with artifacts between them (shared by several tests)."""
-    store = tmp_path_factory.mktemp("store")
-    bp = tiny_blueprint(tiny_kit, store, iterations=2)
-    results = run_pipeline(bp, "eq", **QUIET)
-    return bp, store, results
+@pytest.fixture
+def staged(reference):
+    """Two GRPO iterations as separate stage jobs with artifacts between them: the session's reference run
+    (tests/reference.py), read only."""
+    return reference.bp, reference.root, reference.results
+
+
+@pytest.fixture
+def staged_copy(reference, tmp_path):
+    """The same run in a store of this test's own, for a test that runs stages there."""
+    bp, root = reference.copy(tmp_path)
+    return bp, root, reference.results
 
 
 def test_pipeline_commits_every_stage(staged):
@@ -62,9 +67,9 @@ def test_pipeline_commits_every_stage(staged):
     assert model.generate(**ids, max_new_tokens=3, do_sample=False).shape[1] > ids["input_ids"].shape[1]
 
 
-def test_staged_equals_monolithic(staged):
+def test_staged_equals_monolithic(staged_copy):
     """The same 2 iterations in one process (models kept in memory) give bit-identical fp32 weights."""
-    bp, store, results = staged
+    bp, store, results = staged_copy
     mono = run_stage(RunContext(bp, "eq", **QUIET), "monolithic", "mono", {"build": "runs/eq/init/build"})
     staged_w = full_weights(store, "eq/2/update", bp)
     mono_w = full_weights(store, "eq/mono/monolithic", bp)
@@ -108,12 +113,13 @@ def test_warm_pool_gives_the_same_weights_without_a_spawn_per_stage(staged, tmp_
     assert not [p for p in psutil.Process().children(recursive=True) if "verlflow.core.stages" in " ".join(p.cmdline())]
 
 
-def test_rerun_reuses_and_resumes_at_another_world_size(staged):
+def test_rerun_reuses_and_resumes_at_another_world_size(staged_copy):
     """Same run id, one more iteration, 1 rank: the 2-rank stages are reused, the checkpoint reshards."""
-    bp, store, _ = staged
+    bp, store, _ = staged_copy
     bp1 = bp.model_copy(deep=True)
     bp1.iterations = 3
     bp1.resources.nproc_per_node = 1
+    bp1.resources.warm_workers = True  # the new stages in one job: resharding, not the launcher, is the subject
     results = run_pipeline(bp1, "eq", **QUIET)
     skipped = [r.manifest["stage"] + str(r.manifest["iteration"]) for r in results if r.skipped]
     assert skipped == ["build" + "init", "rollout1", "update1", "checkpoint1", "rollout2", "update2", "checkpoint2"]
@@ -217,8 +223,8 @@ def test_unknown_reward_and_bad_model_reported_together(tiny_kit, tmp_path):
     _nothing_committed(tmp_path / "s", "bad", "validate", "init")
 
 
-def test_overlong_prompt_fails_rollout(staged, tmp_path):
-    bp, store, _ = staged
+def test_overlong_prompt_fails_rollout(staged_copy, tmp_path):
+    bp, store, _ = staged_copy
     short = bp.model_copy(deep=True)
     short.data.max_prompt_length = 4
     with pytest.raises(StageFailure) as e:
@@ -228,8 +234,8 @@ def test_overlong_prompt_fails_rollout(staged, tmp_path):
     _nothing_committed(store, "eq", "rollout", 9)
 
 
-def test_checkpoint_of_another_model_is_refused(staged, tiny_llama_kit, tmp_path):
-    bp, store, _ = staged
+def test_checkpoint_of_another_model_is_refused(staged_copy, tiny_llama_kit, tmp_path):
+    bp, store, _ = staged_copy
     # A build of the llama kit, then an update that feeds it the qwen2 run's policy.
     other = tiny_blueprint(tiny_llama_kit, store)
     run_stage(RunContext(other, "other", **QUIET), "build", "init", {})
@@ -247,8 +253,8 @@ def test_missing_input_is_a_clear_error(tiny_kit, tmp_path):
                   {"build": "runs/x/init/build", "policy": "runs/x/init/build"})
 
 
-def test_nonfinite_loss_commits_nothing(staged, monkeypatch):
-    bp, store, _ = staged
+def test_nonfinite_loss_commits_nothing(staged_copy, monkeypatch):
+    bp, store, _ = staged_copy
     monkeypatch.setenv("VERLFLOW_FAULT", "nan_loss")
     with pytest.raises(StageFailure) as e:
         run_stage(RunContext(bp, "eq", **QUIET), "update", 7,
@@ -265,9 +271,9 @@ def test_wrong_world_size_for_batch_is_refused_before_launch(tiny_kit, tmp_path)
     assert not any(tmp_path.iterdir())
 
 
-def test_blueprint_lr_overrides_the_checkpointed_optimizer(staged):
+def test_blueprint_lr_overrides_the_checkpointed_optimizer(staged_copy):
     """The optimizer state saved by build carries lr=3e-3; an update run with another lr must use it."""
-    bp, store, _ = staged
+    bp, store, _ = staged_copy
     other = bp.model_copy(deep=True)
     other.algorithm.lr = 1.5e-3
     res = run_stage(RunContext(other, "eq", **QUIET), "update", 8,

@@ -84,12 +84,11 @@ def test_the_advised_reruns_repair_a_truncated_manifest_and_a_deleted_file(tiny_
     """The tiny pipeline (1 iteration, 1 rank, warm workers); then its checkpoint's manifest is truncated, later a file
     of its export deleted. Each message's advised command is run as printed (with the blueprint) and works. (The
     last stage, so that each repair is one cheap export.)"""
-    from prefect_server import TINY
+    from tinybp import ONE_RANK, tiny_overrides
 
     monkeypatch.setenv("VERLFLOW_CACHE_DIR", str(tmp_path / "cache"))  # the stages' log files
     store = tmp_path / "store"
-    bp = [f"model.path={tiny_kit['model_dir']}", f"data.train_files=[{tiny_kit['train_file']}]",
-          f"storage.uri={store}", *TINY, "resources.warm_workers=true"]
+    bp = tiny_overrides(tiny_kit, store, *ONE_RANK, "resources.warm_workers=true")
     rc, out, err = cli(capsys, "run", *bp, "--run-id", RUN)
     assert rc == 0, out + err
 

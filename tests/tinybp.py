@@ -1,20 +1,35 @@
-"""The tiny CPU blueprint for tests, pointed at a kit and a store, with overrides as keyword arguments."""
+"""The one tiny CPU blueprint for tests, pointed at a kit and a store, with overrides.
+
+Overrides come as dotted strings (`"algorithm.lr=0.01"`) or keyword arguments (`algorithm__lr=0.01`); later
+ones win. ONE_RANK is the smaller shape the flow, CLI and server tests use: one rank, fewer samples.
+"""
 
 import json
 
+# Small sizes so a stage job is seconds on 2 cores.
+BASE = {
+    "data.batch_size": 4, "data.max_prompt_length": 64, "rollout.n": 4, "rollout.max_new_tokens": 8,
+    "algorithm.ppo_mini_batch_size": 2, "algorithm.ppo_micro_batch_size_per_gpu": 4, "algorithm.lr": 3e-3,
+    "resources.nproc_per_node": 2, "resources.stage_timeout_s": 300, "iterations": 1,
+}
+# One rank unless ranks are the point (tests of orchestration, not of the maths).
+ONE_RANK = ("resources.nproc_per_node=1", "rollout.n=2", "rollout.max_new_tokens=4",
+            "algorithm.ppo_micro_batch_size_per_gpu=2")
 
-def tiny_blueprint(kit: dict, store, **overrides):
-    """`algorithm__lr=0.01` -> algorithm.lr=0.01; small sizes so a stage job is seconds on 2 cores."""
+
+def tiny_blueprint(kit: dict, store, *overrides: str, **fields):
+    """`algorithm__lr=0.01` -> algorithm.lr=0.01; string overrides (`"name=x"`) apply after the keywords."""
     from verlflow.core.blueprint import load_blueprint
 
-    base = {
-        "model.path": kit["model_dir"], "data.train_files": [kit["train_file"]], "storage.uri": str(store),
-        "data.batch_size": 4, "data.max_prompt_length": 64, "rollout.n": 4, "rollout.max_new_tokens": 8,
-        "algorithm.ppo_mini_batch_size": 2, "algorithm.ppo_micro_batch_size_per_gpu": 4, "algorithm.lr": 3e-3,
-        "resources.nproc_per_node": 2, "resources.stage_timeout_s": 300, "iterations": 1,
-    }
-    base.update({k.replace("__", "."): v for k, v in overrides.items()})
-    return load_blueprint(None, [f"{k}={_yaml(v)}" for k, v in base.items()])
+    return load_blueprint(None, tiny_overrides(kit, store, *overrides, **fields))
+
+
+def tiny_overrides(kit: dict, store, *overrides: str, **fields) -> list[str]:
+    """The tiny blueprint as `a.b=value` overrides of the defaults (what `verlflow run` takes on its command line)."""
+    base = {"model.path": kit["model_dir"], "data.train_files": [kit["train_file"]], "storage.uri": str(store),
+            **BASE}
+    base.update({k.replace("__", "."): v for k, v in fields.items()})
+    return [f"{k}={_yaml(v)}" for k, v in base.items()] + list(overrides)
 
 
 def _yaml(v) -> str:
