@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from contextlib import contextmanager
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -94,12 +95,25 @@ def prefect_server(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in server.env}
     os.environ.update(server.env)  # threads and subprocesses; the settings context below for this thread
     try:
-        with temporary_settings({PREFECT_API_URL: server.url, PREFECT_HOME: str(server.home)}):
+        with temporary_settings({PREFECT_API_URL: server.url, PREFECT_HOME: str(server.home)}), \
+                _for_every_thread():
             yield server
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         _stop(proc)
+
+
+@contextmanager
+def _for_every_thread():
+    """The settings just applied also for threads that have no settings context of their own (what Prefect's own
+    test harness does): a warm pool's output thread logs to the API, and Prefect's log and event services start
+    on whichever thread first needs them. Without this they read the settings of import time, start a temporary
+    server of their own and send task runs and logs there."""
+    from prefect.context import SettingsContext, _temporary_global_settings_context
+
+    with _temporary_global_settings_context(SettingsContext.get()):
+        yield
 
 
 def api(server: PrefectServer, path: str, body=None, method: str | None = None):

@@ -106,6 +106,7 @@ def _rewrite(manifest: dict, src: str, dst: str) -> dict:
 
 def promote_clone(bp, run_id: str, iteration: int) -> None:
     """Promote a cloned run's checkpoint as its checkpoint stage would have (the run's and bp.name's `latest`)."""
+    from verlflow.core.job import JobSpec
     from verlflow.core.orchestrate.pipeline import plan
     from verlflow.core.orchestrate.runner import open_store
     from verlflow.core.store.promote import promote
@@ -113,5 +114,5 @@ def promote_clone(bp, run_id: str, iteration: int) -> None:
     step = next(s for s in plan(bp, run_id) if s.stage == "checkpoint" and s.iteration == iteration)
     store = open_store(bp)
     out = f"runs/{run_id}/{iteration}/checkpoint"
-    promote(store, bp, {"run_id": run_id, "iteration": iteration, "output": out, "inputs": step.inputs},
-            store.read_manifest(out))
+    job = JobSpec.model_construct(run_id=run_id, iteration=iteration, output=out, inputs=step.inputs)
+    promote(store, bp, job, store.read_manifest(out))

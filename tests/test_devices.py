@@ -51,8 +51,8 @@ def test_runner_sets_cuda_visible_devices_for_local_cuda_jobs(monkeypatch, tmp_p
     monkeypatch.setattr(devices, "LOCK_DIR", tmp_path)
     bp = Blueprint(resources={"device": "cuda", "nproc_per_node": 2})
     spec = LaunchSpec("m", [], nproc_per_node=2)
-    with runner._gpus(bp.resources, 2, spec, print):
+    with runner._gpus(bp.resources, spec, print):
         assert spec.env["CUDA_VISIBLE_DEVICES"] == "4,5"
         spec2 = LaunchSpec("m", [], nproc_per_node=1)
-        with runner._gpus(bp.resources, 1, spec2, print):
+        with runner._gpus(bp.resources, spec2, print):
             assert spec2.env["CUDA_VISIBLE_DEVICES"] == "6"
