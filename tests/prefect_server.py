@@ -18,12 +18,12 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
-from contextlib import contextmanager
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT = str(Path(sys.executable).parent / "prefect")
