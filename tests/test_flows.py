@@ -235,26 +235,29 @@ def sched(prefect_server, tiny_kit, tmp_path_factory):
     return {"bp": bp, "file": write_blueprint(bp, d / "sched.yaml"), "now": dt.datetime.now(dt.timezone.utc)}
 
 
-def test_scheduled_run_fails_in_update_and_the_ui_retry_resumes(prefect_server, serve, sched, request):
+def test_scheduled_run_fails_in_update_and_the_ui_retry_resumes(prefect_server, serve, tiny_kit, tmp_path):
+    """A deployment of its own (blueprint `sched-retry`): no other test's server may pick up its runs."""
     from prefect.client.orchestration import get_client
     from prefect.states import AwaitingRetry
 
-    bp, now = sched["bp"], sched["now"]
-    served = serve(sched["file"], "--cron", CRON, VERLFLOW_FAULT="nan_loss")  # this server's jobs all hit a NaN
-    dep = api(prefect_server, "/deployments/name/finetune/sched")
+    now = dt.datetime.now(dt.timezone.utc)
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "name=sched-retry", "schedule.init_from=previous")
+    bp_file = write_blueprint(bp, tmp_path / "sched-retry.yaml")
+    served = serve(bp_file, "--cron", CRON, VERLFLOW_FAULT="nan_loss")  # this server's jobs all hit a NaN
+    dep = api(prefect_server, "/deployments/name/finetune/sched-retry")
     assert [s["schedule"]["cron"] for s in dep["schedules"]] == [CRON]
     run = backfill(prefect_server, dep["id"], now - dt.timedelta(hours=24), now - dt.timedelta(hours=12))
     state = wait_state(run["id"])
     assert state.is_failed() and "NONFINITE" in (state.message or "") + served.log.read_text()
-    run_id = run_id_of("sched", run)
+    run_id = run_id_of("sched-retry", run)
     scheduled = dt.datetime.fromisoformat(run["expected_start_time"]).astimezone(dt.timezone.utc)
-    assert run_id.startswith(f"sched-{scheduled:%Y%m%dT%H%M%SZ}-")  # the occurrence it was scheduled for
+    assert run_id.startswith(f"sched-retry-{scheduled:%Y%m%dT%H%M%SZ}-")  # the occurrence it was scheduled for
     assert api(prefect_server, f"/flow_runs/{run['id']}")["name"] == run_id
     rollout_at = committed_at(bp, run_id, 1, "rollout")
     assert manifest(bp, run_id, 1, "update") is None
     served.stop()
 
-    request.getfixturevalue("sched_served")  # a fixed server (no fault) now serves the deployment
+    fixed = serve(bp_file, "--cron", CRON)  # a fixed server (no fault) now serves the deployment
     with get_client(sync_client=True) as client:  # what the UI's Retry button sends
         client.set_flow_run_state(run["id"], AwaitingRetry(message="Retry from the UI"))
     state = wait_state(run["id"], lambda s: s.is_final() and not s.is_failed(), timeout_s=180)
@@ -264,6 +267,7 @@ def test_scheduled_run_fails_in_update_and_the_ui_retry_resumes(prefect_server, 
     assert manifest(bp, run_id, 1, "checkpoint") is not None
     assert any("rollout[1] is committed with the same key: reusing" in m
                for m in logs(prefect_server, run["id"], "reusing"))
+    fixed.stop()
 
 
 @pytest.fixture(scope="module")
