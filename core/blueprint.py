@@ -113,6 +113,9 @@ class AlgorithmSpec(Section):
     kl_coef: float = Field(0.001, ge=0.0, description="Weight of the KL in the reward (with use_kl_in_reward).")
     entropy_coeff: float = Field(0.0, ge=0.0, description="Entropy bonus weight (0: none).")
     ppo_epochs: int = Field(1, ge=1, description="Passes over the iteration's batch in the update.")
+    old_logprobs: Literal["recompute", "rollout"] = Field(
+        "recompute", description="Old log-probs of the PPO ratio: recompute them with the FSDP policy in update, or "
+        "take the rollout's (scored by the inference copy that sampled; saves a forward pass of the batch).")
     ppo_mini_batch_size: int = Field(4, ge=1, description="Prompts per optimizer step (x rollout.n samples).")
     ppo_micro_batch_size_per_gpu: int = Field(4, ge=1, description="Samples per forward/backward on one rank.")
     use_remove_padding: bool = Field(
@@ -326,8 +329,18 @@ class StorageSpec(Section):
     uri: str = Field("artifacts", description="Artifact root: a folder, file:///abs, or s3://bucket/prefix.")
     endpoint_url: Optional[str] = Field(None, description="S3-compatible endpoint (MinIO...). Keys come from env.")
     region: Optional[str] = Field(None, description="S3 region (empty: the endpoint's or the environment's).")
-    keep_last: int = Field(3, ge=1, description="Promoted checkpoints kept besides the best one.")
-    keep_best_metric: Optional[str] = Field("reward_mean", description="Also keep the checkpoint best by this metric.")
+    keep_last: int = Field(3, ge=1, description="HF exports (checkpoint stages) kept, besides the best one and "
+                           "any a pointer names.")
+    keep_last_checkpoints: int = Field(
+        2, ge=1, description="Training checkpoints (DCP policy, optimizer, critic) of the last N updates kept, "
+        "besides the best one and any a pointer names; an older one is pruned once a newer one is committed.")
+    keep_best_metric: Optional[str] = Field("reward_mean", description="Also keep the export and the training "
+                                            "checkpoint best by this metric.")
+    export_every: int = Field(1, ge=1, description="HF export and promotion every N iterations, and always at "
+                              "the last.")
+    export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="dtype of the HF exports; auto: the model folder's own (config.json torch_dtype), "
+        "e.g. bf16 for a bf16 model trained with fp32 master weights.")
 
 
 class ScheduleSpec(Section):
