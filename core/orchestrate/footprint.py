@@ -94,9 +94,14 @@ class ModelSize:
                     numel += _prod(st.get_slice(name).get_shape())
                     tensors += 1
                     names.add(name)
-        hidden = config["hidden_size"]
+        if not tensors:  # pickled *.bin weights only: their size over the config's dtype, no header to read
+            itemsize = ITEMSIZE.get(str(config.get("dtype") or config.get("torch_dtype")), 4)
+            numel = sum(f.stat().st_size for f in model_dir.glob("*.bin")) // itemsize
+            names.add("lm_head.weight")  # unknown: count no shared head
+        hidden = _config_int(config, "hidden_size")
         meta = sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES))
-        return cls(numel, tensors, config["vocab_size"] * hidden, "lm_head.weight" not in names, hidden, meta)
+        return cls(numel, tensors, _config_int(config, "vocab_size") * hidden, "lm_head.weight" not in names, hidden,
+                   meta)
 
     def dcp_bytes(self, itemsize: int, world: int, *, optimizer: bool) -> int:
         """A DCP checkpoint of the causal LM at `world` ranks. Its model state lists a tied head under both names
@@ -118,6 +123,13 @@ class ModelSize:
     def export_bytes(self, itemsize: int) -> int:
         """save_pretrained's safetensors (a tied head once) plus the copied meta files."""
         return self.numel * itemsize + self.tensors * SAFETENSORS_ENTRY + self.meta_bytes
+
+
+def _config_int(config: dict, key: str) -> int:
+    """A size from config.json (a multimodal model's text part nests it); 0 where absent (no head to count)."""
+    text = config.get("text_config")
+    value = config.get(key, text.get(key) if isinstance(text, dict) else 0)
+    return value if isinstance(value, int) else 0
 
 
 def _prod(shape) -> int:
@@ -176,6 +188,6 @@ def estimate(bp: Blueprint, size: ModelSize | None = None) -> Footprint:
         Term("reference", 1, reference + size.meta_bytes + STAGE_FILES, f"{bp.model.dtype}, with hf_meta"),
         Term("HF exports", exports_at_once(bp), size.export_bytes(exported) + STAGE_FILES,
              f"{exported} bytes a parameter"),
-        Term("rollout batches", bp.iterations, batch_bytes(bp) + STAGE_FILES),
+        Term("rollout batches", bp.iterations, batch_bytes(bp) + STAGE_FILES, "never pruned"),
         Term("validate report", 1, 4096 * world + STAGE_FILES),
     ))
