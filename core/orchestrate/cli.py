@@ -76,8 +76,9 @@ def _preflight(bp, run_id: str) -> None:
     problems = missing_inputs(bp)
     if problems:
         raise VerlflowError("Blueprint refers to inputs that are missing or unusable:\n  " + "\n  ".join(problems))
-    print(f"[verlflow] {_space(bp, run_id).summary()}", flush=True)
+    space = _space(bp, run_id)  # refused before the probe writes to the store
     open_store(bp).probe()
+    print(f"[verlflow] {space.summary()}", flush=True)
 
 
 def _print_summary(bp, run_id: str, results) -> None:
