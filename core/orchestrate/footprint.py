@@ -6,19 +6,19 @@ CLI runs this before anything touches the store). Each term follows what a stage
 
 - training checkpoints: the build's initial policy (core/stages/build.py) and every update's (core/stages/
   update.py), each the policy with its AdamW state (+ the critic with its own for adv_estimator gae), DCP in
-  model.dtype (the master weights; AdamW's moments take their parameter's dtype). Retention (core/store/
-  retention.py) treats the build's as iteration 0 and keeps the last storage.keep_last_checkpoints, the best by
-  storage.keep_best_metric and the one `latest` names (older than those when exports are further apart); the
-  newest is written before an older one is pruned, so one more at the peak.
+  model.dtype (the master weights; AdamW's moments take their parameter's dtype). Retention (issue 15 item 1,
+  core/store/retention.py) treats the build's as iteration 0 and keeps the last storage.keep_last_checkpoints,
+  the best by storage.keep_best_metric and the one `latest` names (older than those when exports are further
+  apart); the newest is written before an older one is pruned, so one more at the peak.
 - the reference: the build's ref/ (model only, model.dtype) and hf_meta/, never pruned (every update reads them).
 - HF exports (core/stages/checkpoint.py): save_pretrained in storage.export_dtype (auto: the model folder's
-  config dtype) plus the tokenizer files. Kept: storage.keep_last, the best, and the one being written (counted
-  apart from the checkpoint being written: with warm workers an update's background commit overlaps the export).
+  config dtype) plus the folder's other files (config, tokenizer). Kept: storage.keep_last, the best, and the
+  one being written (counted apart from the checkpoint being written: with warm workers an update's background
+  commit overlaps the export).
 - rollout batches (core/ml/rollout.py save_batch): never pruned, so one per iteration.
 
 DCP writes each tensor shard through torch.save and each flattened optimizer field as a pickled entry, both
-listed in its .metadata: a fixed cost per item that dominates a tiny model's checkpoint (40% at the test kit's
-size) and vanishes at 1.5B.
+listed in its .metadata: a fixed cost per item that is a third of the test kit's checkpoint and nothing at 1.5B.
 """
 
 import json
@@ -99,7 +99,8 @@ class ModelSize:
             numel = sum(f.stat().st_size for f in model_dir.glob("*.bin")) // itemsize
             names.add("lm_head.weight")  # unknown: count no shared head
         hidden = _config_int(config, "hidden_size")
-        meta = sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES))
+        meta = sum(p.stat().st_size for p in model_dir.iterdir()
+                   if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES))
         return cls(numel, tensors, _config_int(config, "vocab_size") * hidden, "lm_head.weight" not in names, hidden,
                    meta)
 
