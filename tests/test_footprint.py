@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from tinybp import ONE_RANK, tiny_blueprint, tiny_overrides
@@ -47,7 +48,7 @@ class Disk:
 
     def _fake(self, p):
         used = sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
-        return shutil._ntuple_diskusage(self.size, used, self.size - used)
+        return SimpleNamespace(total=self.size, used=used, free=self.size - used)
 
     def unmount(self) -> None:
         if AS_ROOT and self.size:
