@@ -43,8 +43,10 @@ def cmd_validate_blueprint(args) -> int:
     problems = missing_inputs(bp)
     if problems:
         raise VerlflowError("Blueprint refers to inputs that are missing or unusable:\n  " + "\n  ".join(problems))
+    space = _space(bp)
     print(f"{args.blueprint or '<embedded defaults>'}: ok ({bp.name}, {bp.iterations} iterations, "
           f"{bp.resources.world_size} ranks on {bp.resources.device}, store {bp.storage.uri})")
+    print(space.summary())
     return 0
 
 
@@ -56,14 +58,27 @@ def cmd_make_tiny(args) -> int:
     return 0
 
 
-def _preflight(bp) -> None:
+def _space(bp, run_id: str | None = None):
+    """The store's room for the run's peak footprint; refused before anything is written when it cannot hold it."""
+    from verlflow.core.errors import StoreError
+    from verlflow.core.orchestrate.preflight import check_space
+
+    space = check_space(bp, run_id)
+    if space.problem():
+        raise StoreError(space.problem())
+    return space
+
+
+def _preflight(bp, run_id: str) -> None:
     from verlflow.core.blueprint import missing_inputs
     from verlflow.core.orchestrate.runner import open_store
 
     problems = missing_inputs(bp)
     if problems:
         raise VerlflowError("Blueprint refers to inputs that are missing or unusable:\n  " + "\n  ".join(problems))
+    space = _space(bp, run_id)  # refused before the probe writes to the store
     open_store(bp).probe()
+    print(f"[verlflow] {space.summary()}", flush=True)
 
 
 def _print_summary(bp, run_id: str, results) -> None:
@@ -91,7 +106,7 @@ def cmd_run(args) -> int:
         safe_run_id(args.run_id, "rerun RUN" if getattr(args, "run", None) is not None else "--run-id")
     run_id = args.run_id or f"{bp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     steps, _ = checked_plan(bp, run_id, args.from_step)
-    _preflight(bp)
+    _preflight(bp, run_id)
     if getattr(args, "prefect", False):  # the same pipeline as a Prefect flow run (tasks, logs, artifacts, lease)
         return _run_flow(bp, args.run_id, args.from_step)
     store = open_store(bp)

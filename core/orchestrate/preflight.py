@@ -12,9 +12,13 @@ Each fact is decided here once, in one of two tiers:
 Every problem is one line naming the field or file, what was found and the fix.
 """
 
+import shutil
+from dataclasses import dataclass, replace
+from itertools import combinations
 from pathlib import Path
 
 from verlflow.core.errors import VerlflowError
+from verlflow.core.orchestrate.footprint import Footprint, ModelSize, estimate, human
 
 _REWARD_SAMPLES = 16  # data sources sampled at most (verl_default picks a scorer per source)
 
@@ -85,3 +89,120 @@ def reward_problems(bp, prompts) -> list[str]:
                             f"{source!r}) with its ground truth {truth!r:.40} as the response: {what} Fix the "
                             "function or pick another reward.function.")
     return problems
+
+
+# ------------------------------------------------------------------------------------------------------- space
+
+
+@dataclass(frozen=True)
+class SpaceCheck:
+    """The run's peak footprint (core/orchestrate/footprint.py) against the store's filesystem. `free` is None for an
+    object store (s3://), which is not refused."""
+    uri: str
+    estimate: Footprint
+    free: int | None = None
+    held: int = 0  # what this run already holds there: a rerun reuses it, so it counts as room
+    alternatives: tuple[tuple[str, int], ...] = ()  # (retention fields, estimate with them)
+
+    @property
+    def room(self) -> int | None:
+        return None if self.free is None else self.free + self.held
+
+    @property
+    def fits(self) -> bool:
+        return self.room is None or self.estimate.total <= self.room
+
+    def summary(self) -> str:
+        line = f"store footprint {self.estimate.describe()}"
+        if self.free is None:
+            return f"{line}; {self.uri} is an object store: its room is not checked"
+        return f"{line}; {self._room_text()}"
+
+    def _room_text(self) -> str:
+        held = f" (+ {human(self.held)} this run already holds there)" if self.held else ""
+        return f"{human(self.free)} free at {self.uri}{held}"
+
+    def problem(self) -> str | None:
+        if self.fits:
+            return None
+        fit = [f"{fields} (~{human(total)})" for fields, total in self.alternatives if total <= self.room]
+        short = [f"{fields} (~{human(total)})" for fields, total in self.alternatives if total > self.room]
+        return (f"storage.uri={self.uri}: the run would keep {self.estimate.describe()}, but there is "
+                f"{self._room_text()}: {human(self.estimate.total - self.room)} short. "
+                + (f"Retention that makes it fit: {'; '.join(fit)}. " if fit else
+                   "No retention setting makes it fit. ")
+                + (f"Not enough: {'; '.join(short)}. " if short else "")
+                + "Or free space there, or use a store on a bigger filesystem (or s3://).")
+
+
+# The retention fields that shrink the peak (storage.export_every: _sparser picks its value).
+_SMALLER = (("keep_last_checkpoints", 1), ("keep_best_metric", None), ("keep_last", 1))
+
+
+def check_space(bp, run_id: str | None = None) -> SpaceCheck:
+    """The store's room for the run; a file:// store that cannot hold the estimate carries its problem()."""
+    from verlflow.core.store.artifacts import ArtifactStore
+
+    store = ArtifactStore(bp.storage.uri, endpoint_url=bp.storage.endpoint_url, region=bp.storage.region)
+    size = ModelSize.of(Path(bp.model.path))
+    fp = estimate(bp, size)
+    if not store.is_local:
+        return SpaceCheck(store.root_uri, fp)
+    root = Path(store.root)
+    free = shutil.disk_usage(_nearest_existing(root)).free
+    held = _folder_bytes(root / "runs" / run_id) if run_id else 0
+    check = SpaceCheck(store.root_uri, fp, free, held)
+    if check.fits:
+        return check
+    return replace(check, alternatives=tuple(_alternatives(bp, size, free + held)))
+
+
+def _alternatives(bp, size: ModelSize, room: int) -> list[tuple[str, int]]:
+    """(fields, estimate) of each retention change that shrinks the peak alone, then of the smallest sets of them
+    that fit (of all of them when none does)."""
+    def total(changes) -> int:
+        return estimate(_with(bp, changes), size).total
+
+    changes = [(f, v) for f, v in _SMALLER if getattr(bp.storage, f) != v]
+    changes += _sparser(bp, room, total)
+    out = [(_fields([c]), total([c])) for c in changes]
+    sets = [list(s) for n in range(2, len(changes) + 1) for s in combinations(changes, n)]
+    fitting = [s for s in sets if total(s) <= room and not any(total([c]) <= room for c in s)]
+    smallest = [s for s in fitting if not any(set(t) < set(s) for t in fitting)]
+    if not smallest and len(changes) > 1 and not any(t <= room for _, t in out):
+        smallest = [changes]  # nothing fits: what all of them together would need
+    return out + [(_fields(s), total(s)) for s in smallest]
+
+
+def _sparser(bp, room: int, total) -> list[tuple[str, int]]:
+    """The densest storage.export_every that fits, else the sparsest (one export, at the last iteration). Only
+    fewer exports than storage.keep_last (+ the best, + the one being written) change the peak: one candidate
+    per such count."""
+    s, n = bp.storage, bp.iterations
+    if s.export_every >= n:
+        return []
+    cap = s.keep_last + bool(s.keep_best_metric) + 1
+    candidates = sorted({-(-n // c) for c in range(1, cap + 1)} - {s.export_every})
+    fitting = [e for e in candidates if e > s.export_every and total([("export_every", e)]) <= room]
+    return [("export_every", fitting[0] if fitting else n)]
+
+
+def _with(bp, changes):
+    out = bp.model_copy(deep=True)
+    for field, value in changes:
+        setattr(out.storage, field, value)
+    return out
+
+
+def _fields(changes) -> str:
+    return ", ".join(f"storage.{f}: {'null' if v is None else v}" for f, v in changes)
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0

@@ -149,6 +149,8 @@ def check_inputs(ctx: StageContext, r: Report, tok):
     problems = missing_inputs(bp)
     for problem in problems:
         r.add("inputs", False, problem)
+    if not problems:
+        r.guard("store_space", lambda: check_store_space(ctx, r))
     if problems or tok is None:  # the rollout's checks need the dataset, the reward and the tokenizer
         return
     prompts = load_prompts(bp.data.train_files, bp.data.prompt_key)
@@ -159,6 +161,14 @@ def check_inputs(ctx: StageContext, r: Report, tok):
     if not problems:
         r.add("rollout_inputs", True, f"prompts within data.max_prompt_length={bp.data.max_prompt_length}, "
               "the reward scores a sample")
+
+
+def check_store_space(ctx: StageContext, r: Report):
+    """The run's peak footprint against the store's filesystem (the CLI checks it too; a flow run starts here)."""
+    from verlflow.core.orchestrate.preflight import check_space
+
+    space = check_space(ctx.bp, ctx.job.run_id)
+    r.add("store_space", space.fits, space.problem() or space.summary())
 
 
 def run(ctx: StageContext) -> dict:
