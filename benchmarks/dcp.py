@@ -11,10 +11,11 @@ Per folder, measured in turn (each checkpoint deleted once timed, so one fits at
   old  save inline      dcp.save with torch's FileSystemWriter (1 thread: today's verlflow.core.ml.checkpoint.save)
   old  load             dcp.load with torch's FileSystemReader (today's checkpoint.load)
   new  load (old ckpt)  ours on that one-file-per-rank checkpoint (the checkpoints already in stores)
-  old  save background  today's Committer.save (_create_cpu_state_dict(pin_memory=True) + _copy_state_dict) + write,
-                        the first save (allocates the CPU copy) and the second (reuses it)
+  old  save background  today's Committer.save (_create_cpu_state_dict(pin_memory=True) + _copy_state_dict) + write:
+                        the first save, which allocates the CPU copy (a second writes as "save inline" does)
   new  save inline      checkpoint.save's inline path: verlflow.core.ml.dcpio.save (ParallelWriter), per --threads
   new  load             checkpoint.load's: dcpio.load (ParallelReader)
+  new  save inline, staged  the alternative: the whole state copied into a fresh CpuCopy slab, then written
   new  save background  checkpoint.save(background=Committer): the one-slab CPU copy, then the committer's write
 wait_s is the time the stage waits (all of an inline save or a load; a background save's copy to CPU), behind_s
 the background write after it; GB/s = bytes / (wait + behind).
@@ -157,6 +158,14 @@ def new_save_inline(threads: int):
     return lambda folder, model, opt: dcpio.save(old_state_dict(model, opt), str(folder / "dcp"), threads=threads)
 
 
+def staged_save_inline(threads: int):
+    def run(folder: Path, model, opt) -> None:
+        sd = old_state_dict(model, opt)
+        cpu = dcpio.CpuCopy(sd, pin=torch.cuda.is_available())
+        dcpio.save(cpu.copy_from(sd), str(folder / "dcp"), threads=threads, device=cpu.device)
+    return run
+
+
 def new_load(threads: int):
     def run(folder: Path, model, opt) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -244,13 +253,11 @@ def run_dir(b: Bench, where: str, threads: list[int]) -> None:
         b.load({**at, "op": "load"}, ck, old_load)
         b.load({**at, "path": "new", "threads": threads[0], "op": "load (old ckpt)"}, ck, new_load(threads[0]))
         remove(ck)
-        cache: dict = {}
-        for nth in ("1st", "2nd"):
-            staged = {}
-            b.save({**at, "op": f"save background {nth}"}, fresh(ck),
-                   lambda: staged.update(sd=old_stage(model, opt, cache)),
-                   lambda: dcp.save(staged["sd"], checkpoint_id=str(ck / "dcp")))
-            remove(ck)
+        cache, staged = {}, {}  # the first save only: a second writes as "save inline" does, after a fast copy
+        b.save({**at, "op": "save background 1st"}, fresh(ck),
+               lambda: staged.update(sd=old_stage(model, opt, cache)),
+               lambda: dcp.save(staged["sd"], checkpoint_id=str(ck / "dcp")))
+        remove(ck)
         del cache, staged
         free_cpu_copies()
     if "new" in b.args.paths:
@@ -259,6 +266,11 @@ def run_dir(b: Bench, where: str, threads: list[int]) -> None:
             b.save({**at, "op": "save inline"}, fresh(ck), lambda: new_save_inline(n)(ck, model, opt))
             b.load({**at, "op": "load"}, ck, new_load(n))
             remove(ck)
+        at = {"dir": root, "path": "new", "threads": threads[0]}
+        # Inline the other way round: the whole state copied to a fresh slab first, then written from CPU.
+        b.save({**at, "op": "save inline, staged"}, fresh(ck), lambda: staged_save_inline(threads[0])(ck, model, opt))
+        remove(ck)
+        free_cpu_copies()
         at = {"dir": root, "path": "new", "threads": dcpio.io_threads()}
         committer = Committer(timedelta(minutes=30))
         for i, nth in enumerate(("1st", "2nd")):
@@ -266,6 +278,8 @@ def run_dir(b: Bench, where: str, threads: list[int]) -> None:
             b.save({**at, "op": f"save background {nth}"}, fresh(ck),
                    lambda: checkpoint.save(ck, model, opt, state, background=committer),
                    lambda: (committer.submit(out, "bench", lambda: None, str(ck)), committer.wait(out)))
+            if nth == "2nd":  # what the pinned slab's asynchronous copies wrote is the state
+                b.load({**at, "op": "load (background ckpt)"}, ck, new_load(at["threads"]))
             remove(ck)
         committer._staged.clear()  # its slab, before the next folder's first save (its thread keeps it alive)
         free_cpu_copies()
