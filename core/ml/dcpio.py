@@ -105,13 +105,16 @@ def _runs(items: list, size: Callable, n: int) -> list[list]:
 
 def _run_all(fn: Callable, args: list, device: int | None) -> list:
     """fn over args on one thread each (on CUDA `device`: a new thread starts on device 0, where torch's loader
-    would sync the wrong stream); waits for all, then raises the first error."""
+    would sync the wrong stream); waits for all, then raises one of their errors."""
     if len(args) == 1:
         return [fn(args[0])]
     init = (lambda: torch.cuda.set_device(device)) if device is not None else None
     with ThreadPoolExecutor(max_workers=len(args), initializer=init, thread_name_prefix="verlflow-dcp") as pool:
         futures = [pool.submit(fn, a) for a in args]
     errors = [f.exception() for f in futures if f.exception() is not None]
+    # An OSError first: it names the cause (a full disk, say); torch.save's "unexpected pos" after a short write
+    # in another thread is only its echo.
+    errors.sort(key=lambda e: not isinstance(e, OSError))
     for e in errors[1:]:
         log.error("another DCP I/O thread failed too: %s: %s", type(e).__name__, e)
     if errors:
@@ -233,12 +236,16 @@ class CpuCopy:
             # whole storage, or clones it first when the storage is larger.
             t.set_(storage[at:at + n], t.storage_offset(), t.shape, t.stride())
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors holding this rank's data, each a view of the slab."""
+        return _leaves(self.state_dict)
+
     def fits(self, state_dict: dict) -> bool:
         return layout(state_dict) == self.layout
 
     def copy_from(self, state_dict: dict) -> dict:
         with torch.no_grad():
-            for src, dst in zip(_leaves(state_dict), _leaves(self.state_dict), strict=True):
+            for src, dst in zip(_leaves(state_dict), self.tensors(), strict=True):
                 dst.copy_(src, non_blocking=self.pinned)
         if self.pinned:
             torch.cuda.synchronize()
