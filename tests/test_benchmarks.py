@@ -69,5 +69,6 @@ def test_dcp_benchmark_smoke(tmp_path):
     assert all(r["ok"] for r in rows if "load" in r["op"])
     old, new = rows[0], rows[4]
     assert (old["files"], new["files"]) == (2, 4)  # .metadata and a file per writer thread
+    assert all(r["files"] == r["threads"] + 1 for r in rows if r["op"].startswith("save background 2"))
     assert abs(new["bytes"] - old["bytes"]) < 0.01 * old["bytes"] and all(r["gb_per_s"] > 0 for r in rows)
     assert [list(d.iterdir()) for d in dirs] == [[], []]  # every checkpoint deleted

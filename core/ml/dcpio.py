@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
+from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItemType
 from torch.distributed.tensor import DTensor
@@ -208,8 +209,10 @@ def _cpu_structure(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_cpu_structure(v) for v in obj)
     if isinstance(obj, torch.Tensor):
-        with torch.no_grad():  # a copy even on CPU: its storage is replaced next
-            return copy.deepcopy(obj.detach()) if obj.device.type == "cpu" else obj.detach().to("cpu")
+        with torch.no_grad():  # a copy even on CPU: its storage is replaced next (as torch's own stager copies)
+            if type(obj) is torch.Tensor or isinstance(obj, nn.Parameter):
+                return obj.detach().to("cpu", copy=True)
+            return copy.deepcopy(obj) if obj.device.type == "cpu" else obj.to("cpu")
     return copy.deepcopy(obj)
 
 
