@@ -15,6 +15,7 @@ Per folder, measured in turn (each checkpoint deleted once timed, so one fits at
                         the first save, which allocates the CPU copy (a second writes as "save inline" does)
   new  save inline      checkpoint.save's inline path: verlflow.core.ml.dcpio.save (ParallelWriter), per --threads
   new  load             checkpoint.load's: dcpio.load (ParallelReader)
+  new  save inline, no fsync  the same with sync_files off: what fsync costs (the stages keep it)
   new  save inline, staged  the alternative: the whole state copied into a fresh CpuCopy slab, then written
   new  save background  checkpoint.save(background=Committer): the one-slab CPU copy, then the committer's write
 wait_s is the time the stage waits (all of an inline save or a load; a background save's copy to CPU), behind_s
@@ -158,6 +159,17 @@ def new_save_inline(threads: int):
     return lambda folder, model, opt: dcpio.save(old_state_dict(model, opt), str(folder / "dcp"), threads=threads)
 
 
+def unsynced_save_inline(threads: int):
+    """What fsync costs: the same save with sync_files off (the stages keep it on: a manifest must not outlive a
+    crash that loses the files' pages)."""
+    def run(folder: Path, model, opt) -> None:
+        sd = old_state_dict(model, opt)
+        writer = dcpio.ParallelWriter(str(folder / "dcp"), threads, dcpio.cuda_device(sd))
+        writer.sync_files = False
+        dcp.save(sd, storage_writer=writer)
+    return run
+
+
 def staged_save_inline(threads: int):
     def run(folder: Path, model, opt) -> None:
         sd = old_state_dict(model, opt)
@@ -267,6 +279,8 @@ def run_dir(b: Bench, where: str, threads: list[int]) -> None:
             b.load({**at, "op": "load"}, ck, new_load(n))
             remove(ck)
         at = {"dir": root, "path": "new", "threads": threads[0]}
+        b.save({**at, "op": "save inline, no fsync"}, fresh(ck), lambda: unsynced_save_inline(threads[0])(ck, model, opt))
+        remove(ck)
         # Inline the other way round: the whole state copied to a fresh slab first, then written from CPU.
         b.save({**at, "op": "save inline, staged"}, fresh(ck), lambda: staged_save_inline(threads[0])(ck, model, opt))
         remove(ck)

@@ -137,18 +137,19 @@ def save(state_dict: dict, checkpoint_id: str, *, process_group=None, threads: i
     """dcp.save with ParallelWriter; `device`: the CUDA device the state came from (default: its tensors')."""
     import torch.distributed.checkpoint as dcp
 
-    writer = ParallelWriter(checkpoint_id, threads, _cuda_index(state_dict) if device is None else device)
+    writer = ParallelWriter(checkpoint_id, threads, cuda_device(state_dict) if device is None else device)
     dcp.save(state_dict, storage_writer=writer, process_group=process_group)
 
 
 def load(state_dict: dict, checkpoint_id: str, *, no_dist: bool = False, threads: int | None = None) -> None:
     import torch.distributed.checkpoint as dcp
 
-    reader = ParallelReader(checkpoint_id, threads, _cuda_index(state_dict))
+    reader = ParallelReader(checkpoint_id, threads, cuda_device(state_dict))
     dcp.load(state_dict, storage_reader=reader, no_dist=no_dist)
 
 
-def _cuda_index(state_dict: dict) -> int | None:
+def cuda_device(state_dict: dict) -> int | None:
+    """The CUDA device index of the state's tensors (None on CPU): the I/O threads run on it."""
     return next((t.device.index for t in _leaves(state_dict) if t.device.type == "cuda"), None)
 
 
@@ -223,7 +224,7 @@ class CpuCopy:
 
     def __init__(self, state_dict: dict, *, pin: bool):
         self.layout = layout(state_dict)
-        self.device = _cuda_index(state_dict)  # for the writer threads
+        self.device = cuda_device(state_dict)  # for the writer threads
         self.state_dict = _cpu_structure(state_dict)
         leaves = _leaves(self.state_dict)
         offsets, total = [], 0

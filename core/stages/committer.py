@@ -38,7 +38,7 @@ class Committer:
         self._queue: queue.Queue = queue.Queue()
         self._done: dict[str, threading.Event] = {}
         self._written: dict[str, threading.Event] = {}  # its files are all on disk (its commit may still be queued)
-        self._staged: dict[str, dcpio.CpuCopy | None] = {}  # role -> CPU copy of its state dict
+        self._staged: dict[str, dcpio.CpuCopy] = {}  # role -> CPU copy of its state dict
         self._writes: list[Callable[[], object]] = []  # this stage's writes, handed to its commit
         self.error: BaseException | None = None
         self._failed_stage: str | None = None
@@ -55,12 +55,13 @@ class Committer:
         multi-threaded dcp.save of that copy on the committer's thread and group. (DCP's async_save stager failed
         on its second call with FSDP2 DTensors on torch 2.11.)"""
         self.drain()  # earlier writes are done with the CPU copies
-        copy = self._staged.get(role)
-        if copy is None or not copy.fits(state_dict):
-            self._staged[role] = None  # the old slab is freed before the new one is made
-            self._staged[role] = copy = dcpio.CpuCopy(state_dict, pin=torch.cuda.is_available())
-        staged = copy.copy_from(state_dict)
-        self._writes.append(lambda: dcpio.save(staged, checkpoint_id, process_group=self.group, device=copy.device))
+        if role in self._staged and not self._staged[role].fits(state_dict):
+            del self._staged[role]  # the old slab is freed before a new one is made
+        if role not in self._staged:
+            self._staged[role] = dcpio.CpuCopy(state_dict, pin=torch.cuda.is_available())
+        cpu = self._staged[role]
+        staged = cpu.copy_from(state_dict)
+        self._writes.append(lambda: dcpio.save(staged, checkpoint_id, process_group=self.group, device=cpu.device))
 
     def submit(self, output: str, name: str, commit: Callable[[], None], where: str) -> None:
         """Queue a stage's commit behind the earlier ones; it runs once the stage's writes are done. `name`
