@@ -1,9 +1,9 @@
 """DCP checkpoint benchmark: save and load GB/s of the policy + AdamW state, today's path against ours, inline and in
 the background (a warm pool's commit), to each folder of --dirs, in one run.
 
-    python benchmarks/dcp.py --dirs /tmp/verlflow-dcp,/dev/shm/verlflow-dcp --json dcp.json  # H200: Qwen2.5-1.5B
-    torchrun --nproc_per_node 2 benchmarks/dcp.py --dirs ...                                  # 2 ranks
-    python benchmarks/dcp.py --smoke                                                          # CPU (the test suite)
+    python benchmarks/dcp.py --dirs /dev/shm,/tmp --threads 8,16 --json dcp.json  # H200, 1.5B: RAM disk and disk
+    torchrun --nproc_per_node 2 benchmarks/dcp.py --dirs ...                       # 2 ranks
+    python benchmarks/dcp.py --smoke                                               # CPU (the test suite runs it)
 
 The state is the update stage's: verlflow.core.ml.model's FSDP2 module of --shape (random weights, fp32 as the GPU
 blueprint trains) with verlflow.core.ml.optim's AdamW after one step, so every parameter has exp_avg and exp_avg_sq.
@@ -327,11 +327,11 @@ def summary(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="1.5b")
+    ap.add_argument("--shape", default="1.5b", help="a benchmarks/rollout.py SHAPES entry")
     ap.add_argument("--dirs", help="comma-separated folders to write the checkpoints in (a subfolder each)")
     ap.add_argument("--threads", default="", help="comma-separated writer/reader threads per rank for the new "
                                                   "inline path (default: dcpio.io_threads())")
-    ap.add_argument("--paths", default="old,new")
+    ap.add_argument("--paths", default="old,new", help="today's path (old), ours (new) or both")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape, two folders under a temporary one")
     args = ap.parse_args(argv)
