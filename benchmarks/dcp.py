@@ -278,11 +278,12 @@ def run_dir(b: Bench, where: str, threads: list[int]) -> None:
             b.save({**at, "op": "save inline"}, fresh(ck), lambda: new_save_inline(n)(ck, model, opt))
             b.load({**at, "op": "load"}, ck, new_load(n))
             remove(ck)
-        at = {"dir": root, "path": "new", "threads": threads[0]}
-        b.save({**at, "op": "save inline, no fsync"}, fresh(ck), lambda: unsynced_save_inline(threads[0])(ck, model, opt))
+        n = threads[0]
+        at = {"dir": root, "path": "new", "threads": n}
+        b.save({**at, "op": "save inline, no fsync"}, fresh(ck), lambda: unsynced_save_inline(n)(ck, model, opt))
         remove(ck)
         # Inline the other way round: the whole state copied to a fresh slab first, then written from CPU.
-        b.save({**at, "op": "save inline, staged"}, fresh(ck), lambda: staged_save_inline(threads[0])(ck, model, opt))
+        b.save({**at, "op": "save inline, staged"}, fresh(ck), lambda: staged_save_inline(n)(ck, model, opt))
         remove(ck)
         free_cpu_copies()
         at = {"dir": root, "path": "new", "threads": dcpio.io_threads()}

@@ -63,7 +63,8 @@ def test_dcp_benchmark_smoke(tmp_path):
     ops = [(r["path"], r["op"]) for r in rows]
     assert ops == 2 * [("old", "save inline"), ("old", "load"), ("new", "load (old ckpt)"),
                        ("old", "save background 1st"), ("new", "save inline"), ("new", "load"),
-                       ("new", "save inline, no fsync"), ("new", "save inline, staged"), ("new", "save background 1st"), ("new", "save background 2nd"),
+                       ("new", "save inline, no fsync"), ("new", "save inline, staged"),
+                       ("new", "save background 1st"), ("new", "save background 2nd"),
                        ("new", "load (background ckpt)")]
     assert [r["dir"] for r in rows[::11]] == list(map(str, dirs))
     assert all(r["ok"] for r in rows if "load" in r["op"])

@@ -102,10 +102,10 @@ def stage(job: dict) -> None:
     sd = state_dict(model, opt)  # today's staging: a CPU tensor per entry
     old = _copy_state_dict(sd, _create_cpu_state_dict(sd), non_blocking=False)
     if dist.get_rank() == 0:
-        (root / "old").mkdir(parents=True)
+        (root / "old").mkdir(parents=True, exist_ok=True)  # another rank's dcp.save may have made it
         (root / "old/state.json").write_text("{}")
     dcp.save(old, checkpoint_id=str(root / "old/dcp"))
-    committer = dcpio_committer()
+    committer = new_committer()
     background(committer, root / "one/policy", model, opt)  # one role: the second save refills the first's copy
     first = committer._staged["policy"]
     train(model, opt)
@@ -124,7 +124,7 @@ def stage(job: dict) -> None:
     dist.barrier()
 
 
-def dcpio_committer():
+def new_committer():
     from verlflow.core.stages.committer import Committer
 
     return Committer(timedelta(seconds=60))
@@ -144,7 +144,7 @@ def fail(job: dict) -> None:
         shutil.rmtree(root / "inline", ignore_errors=True)
     dist.barrier()
     try:
-        background(dcpio_committer(), root / "background", model, opt)
+        background(new_committer(), root / "background", model, opt)
         report["background"] = None
     except BaseException as e:  # noqa: BLE001
         report["background"] = {"type": type(e).__name__, "message": str(e)[:300]}
