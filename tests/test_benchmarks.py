@@ -47,3 +47,29 @@ def test_boundaries_benchmark_smoke(tmp_path):
     assert {"save_s", "export_s", "rollout_s", "update_s"} <= set(st["monolithic"])
     assert [it["iteration"] for it in res["monolithic_per_iteration"]] == [1, 2]
     assert all(it["rollout_s"] > 0 and it["update_s"] > 0 for it in res["monolithic_per_iteration"])
+
+
+def test_dcp_benchmark_smoke(tmp_path):
+    """Today's DCP path and ours, inline and background, saved and loaded in two folders; every load checked."""
+    out = tmp_path / "d.json"
+    dirs = [tmp_path / "disk", tmp_path / "other"]
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/dcp.py"), "--smoke", "--threads", "3", "--json",
+                           str(out), "--dirs", ",".join(map(str, dirs))], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| folder | path | operation | threads | stage waits s | behind s | total s | GB | GB/s | files | ok |" \
+        in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    ops = [(r["path"], r["op"]) for r in rows]
+    assert ops == 2 * [("old", "save inline"), ("old", "load"), ("new", "load (old ckpt)"),
+                       ("old", "save background 1st"), ("new", "save inline"), ("new", "load"),
+                       ("new", "save inline, no fsync"), ("new", "save inline, staged"),
+                       ("new", "save background 1st"), ("new", "save background 2nd"),
+                       ("new", "load (background ckpt)")]
+    assert [r["dir"] for r in rows[::11]] == list(map(str, dirs))
+    assert all(r["ok"] for r in rows if "load" in r["op"])
+    old, new = rows[0], rows[4]
+    assert (old["files"], new["files"]) == (2, 4)  # .metadata and a file per writer thread
+    assert all(r["files"] == r["threads"] + 1 for r in rows if r["op"].startswith("save background 2"))
+    assert abs(new["bytes"] - old["bytes"]) < 0.01 * old["bytes"] and all(r["gb_per_s"] > 0 for r in rows)
+    assert [list(d.iterdir()) for d in dirs] == [[], []]  # every checkpoint deleted

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from verlflow.core.errors import InputError
+from verlflow.core.ml import dcpio
 
 log = logging.getLogger("verlflow.checkpoint")
 
@@ -42,10 +43,10 @@ def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
     if dist.get_rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
-    # One writer thread per rank: with thread_count > 1 a failing writer thread is swallowed and the save reports
-    # success (pytorch/pytorch#191391); on an H200 such a checkpoint then failed to load.
+    # Several writer threads per rank, each thread's error raised (verlflow.core.ml.dcpio: torch's own threads
+    # swallow them, pytorch/pytorch#191391). Inline, the threads copy their tensors off the GPU themselves.
     if background is None:
-        dcp.save(sd, checkpoint_id=str(folder / "dcp"))
+        dcpio.save(sd, str(folder / "dcp"))
     else:
         background.save(sd, str(folder / "dcp"), role=folder.name)
 
@@ -75,11 +76,11 @@ def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
         if optimizer is not None:
             msd, osd = get_state_dict(model, optimizer, options=FLAT)
             sd = {"model": msd, "optim": osd}
-            dcp.load(sd, checkpoint_id=str(folder / "dcp"))
+            dcpio.load(sd, str(folder / "dcp"))
             set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=FLAT)
         else:
             sd = {"model": get_model_state_dict(model)}
-            dcp.load(sd, checkpoint_id=str(folder / "dcp"))
+            dcpio.load(sd, str(folder / "dcp"))
             set_model_state_dict(model, sd["model"])
     except (RuntimeError, KeyError, ValueError, CheckpointException) as e:
         log.error("loading %s failed: %s", folder, e)  # the whole per-rank report; the error below is one line
@@ -99,7 +100,7 @@ def load_full(folder: Path, model: nn.Module) -> None:
     sd = {"model": model.state_dict()}
     _check_same_model(folder, sd["model"])
     try:
-        dcp.load(sd, checkpoint_id=str(folder / "dcp"), no_dist=True)
+        dcpio.load(sd, str(folder / "dcp"), no_dist=True)
     except (RuntimeError, KeyError, ValueError, CheckpointException) as e:
         raise InputError(f"checkpoint {folder}: does not match the model ({str(e).splitlines()[0][:300]})") from None
     model.load_state_dict(sd["model"])

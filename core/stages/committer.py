@@ -25,24 +25,7 @@ import torch
 import torch.distributed as dist
 
 from verlflow.core.errors import NO_SPACE_FIX, StoreError, is_no_space
-
-
-def _layout(state_dict) -> tuple:
-    """Names, shapes and dtypes of a (nested) state dict: a cached CPU copy fits only the same layout."""
-    out = []
-
-    def walk(prefix, obj):
-        if isinstance(obj, dict):
-            for k in sorted(obj, key=str):
-                walk(f"{prefix}.{k}", obj[k])
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                walk(f"{prefix}.{i}", v)
-        elif isinstance(obj, torch.Tensor):
-            out.append((prefix, tuple(obj.shape), obj.dtype))
-
-    walk("", state_dict)
-    return tuple(out)
+from verlflow.core.ml import dcpio
 
 
 class CommitFailed(RuntimeError):
@@ -55,7 +38,7 @@ class Committer:
         self._queue: queue.Queue = queue.Queue()
         self._done: dict[str, threading.Event] = {}
         self._written: dict[str, threading.Event] = {}  # its files are all on disk (its commit may still be queued)
-        self._staged: dict[str, tuple] = {}  # role -> (layout, CPU copy of its state dict)
+        self._staged: dict[str, dcpio.CpuCopy] = {}  # role -> CPU copy of its state dict
         self._writes: list[Callable[[], object]] = []  # this stage's writes, handed to its commit
         self.error: BaseException | None = None
         self._failed_stage: str | None = None
@@ -67,21 +50,18 @@ class Committer:
     def save(self, state_dict: dict, checkpoint_id: str, role: str) -> None:
         """Copy `state_dict` into this role's CPU copy now; the next submit()'s commit writes it with DCP first.
 
-        The copy is made with torch's own state-dict helpers (DTensor and ShardedTensor aware) into buffers kept
-        for the pool's life (pinned on CUDA); the write is a plain dcp.save of that copy on the committer's
-        thread and group. (DCP's async_save stager failed on its second call with FSDP2 DTensors on torch 2.11.)"""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-
+        The copy lives in one slab of CPU memory kept for the pool's life (pinned on CUDA; verlflow.core.ml.dcpio.
+        CpuCopy), so even the first save costs one allocation, not a pinned tensor per entry; the write is a
+        multi-threaded dcp.save of that copy on the committer's thread and group. (DCP's async_save stager failed
+        on its second call with FSDP2 DTensors on torch 2.11.)"""
         self.drain()  # earlier writes are done with the CPU copies
-        cuda = torch.cuda.is_available()
-        shape = _layout(state_dict)
-        if self._staged.get(role, (None, None))[0] != shape:
-            self._staged[role] = (shape, _create_cpu_state_dict(state_dict, pin_memory=cuda))
-        staged = _copy_state_dict(state_dict, self._staged[role][1], non_blocking=cuda)
-        if cuda:
-            torch.cuda.synchronize()
-        self._writes.append(lambda: dcp.save(staged, checkpoint_id=checkpoint_id, process_group=self.group))
+        if role in self._staged and not self._staged[role].fits(state_dict):
+            del self._staged[role]  # the old slab is freed before a new one is made
+        if role not in self._staged:
+            self._staged[role] = dcpio.CpuCopy(state_dict, pin=torch.cuda.is_available())
+        cpu = self._staged[role]
+        staged = cpu.copy_from(state_dict)
+        self._writes.append(lambda: dcpio.save(staged, checkpoint_id, process_group=self.group, device=cpu.device))
 
     def submit(self, output: str, name: str, commit: Callable[[], None], where: str) -> None:
         """Queue a stage's commit behind the earlier ones; it runs once the stage's writes are done. `name`
