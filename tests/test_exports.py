@@ -10,6 +10,7 @@ import struct
 
 import pytest
 import torch
+from prefect_server import api
 from reference import clone_stages
 from tinybp import ONE_RANK, tiny_blueprint
 
@@ -110,9 +111,11 @@ def test_export_every_plans_checkpoints_on_those_iterations_and_the_last(tiny_ki
     assert [s.iteration for s in plan(every, "p") if s.stage == "checkpoint"] == [1, 2, 3, 4, 5]
 
 
-def test_export_every_two_of_five_exports_and_promotes_at_2_4_5_only_and_a_rerun_skips_all(tiny_kit, tmp_path):
+def test_export_every_two_of_five_exports_and_promotes_at_2_4_5_only_and_a_rerun_skips_all(prefect_server, tiny_kit,
+                                                                                          tmp_path):
     """After every step, the run's `latest` names the last export so far; only iterations 2, 4 and 5 have a
-    checkpoint stage (an export) in the store; the rerun reuses every stage."""
+    checkpoint stage (an export) in the store. The rerun, as the Prefect flow (its run report has a row per
+    iteration, with the checkpoint's only where there is one), reuses every stage."""
     bp = tiny_blueprint(tiny_kit, tmp_path, *ONE_RANK, iterations=5, storage__export_every=2,
                         resources__warm_workers=True, resources__async_checkpoint=False)
     store = open_store(bp)
@@ -136,6 +139,31 @@ def test_export_every_two_of_five_exports_and_promotes_at_2_4_5_only_and_a_rerun
 
     again = run_pipeline(bp, "e", **QUIET)
     assert len(again) == 2 + 2 * 5 + 3 and all(r.skipped for r in again)
+
+    # The flow's run report over these steps: a row per iteration, its checkpoint's only where there is one, and
+    # the summary names the last export's folder.
+    from prefect import flow
+
+    from verlflow.tasks.report import RunReport
+
+    @flow
+    def report_of_the_run() -> list[dict]:
+        report = RunReport(bp, "e")
+        for step, res in zip(plan(bp, "e"), again):
+            report.step_done(step, res)
+        return report.rows
+
+    state = report_of_the_run(return_state=True)
+    rows = state.result()
+    assert [(r["iteration"], r["reused"], r["checkpoint_s"] is not None) for r in rows] == [
+        (1, "rollout,update", False), (2, "rollout,update,checkpoint", True), (3, "rollout,update", False),
+        (4, "rollout,update,checkpoint", True), (5, "rollout,update,checkpoint", True)]
+    fr = str(state.state_details.flow_run_id)
+    arts = api(prefect_server, "/artifacts/filter", {"artifacts": {"key": {"any_": ["e-summary"]},
+                                                                   "flow_run_id": {"any_": [fr]}}})
+    summary = max(arts, key=lambda a: a["created"])["data"]  # one version per row
+    assert "5 of 5 iterations done" in summary and "Policy of iteration 5 (HF folder), promoted:" in summary
+    assert "runs/e/5/checkpoint/hf" in summary
 
 
 def test_a_warm_pool_exports_in_the_background_and_a_crash_there_commits_and_promotes_nothing(
