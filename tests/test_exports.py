@@ -75,10 +75,9 @@ def test_a_bf16_export_is_bf16_on_disk_loads_and_equals_the_dcp_weights(referenc
     store = open_store(bp)
     clone_stages(open_store(reference.bp), "eq", "b16", EXPORT_INPUTS, dst_store=store)
     res = run_stage(RunContext(bp, "b16", **QUIET), "checkpoint", 1, _export_step(bp, "b16", 1).inputs)
-    assert not res.skipped and res.manifest["metrics"]["export_dtype"] == "bfloat16"
-
     hf = root / "runs/b16/1/checkpoint/hf"
-    assert _header_dtypes(hf / "model.safetensors") == {"BF16"}
+    assert not res.skipped and _header_dtypes(hf / "model.safetensors") == {"BF16"}
+    assert res.manifest["metrics"]["export_dtype"] == "bfloat16"
     config = json.loads((hf / "config.json").read_text())
     assert config["dtype"] == config["torch_dtype"] == "bfloat16"
     assert config["architectures"] == ["Qwen2ForCausalLM"]  # the model folder's own config otherwise
