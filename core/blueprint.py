@@ -274,8 +274,8 @@ class ResourcesSpec(Section):
         "whole pipeline and run each stage in it (no spawn or imports per stage; each stage still commits its own "
         "artifact). A failed stage ends the pool and the next stage starts a fresh one.")
     async_checkpoint: bool = Field(
-        True, description="with warm_workers: the update copies its checkpoint to CPU memory and the pool writes, "
-        "digests and commits it in the background while the next stages run. Commits keep the stages' order (a "
+        True, description="with warm_workers: the update copies its checkpoint (the checkpoint stage its HF export) "
+        "to CPU memory and the pool writes, digests and commits it in the background while the next stages run. Commits keep the stages' order (a "
         "stage is never visible before its inputs); the run ends only when every commit has landed. Needs host "
         "memory for one copy of each rank's checkpoint shard (pinned on CUDA).")
     slurm: SlurmSpec = Field(SlurmSpec(), description="Only for backend: slurm (ignored otherwise).")

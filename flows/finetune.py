@@ -1,6 +1,8 @@
 """The fine-tune flow, as the pipeline diagram:
 
-    validate -> build -> (rollout -> update -> checkpoint) x iterations
+    validate -> build -> (rollout -> update [-> checkpoint]) x iterations
+
+(a checkpoint step, the HF export and its promotion, every storage.export_every iterations and at the last)
 
 The steps are verlflow.core.orchestrate.pipeline's plan, walked by its one loop (the CLI's too); here each step is
 one stage task (tasks/stages.py, hooks in flows/common.py). A stage whose committed manifest matches its key is reused, so
@@ -22,7 +24,8 @@ from verlflow.tasks.report import RunReport
 
 
 @flow(name="finetune", description="PPO/GRPO fine-tune of a blueprint: validate, build, then rollout -> update "
-      "-> checkpoint per iteration. Stages committed with the same key are reused.")
+      "per iteration, an HF export (checkpoint) every storage.export_every and at the last. Stages committed with the "
+      "same key are reused.")
 def finetune(blueprint: Blueprint = Blueprint(), run_id: OptionalText = None, blueprint_file: OptionalText = None,
              from_step: OptionalText = None) -> dict:
     """The run form's fields (Prefect reads their descriptions from here).

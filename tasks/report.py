@@ -10,6 +10,7 @@ from prefect.artifacts import (create_link_artifact, create_markdown_artifact, c
                                create_table_artifact, update_progress_artifact)
 
 from verlflow.core.blueprint import Blueprint
+from verlflow.core.orchestrate.pipeline import exports_at
 from verlflow.core.orchestrate.runner import StageResult, open_store
 from verlflow.core.store.artifacts import ArtifactStore, stage_key
 
@@ -27,15 +28,29 @@ def _job_s(res: StageResult) -> float:
     return round(t.get("stage_s", 0.0) + t.get("launch_to_worker_s", 0.0), 2)
 
 
-def iteration_row(it: int, rollout: StageResult, update: StageResult, checkpoint: StageResult) -> dict:
+def iteration_row(it: int, rollout: StageResult, update: StageResult, checkpoint: StageResult | None) -> dict:
+    """One iteration's metrics; `checkpoint` None: the iteration exports nothing (storage.export_every)."""
     r, u = rollout.manifest["metrics"], update.manifest["metrics"]
     return {"iteration": it, "reward_mean": r.get("reward_mean"), "reward_std": r.get("reward_std"),
             "kl": u.get("kl_loss", u.get("ppo_kl")), "entropy": u.get("entropy"), "clipfrac": u.get("pg_clipfrac"),
             "grad_norm": u.get("grad_norm"), "rollout_tok_s": r.get("tokens_per_s"),
             "update_tok_s": u.get("tokens_per_s"), "rollout_s": _job_s(rollout), "update_s": _job_s(update),
-            "checkpoint_s": _job_s(checkpoint),
+            "checkpoint_s": _job_s(checkpoint) if checkpoint is not None else None,
             "reused": ",".join(n for n, s in (("rollout", rollout), ("update", update), ("checkpoint", checkpoint))
-                               if s.skipped)}
+                               if s is not None and s.skipped)}
+
+
+def _policy_line(store: ArtifactStore, bp: Blueprint, run_id: str, done: int) -> str:
+    exported = [i for i in range(1, done + 1) if exports_at(bp, i)]
+    if not exported:
+        first = next(i for i in range(1, bp.iterations + 1) if exports_at(bp, i))
+        return f"- No policy exported yet: the first export is at iteration {first} (storage.export_every)"
+    it = exported[-1]
+    pointer = store.get_pointer(f"runs/{run_id}/latest") or {}
+    # a checkpoint committing in a warm pool's background is promoted when it lands (the run ends after that)
+    state = "promoted" if pointer.get("iteration") == it else "promoted when its checkpoint's background commit lands"
+    hf = f"{stage_key(run_id, it, 'checkpoint')}/hf"
+    return f"- Policy of iteration {it} (HF folder), {state}: {location(store, hf)}"
 
 
 def link(uri: str) -> str:
@@ -49,15 +64,10 @@ def location(store: ArtifactStore, key: str) -> str:
 
 
 def run_summary(store: ArtifactStore, bp: Blueprint, run_id: str, rows: list[dict]) -> str:
-    """Where the run's promoted policy is (the latest iteration's export) and how far the run got."""
-    it = rows[-1]["iteration"]
-    pointer = store.get_pointer(f"runs/{run_id}/latest") or {}
-    # a checkpoint committing in a warm pool's background is promoted when it lands (the run ends after that)
-    state = "promoted" if pointer.get("iteration") == it else "promoted when its checkpoint's background commit lands"
-    hf = f"{stage_key(run_id, it, 'checkpoint')}/hf"
+    """Where the run's promoted policy is (the latest exported iteration's) and how far the run got."""
     return "\n".join([
         f"### {run_id}: {len(rows)} of {bp.iterations} iterations done", "",
-        f"- Policy of iteration {it} (HF folder), {state}: {location(store, hf)}",
+        _policy_line(store, bp, run_id, rows[-1]["iteration"]),
         f"- Pointer: {link(store.uri(f'pointers/runs/{run_id}/latest.json'))} (the blueprint's: "
         f"{link(store.uri(f'pointers/blueprints/{bp.name}/latest.json'))})",
         f"- Reward mean per iteration: {', '.join(str(r.get('reward_mean')) for r in rows)}"])
@@ -73,11 +83,14 @@ class RunReport:
                                                     description=f"{run_id}: iterations done")
 
     def step_done(self, step, res: StageResult) -> None:
-        """After each pipeline step: the iteration's row once its checkpoint is done."""
+        """After each pipeline step: the iteration's row once its last step (its checkpoint, if it exports) is done."""
+        if step.stage == "rollout":
+            self._done = {}
         self._done[step.stage] = res
-        if step.stage == "checkpoint":
+        last = "checkpoint" if isinstance(step.iteration, int) and exports_at(self.bp, step.iteration) else "update"
+        if step.stage == last:
             d = self._done
-            self.iteration_done(iteration_row(step.iteration, d["rollout"], d["update"], d["checkpoint"]))
+            self.iteration_done(iteration_row(step.iteration, d["rollout"], d["update"], d.get("checkpoint")))
 
     def iteration_done(self, row: dict) -> None:
         self.rows.append(row)

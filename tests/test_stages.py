@@ -110,6 +110,9 @@ def test_warm_pool_gives_the_same_weights_without_a_spawn_per_stage(staged, tmp_
     assert hits[("checkpoint", 1)] == hits[("checkpoint", 2)] == ["policy"]
     assert all("warm_cache_hits" not in r.manifest["metrics"] for r in results)  # fresh jobs: none
     assert (tmp_path / "runs/eq/2/checkpoint/hf/model.safetensors").is_file()
+    for it in (1, 2):  # exported from the pool's memory, written in the background: the fresh jobs' file exactly
+        sha = [r.manifest["files"]["hf/model.safetensors"]["sha256"] for r in (warm[1 + 3 * it], results[1 + 3 * it])]
+        assert sha[0] == sha[1], it
     assert not [p for p in psutil.Process().children(recursive=True) if "verlflow.core.stages" in " ".join(p.cmdline())]
 
 

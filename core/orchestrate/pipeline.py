@@ -1,4 +1,5 @@
-"""The pipeline as data: validate -> build -> (rollout -> update -> checkpoint) x iterations.
+"""The pipeline as data: validate -> build -> (rollout -> update [-> checkpoint]) x iterations, a checkpoint
+step (HF export, promotion) every storage.export_every iterations and at the last.
 
 Inputs are store paths known in advance, so the plan is fixed before anything runs; the CLI and the Prefect
 flow both run it through the one loop here (`run_pipeline`), the flow with its hooks (tasks, slots, its Retry).
@@ -41,6 +42,11 @@ def warm_start_source(bp: Blueprint, run_id: str) -> str | None:
     return pointer["update"] if pointer and pointer["run_id"] != run_id else None
 
 
+def exports_at(bp: Blueprint, iteration: int) -> bool:
+    """Whether the iteration has a checkpoint step (HF export, promotion): every storage.export_every, and the last."""
+    return iteration % bp.storage.export_every == 0 or iteration == bp.iterations
+
+
 def plan(bp: Blueprint, run_id: str, warm_start: str | None = None) -> list[Step]:
     build = stage_key(run_id, "init", "build")
     steps = [Step("validate", "init"), Step("build", "init", {"warm_start": warm_start} if warm_start else {})]
@@ -50,8 +56,9 @@ def plan(bp: Blueprint, run_id: str, warm_start: str | None = None) -> list[Step
         steps += [
             Step("rollout", i, {"build": build, "policy": policy}),
             Step("update", i, {"build": build, "policy": policy, "rollout": rollout}),
-            Step("checkpoint", i, {"build": build, "update": update, "rollout": rollout}),
         ]
+        if exports_at(bp, i):
+            steps.append(Step("checkpoint", i, {"build": build, "update": update, "rollout": rollout}))
         policy = update
     return steps
 
@@ -65,7 +72,9 @@ def parse_from(text: str | None, steps: list[Step]) -> int | None:
     for i, s in enumerate(steps):
         if m and s.stage == m.group(1) and (m.group(2) is None or str(s.iteration) == m.group(2)):
             return i
-    raise BlueprintError(f"--from {text}: no such step; choose one of {', '.join(names)}")
+    why = (" (a checkpoint step exports every storage.export_every iterations and at the last)"
+           if m and m.group(1) == "checkpoint" else "")
+    raise BlueprintError(f"--from {text}: no such step{why}; choose one of {', '.join(names)}")
 
 
 def checked_plan(bp: Blueprint, run_id: str, force_from: str | None,

@@ -42,7 +42,8 @@ SECTIONS = {
     "rollout": ("model", "data", "reward", "rollout", "fsdp.mixed_precision", "seed"),
     "update": ("model", "data", "algorithm", "rollout", "fsdp", "seed", "deterministic"),
     "checkpoint": ("storage",),
-    "monolithic": ("model", "data", "reward", "algorithm", "rollout", "fsdp", "seed", "deterministic", "iterations"),
+    "monolithic": ("model", "data", "reward", "algorithm", "rollout", "fsdp", "seed", "deterministic", "iterations",
+                   "storage.export_dtype"),  # its HF export is written in that dtype
 }
 SINGLE_PROCESS = {"checkpoint"}  # an export needs no process group beyond one rank
 

@@ -1,16 +1,19 @@
 """checkpoint: export the iteration's policy as an HF safetensors folder, then promote it and apply retention.
 
-Inputs: `build` (hf_meta/), `update` (policy/), `rollout` (its metrics rank the checkpoint). Output: hf/.
-Promotion happens after this stage's manifest is committed: `latest` never points at a half-written export.
+Inputs: `build` (hf_meta/), `update` (policy/), `rollout` (its metrics rank the checkpoint). Output: hf/, in
+storage.export_dtype (verlflow.core.ml.export). The pipeline plans it every storage.export_every iterations and at
+the last. Promotion happens after this stage's manifest is committed: `latest` never points at a half-written
+export. In a warm pool with resources.async_checkpoint the stage only makes the export's CPU copy; the pool's
+committer writes it (overlapping the next rollout) before the commit.
 """
 
 import logging
 
-from verlflow.core.ml import checkpoint, model as M
+from verlflow.core.ml import checkpoint, export
 from verlflow.core.stages import modelcache
-from verlflow.core.stages.build import copy_meta
 from verlflow.core.stages.common import StageContext, stage_main
 from verlflow.core.store.promote import promote
+from verlflow.core.testing import faults
 
 log = logging.getLogger("verlflow.checkpoint")
 
@@ -23,19 +26,25 @@ def run(ctx: StageContext) -> dict:
     full = checkpoint.full_state_dict(cached[0]) if cached is not None else None  # collective: every rank
     if not ctx.is_main():  # one rank exports (this stage gets several only in a warm pool)
         return {}
-    with ctx.timed("export_s"):
-        model = M.empty_module(meta_dir, ctx.bp)
-        if full is not None:
-            model.load_state_dict(full)
-        else:
-            checkpoint.load_full(policy_dir, model)
-        model.config.use_cache = True
-        model.save_pretrained(ctx.out / "hf", safe_serialization=True)
-        copy_meta(meta_dir, ctx.out / "hf")
+    dtype = export.export_dtype(ctx.bp, meta_dir)
+    with ctx.timed("export_copy_s"):
+        model = export.export_model(meta_dir, ctx.bp, dtype, full=full, policy_dir=policy_dir)
+    del full
+    background = ctx.background()
+    if background is None:
+        _write(ctx, model, meta_dir, dtype)
+    else:
+        background.add_write(lambda: _write(ctx, model, meta_dir, dtype))
     state = checkpoint.read_state(policy_dir) if cached is None else cached[2]
     rollout = ctx.input_manifest("rollout").metrics
     return {"step": state["step"], "data_cursor": state["data_cursor"], "reward_mean": rollout.get("reward_mean"),
-            "reward_std": rollout.get("reward_std")}
+            "reward_std": rollout.get("reward_std"), "export_dtype": dtype}
+
+
+def _write(ctx: StageContext, model, meta_dir, dtype: str) -> None:
+    faults.kill_point("export", ctx.rank)  # test hook: a crash while the export is written
+    with ctx.timed("export_s"):
+        export.write_export(model, meta_dir, ctx.out / "hf", dtype)
 
 
 def after_commit(ctx: StageContext, manifest: dict) -> None:

@@ -63,6 +63,13 @@ class Committer:
         staged = cpu.copy_from(state_dict)
         self._writes.append(lambda: dcpio.save(staged, checkpoint_id, process_group=self.group, device=cpu.device))
 
+    def add_write(self, write: Callable[[], object]) -> None:
+        """A write of the running stage's own (e.g. an HF export of a CPU copy the stage made): the stage's commit
+        runs it first, on the committer's thread, after the writes save() queued. The committer lets go of `write`
+        once it ran, so what it holds (a model-sized copy) is freed then, not at the next commit."""
+        held = [write]
+        self._writes.append(lambda: held.pop()())
+
     def submit(self, output: str, name: str, commit: Callable[[], None], where: str) -> None:
         """Queue a stage's commit behind the earlier ones; it runs once the stage's writes are done. `name`
         (`update[3]`) tags its log lines; it and `where` (the place it writes) name it in errors."""

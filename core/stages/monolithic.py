@@ -9,7 +9,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from verlflow.core.ml import checkpoint, model as M, ppo
+from verlflow.core.ml import checkpoint, export, model as M, ppo
 from verlflow.core.ml.data import load_prompts, select
 from verlflow.core.ml.optim import apply_hparams
 from verlflow.core.ml.rollout import generate_share, load_batch, save_batch
@@ -49,13 +49,11 @@ def _update(ctx: StageContext, ref, models: ppo.Models, batch: dict, it: int) ->
 
 
 def _export(ctx: StageContext, policy, meta_dir) -> None:
-    """The HF export the checkpoint stage writes, from the weights in memory."""
+    """The HF export the checkpoint stage writes (in storage.export_dtype), from the weights in memory."""
     full = checkpoint.full_state_dict(policy)  # collective: every rank
     if ctx.is_main():
-        export = M.empty_module(meta_dir, ctx.bp)
-        export.load_state_dict(full)
-        export.config.use_cache = True
-        export.save_pretrained(ctx.out / "hf", safe_serialization=True)
+        dtype = export.export_dtype(ctx.bp, meta_dir)
+        export.write_export(export.export_model(meta_dir, ctx.bp, dtype, full=full), meta_dir, ctx.out / "hf", dtype)
     if ctx.world > 1:
         dist.barrier()
 

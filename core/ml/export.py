@@ -1,0 +1,62 @@
+"""The HF safetensors export of a policy (the checkpoint stage, the monolithic stage): in storage.export_dtype, with
+the model folder's own config.json saying the dtype written, from weights in memory or a DCP checkpoint.
+
+torch is imported inside the functions that need it: export_dtype is a fact about the blueprint and a model folder
+that the driver (a space estimate) can ask without it.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+from verlflow.core.errors import InputError
+from verlflow.core.ml.modeldir import model_config
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def export_dtype(bp, model_dir: str | Path) -> str:
+    """storage.export_dtype, `auto` resolved to the model folder's own dtype (its config.json `dtype`, or the older
+    `torch_dtype`: bfloat16 for Qwen2.5 even when trained with fp32 master weights), else model.dtype."""
+    if bp.storage.export_dtype != "auto":
+        return bp.storage.export_dtype
+    config = model_config(Path(model_dir))
+    name = config.get("dtype") or config.get("torch_dtype")
+    if name is None:
+        return bp.model.dtype
+    if name not in DTYPE_NAMES:
+        raise InputError(f"{Path(model_dir) / 'config.json'}: dtype {name!r} cannot be the export's dtype "
+                         f"(storage.export_dtype: auto); set storage.export_dtype to one of {', '.join(DTYPE_NAMES)}.")
+    return name
+
+
+def export_model(meta_dir: Path, bp, dtype: str, *, full: dict | None = None, policy_dir: Path | None = None):
+    """An unsharded CPU model in `dtype` holding the policy's weights, from a full state dict (`full`) or from the
+    DCP checkpoint in `policy_dir` (both cast on the copy into it). A copy of its own: training may go on changing
+    the source while it is written."""
+    import torch
+
+    from verlflow.core.ml import checkpoint, model as M
+
+    # Cast while still on meta, then allocate uninitialised: no full-size model in the training dtype on the way.
+    model = M.materialize(M.build_module(meta_dir, bp, meta=True).to(M.DTYPES[dtype]), "cpu")
+    model.tie_weights()  # to_empty gives each module its own new tensor, untying a shared head
+    with torch.no_grad():
+        if full is not None:
+            model.load_state_dict(full)
+        else:
+            checkpoint.load_full(policy_dir, model)
+    return model
+
+
+def write_export(model, meta_dir: Path, out: Path, dtype: str) -> None:
+    """save_pretrained's weights, the build's meta files (tokenizer, generation config), and the model folder's
+    config.json as it was, saying the dtype written."""
+    model.save_pretrained(out, safe_serialization=True)
+    for f in Path(meta_dir).iterdir():
+        if f.is_file() and f.name != "config.json":
+            shutil.copy2(f, out / f.name)
+    config = model_config(Path(meta_dir))
+    # Both names: transformers 5 reads `dtype`, older readers (transformers 4, vLLM) `torch_dtype`.
+    config.update(dtype=dtype, torch_dtype=dtype)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
