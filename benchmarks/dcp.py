@@ -17,7 +17,8 @@ Per folder, measured in turn (each checkpoint deleted once timed, so one fits at
   new  load             checkpoint.load's: dcpio.load (ParallelReader)
   new  save inline, no fsync  the same with sync_files off: what fsync costs (the stages keep it)
   new  save inline, staged  the alternative: the whole state copied into a fresh CpuCopy slab, then written
-  new  save background  checkpoint.save(background=Committer): the one-slab CPU copy, then the committer's write
+  new  save background  checkpoint.save(background=Committer): the 1st written inline while a thread makes the
+                        one-slab CPU copy; the 2nd copied into it, then written by the committer
 wait_s is the time the stage waits (all of an inline save or a load; a background save's copy to CPU), behind_s
 the background write after it; GB/s = bytes / (wait + behind).
 Before each load the files are dropped from the page cache (posix_fadvise; a no-op on tmpfs) and the model and
@@ -293,6 +294,11 @@ def run_dir(b: Bench, where: str, threads: list[int]) -> None:
             b.save({**at, "op": f"save background {nth}"}, fresh(ck),
                    lambda: checkpoint.save(ck, model, opt, state, background=committer),
                    lambda: (committer.submit(out, "bench", lambda: None, str(ck)), committer.wait(out)))
+            if nth == "1st":  # written inline; the CPU copy for later saves is made meanwhile, which a pipeline
+                t = time.perf_counter()  # hides behind the export, the next rollout and the next update's training
+                committer.cpu_copy(ck.name)
+                say(f"CPU copy for the later background saves ready {time.perf_counter() - t:.1f} s after the "
+                    "1st save returned")
             if nth == "2nd":  # what the pinned slab's asynchronous copies wrote is the state
                 b.load({**at, "op": "load (background ckpt)"}, ck, new_load(at["threads"]))
             remove(ck)

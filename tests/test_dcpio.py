@@ -77,7 +77,8 @@ def small_fs(tmp_path):
 def test_a_writer_thread_that_fails_fails_the_save(tmp_path, small_fs):
     """With 3 writer threads per rank on a filesystem that fills up midway, the save raises (as no space left),
     writes no metadata, and through the committer the background commit says so."""
-    probe(tmp_path, 2, op="fail", ckpt=str(small_fs), out=str(tmp_path / "fail.json"), threads=3)
+    probe(tmp_path, 2, op="fail", ckpt=str(small_fs), roomy=str(tmp_path / "roomy"), out=str(tmp_path / "fail.json"),
+          threads=3)
     report = json.loads((tmp_path / "fail.json").read_text())
     assert report["inline"] == {"type": "CheckpointException", "no_space": True}, report
     assert report["inline_metadata"] is False

