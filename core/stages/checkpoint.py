@@ -9,7 +9,7 @@ import logging
 from verlflow.core.ml import checkpoint, model as M
 from verlflow.core.stages import modelcache
 from verlflow.core.stages.build import copy_meta
-from verlflow.core.stages.common import StageContext, stage_main
+from verlflow.core.stages.common import StageContext, retention_pass, stage_main
 from verlflow.core.store.promote import promote
 
 log = logging.getLogger("verlflow.checkpoint")
@@ -40,6 +40,7 @@ def run(ctx: StageContext) -> dict:
 
 def after_commit(ctx: StageContext, manifest: dict) -> None:
     promote(ctx.store, ctx.bp, ctx.job, manifest)
+    retention_pass(ctx)  # after the pointers moved: what they named before may go now
 
 
 main = stage_main(run, after_commit)

@@ -4,6 +4,8 @@ Unset in real runs: every hook is then one dictionary lookup. Values of VERLFLOW
     nan_loss                   the policy loss becomes NaN (core/ml/ppo.py)
     kill_rank<N>_in_update     rank N SIGKILLs itself after the first optimizer step of `update`
     kill_rank<N>_in_commit     rank N SIGKILLs itself as a warm pool's background commit begins
+    kill_rank0_in_prune        rank 0 SIGKILLs itself in a retention pass, after a pruned manifest is committed
+                               and before that stage's files are deleted (core/store/retention.py)
     hang_in_<stage>            every rank of <stage> sleeps before its work (a hung job, for timeouts/cancel/kill)
     barrier_hang_in_<stage>    rank 0 of <stage> waits in a barrier the other ranks never enter (a hung collective)
 VERLFLOW_FAULT_ONCE=<path>: the fault fires only for the first process that creates <path> (O_EXCL), so the retry
