@@ -9,8 +9,12 @@ Of each kind a run keeps
     - the best by storage.keep_best_metric: the policy of iteration i (its checkpoint and its export) is ranked by
       that metric in rollout[i+1]'s manifest, the rollout that sampled from it (the last one has no rank yet);
       the best among those still holding files is kept,
-    - every stage a pointer (pointers/**.json) names, in full, whatever the pointer is (`latest`, a later `best`).
-The build's other files (hf_meta/, ref/) are never pruned: every kept checkpoint resumes with them.
+    - every update and export a pointer (pointers/**.json) names, whatever the pointer is (`latest`, a later
+      `best`).
+The build's other files (hf_meta/, ref/) are never pruned: every kept checkpoint resumes with them. So a pointer
+naming the build (`latest` does, as the run's origin) holds what it needs of it, and the build's initial policy is
+iteration 0 of the last-N and best rules like any update (with keep_last_checkpoints 1 it goes at update[1], before
+anything is promoted).
 
 A pruned stage keeps its manifest, marked pruned and listing the files still there (so reruns skip it), which is
 committed before any file goes: a crash mid-prune leaves files no manifest lists, which the next pass deletes.
@@ -124,11 +128,15 @@ class RunState:
 def keep_set(state: RunState, kind: str, keep_last: int, metric: str | None, pinned: set[str]) -> set[str]:
     """The stage keys whose unit of `kind` stays."""
     units = state.units(kind)
-    keep = {u.key for u in units[-keep_last:]} | {u.key for u in units if u.key in pinned}
+    keep = {u.key for u in units[-keep_last:]} | {u.key for u in units if u.key in pinned and not _is_build(u)}
     scored = [(s, u.iteration, u.key) for u in units if u.held() and (s := state.score(u.iteration, metric)) is not None]
     if scored:
         keep.add(max(scored)[2])
     return keep
+
+
+def _is_build(unit: Unit) -> bool:
+    return unit.manifest["stage"] == "build"  # named by pointers as the run's origin: see the module's docstring
 
 
 def retain(store: ArtifactStore, bp: Blueprint, run_id: str, *,
