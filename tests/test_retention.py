@@ -99,7 +99,8 @@ def _assert_retained(root, run: str, keep_last: int, pins: tuple[str, ...] = ())
     pointer = store.get_pointer(f"runs/{run}/latest") or {}
     committed = sorted((int(p.parent.parent.name), p.parent.relative_to(root).as_posix())
                        for p in (root / "runs" / run).glob("*/update/manifest.json"))
-    order = [f"runs/{run}/init/build"] + [key for _, key in committed]
+    built = (root / "runs" / run / "init/build/manifest.json").is_file()
+    order = [f"runs/{run}/init/build"] * built + [key for _, key in committed]
     pinned = {pointer["update"]} if pointer else set()
     pinned |= {p for p in pins if p in order}
     on_disk = _checkpoints_with_files(root, run)
