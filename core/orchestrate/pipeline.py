@@ -83,7 +83,8 @@ def steps_that_run(store: ArtifactStore, bp: Blueprint, run_id: str, steps: list
     keys: dict[str, str | None] = {}
     runs = []
     for step, force in zip(steps, forced):
-        inputs = {n: keys[k] if k in keys else (store.read_manifest(k) or {}).get("key") for n, k in step.inputs.items()}
+        inputs = {n: keys[k] if k in keys else (store.read_manifest(k) or {}).get("key")
+                  for n, k in step.inputs.items()}
         key = None if None in inputs.values() else compute_key(step.stage, bp, step.iteration, inputs)
         out = stage_key(run_id, step.iteration, step.stage)
         runs.append(force or key is None or (store.read_manifest(out) or {}).get("key") != key)
@@ -97,7 +98,7 @@ def check_not_pruned(store: ArtifactStore, run_id: str, steps: list[Step], runs:
     for step, run in zip(steps, runs):
         for name, skey in step.inputs.items() if run else ():
             manifest = None if skey in produced else store.read_manifest(skey)
-            gone = retention.needed_pruned(name, manifest) if manifest else []
+            gone = retention.needed_pruned(step.stage, name, manifest) if manifest else []
             if gone:
                 raise PrunedError(f"{step.name} needs {store.uri(skey)} ({', '.join(gone[:2])}"
                                   f"{', ...' if len(gone) > 2 else ''}), which retention pruned "

@@ -62,7 +62,7 @@ class StageContext:
             if folder is not None:
                 return folder
         manifest = self.store.read_manifest(key)  # on every rank: each raises, none waits in the barrier below
-        if manifest is not None and (gone := retention.needed_pruned(name, manifest)):
+        if manifest is not None and (gone := retention.needed_pruned(self.job.stage, name, manifest)):
             raise self.store.pruned_error(key, gone)
         cache = Path(self.job.scratch) / "inputs" / name
         path = None

@@ -534,7 +534,8 @@ class ArtifactStore:
             os.close(fd)  # releases the lock
 
     # ---------- commit protocol
-    def commit(self, stage_key: str, manifest: dict, files: dict[str, dict], *, committed_at: str | None = None) -> dict:
+    def commit(self, stage_key: str, manifest: dict, files: dict[str, dict], *,
+               committed_at: str | None = None) -> dict:
         """Write <stage_key>/manifest.json (after checking every listed file is there), then the index entry.
         `committed_at`: keep an earlier commit's time (retention re-commits a stage it prunes)."""
         safe_key(stage_key)

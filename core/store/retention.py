@@ -38,8 +38,10 @@ EXPORT_DIRS = ("hf/",)
 # Which stage holds which unit, as (kind, folders).
 UNITS = {"build": ("checkpoint", CHECKPOINT_DIRS), "update": ("checkpoint", CHECKPOINT_DIRS),
          "checkpoint": ("export", EXPORT_DIRS)}
-# The inputs a stage reads a training checkpoint from; every other input reads the stage's other files.
+# The inputs a stage reads a training checkpoint from; every other input reads the stage's other files, except
+# that the monolithic stage (all iterations in one job) trains from its `build` input's policy.
 CHECKPOINT_INPUTS = ("policy", "update", "warm_start")
+READS_ALL = ("monolithic",)
 
 
 @dataclass(frozen=True)
@@ -58,15 +60,18 @@ class Unit:
         return sorted(r for r in self.manifest["files"] if r.startswith(self.folders))
 
 
-def needed_pruned(input_name: str, manifest: dict) -> list[str]:
-    """The files a stage reading `manifest`'s stage as input `input_name` needs that retention pruned."""
+def needed_pruned(stage: str, input_name: str, manifest: dict) -> list[str]:
+    """The files that `stage`, reading `manifest`'s stage as its input `input_name`, needs and retention pruned."""
+    pruned = manifest.get("pruned_files", [])
+    if stage in READS_ALL:
+        return list(pruned)
     wants_checkpoint = input_name in CHECKPOINT_INPUTS
-    return [r for r in manifest.get("pruned_files", []) if r.startswith(CHECKPOINT_DIRS) == wants_checkpoint]
+    return [r for r in pruned if r.startswith(CHECKPOINT_DIRS) == wants_checkpoint]
 
 
 def has_checkpoint(manifest: dict | None) -> bool:
     """Whether a committed build or update still holds its training checkpoint."""
-    return manifest is not None and not needed_pruned("policy", manifest)
+    return manifest is not None and not needed_pruned("rollout", "policy", manifest)
 
 
 def pinned_keys(store: ArtifactStore) -> set[str]:
@@ -129,7 +134,8 @@ def keep_set(state: RunState, kind: str, keep_last: int, metric: str | None, pin
     """The stage keys whose unit of `kind` stays."""
     units = state.units(kind)
     keep = {u.key for u in units[-keep_last:]} | {u.key for u in units if u.key in pinned and not _is_build(u)}
-    scored = [(s, u.iteration, u.key) for u in units if u.held() and (s := state.score(u.iteration, metric)) is not None]
+    scores = [(state.score(u.iteration, metric), u.iteration, u.key) for u in units if u.held()]
+    scored = [s for s in scores if s[0] is not None]
     if scored:
         keep.add(max(scored)[2])
     return keep
