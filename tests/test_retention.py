@@ -67,6 +67,16 @@ def test_keep_set_last_n_best_pointers_and_the_builds_reference(tmp_path):
     assert retain(store, _bp(tmp_path, keep_last_checkpoints=2), "r") == []  # idempotent
 
 
+def test_a_rerun_forced_from_an_earlier_step_keeps_its_new_checkpoints(tmp_path):
+    """At head 3 (a rerun forced from rollout[3] has just committed update[3]) the last two are update[2] and the
+    new update[3]; the stale update[4..6], about to be replaced, are no reason to prune them."""
+    store = ArtifactStore(tmp_path)
+    _fake_run(store, {it: 0.1 for it in range(1, 7)})
+    bp = _bp(tmp_path, keep_last_checkpoints=2, keep_best_metric=None)
+    assert retain(store, bp, "r", head=3) == ["runs/r/1/update", "runs/r/init/build"]
+    assert retain(store, bp, "r") == ["runs/r/2/update", "runs/r/3/update", "runs/r/4/update"]  # head: the last
+
+
 def test_an_interrupted_prune_is_finished_by_the_next_pass(tmp_path):
     """The pruned manifest is committed before the files go: a crash right after it leaves the files, which no
     manifest lists any more, and the next pass deletes them."""
@@ -92,18 +102,20 @@ def _checkpoints_with_files(root, run: str) -> set[str]:
     return {p.parent.parent.relative_to(root).as_posix() for p in (root / "runs" / run).glob("*/*/policy/*")}
 
 
-def _assert_retained(root, run: str, keep_last: int, pins: tuple[str, ...] = ()) -> None:
-    """At most the last `keep_last` checkpoints (the build's is iteration 0) hold files, besides those the pointers
-    name; what a pointer names is whole (of the build: hf_meta/ and ref/); every other one is committed pruned."""
+def _assert_retained(root, run: str, keep_last: int, pins: tuple[str, ...] = (), head=None) -> None:
+    """At most the last `keep_last` checkpoints (the build's is iteration 0) up to `head` hold files, besides those
+    the pointers name; what a pointer names is whole (of the build: hf_meta/ and ref/); every other one up to
+    `head` is committed pruned. `head`: the iteration a forced rerun has reached (the later ones are stale)."""
     store = ArtifactStore(root)
     pointer = store.get_pointer(f"runs/{run}/latest") or {}
     committed = sorted((int(p.parent.parent.name), p.parent.relative_to(root).as_posix())
-                       for p in (root / "runs" / run).glob("*/update/manifest.json"))
+                       for p in (root / "runs" / run).glob("*/update/manifest.json")
+                       if not isinstance(head, int) or int(p.parent.parent.name) <= head)
     built = (root / "runs" / run / "init/build/manifest.json").is_file()
     order = [f"runs/{run}/init/build"] * built + [key for _, key in committed]
     pinned = {pointer["update"]} if pointer else set()
     pinned |= {p for p in pins if p in order}
-    on_disk = _checkpoints_with_files(root, run)
+    on_disk = _checkpoints_with_files(root, run) & (set(order) | pinned)
     extra = on_disk - set(order[-keep_last:]) - pinned
     assert not extra, f"checkpoints kept beyond the last {keep_last} and the pinned ones: {sorted(extra)}"
     assert len(on_disk) <= keep_last + len(pinned)
@@ -116,8 +128,14 @@ def _assert_retained(root, run: str, keep_last: int, pins: tuple[str, ...] = ())
         assert {f.split("/")[0] for f in build["files"]} >= {"ref", "hf_meta"}
     for key in set(order) - on_disk:
         assert store.read_manifest(key)["pruned"], key  # still committed: reruns skip it
-    exports = {p.parent.parent.name for p in (root / "runs" / run).glob("*/checkpoint/hf")}
+    exports = {p.parent.parent.name for p in (root / "runs" / run).glob("*/checkpoint/hf")
+               if not isinstance(head, int) or int(p.parent.parent.name) <= head}
     assert len(exports - {str(pointer.get("iteration"))}) <= 2, exports
+
+
+def _reached(step):
+    """The last iteration whose update a forced rerun has committed again, once `step` is done."""
+    return step.iteration - (step.stage == "rollout") if isinstance(step.iteration, int) else None
 
 
 def test_twelve_iterations_keep_two_checkpoints_after_every_stage(tiny_kit, tmp_path, capsys):
@@ -152,6 +170,15 @@ def test_twelve_iterations_keep_two_checkpoints_after_every_stage(tiny_kit, tmp_
     assert "nearest step this run can resume from is rollout[5]" in str(e.value)
     assert "--from 'rollout[5]'" in str(e.value) or "--from rollout[5]" in str(e.value)
     # nothing ran:
+    assert _checkpoints_with_files(root, "t") == {"runs/t/4/update", "runs/t/11/update", "runs/t/12/update"}
+    with pytest.raises(PrunedError, match=r"rollout\[3\] needs .*runs/t/2/update.* resume from is build"):
+        run_pipeline(bp, "t", on_line=lambda line: None, force_from="rollout[3]")  # none kept before it
+
+    # The step the error named: forced from rollout[5], the new update[5] and update[6] are the last two, not the
+    # stale update[11] and update[12] that are about to be replaced (which stay until then).
+    rerun = run_pipeline(bp, "t", on_line=lambda line: None, force_from="rollout[5]",
+                         on_step=lambda s, r: _assert_retained(root, "t", 2, ("runs/t/4/update",), _reached(s)))
+    assert [r.manifest["iteration"] for r in rerun if not r.skipped] == [it for it in range(5, 13) for _ in "ruc"]
     assert _checkpoints_with_files(root, "t") == {"runs/t/4/update", "runs/t/11/update", "runs/t/12/update"}
 
     more = tiny_blueprint(tiny_kit, root, *ONE_RANK, **{**fields, "iterations": 13})

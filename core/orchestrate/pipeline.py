@@ -153,6 +153,7 @@ def run_pipeline(bp: Blueprint, run_id: str, *, on_line: Callable[[str], None] =
                 on_step(step, res)
     # The pools have closed, so every background commit has landed (or warm_pools raised): report the manifests.
     if not _follows(bp.resources):  # a follower node leaves the store to node 0
-        retention.retain(store, bp, run_id)  # also finishes what a crash mid-prune left, if every step was reused
+        # also finishes what a crash mid-prune left, if every step was reused
+        retention.retain(store, bp, run_id, head=bp.iterations)
     return [StageResult(ctx.store.read_manifest(stage_key(run_id, s.iteration, s.stage)), r.skipped, r.seconds)
             if r.pending else r for s, r in zip(steps, results)]

@@ -316,7 +316,7 @@ def _commit_and_after(ctx: StageContext, metrics: dict, t_start: float, after_co
 def retention_pass(ctx: StageContext, manifest: dict | None = None) -> None:
     """Prune what the run no longer keeps, now that this stage is committed (an after_commit: store operations
     only, it may run on a warm pool's committer thread)."""
-    retention.retain(ctx.store, ctx.bp, ctx.job.run_id,
+    retention.retain(ctx.store, ctx.bp, ctx.job.run_id, head=ctx.iteration,
                      between=lambda: faults.kill_point("prune", ctx.rank))  # test hook: a crash mid-prune
 
 

@@ -5,7 +5,9 @@ Two kinds of prunable unit, each a set of folders of one stage:
                 the build (its initial policy, iteration 0)
     export      the HF export (hf/) of a checkpoint stage
 Of each kind a run keeps
-    - the last N by iteration (N: storage.keep_last_checkpoints / storage.keep_last),
+    - the last N by iteration up to the one the run has reached, the `head` (N: storage.keep_last_checkpoints /
+      storage.keep_last), and every one past the head: a rerun forced from an earlier step replaces those one by
+      one, and until then the last N are the new ones, not the stale ones it is about to replace,
     - the best by storage.keep_best_metric: the policy of iteration i (its checkpoint and its export) is ranked by
       that metric in rollout[i+1]'s manifest, the rollout that sampled from it (the last one has no rank yet);
       the best among those still holding files is kept,
@@ -130,10 +132,13 @@ class RunState:
         return [r for r in unit.manifest.get("pruned_files", []) if f"{unit.key}/{r}" in self.files]
 
 
-def keep_set(state: RunState, kind: str, keep_last: int, metric: str | None, pinned: set[str]) -> set[str]:
+def keep_set(state: RunState, kind: str, keep_last: int, metric: str | None, pinned: set[str],
+             head: int | None) -> set[str]:
     """The stage keys whose unit of `kind` stays."""
     units = state.units(kind)
-    keep = {u.key for u in units[-keep_last:]} | {u.key for u in units if u.key in pinned and not _is_build(u)}
+    reached = [u for u in units if head is None or u.iteration <= head]
+    keep = {u.key for u in reached[-keep_last:]} | {u.key for u in units if u not in reached}
+    keep |= {u.key for u in units if u.key in pinned and not _is_build(u)}
     scores = [(state.score(u.iteration, metric), u.iteration, u.key) for u in units if u.held()]
     scored = [s for s in scores if s[0] is not None]
     if scored:
@@ -145,16 +150,16 @@ def _is_build(unit: Unit) -> bool:
     return unit.manifest["stage"] == "build"  # named by pointers as the run's origin: see the module's docstring
 
 
-def retain(store: ArtifactStore, bp: Blueprint, run_id: str, *,
+def retain(store: ArtifactStore, bp: Blueprint, run_id: str, *, head: int | None = None,
            between: Callable[[], None] | None = None) -> list[str]:
     """One retention pass over a run: prune what keep_set does not keep, finish what an interrupted pass left.
-    Returns the stage keys pruned now. `between` runs after each pruned manifest is committed, before its files
-    go (the fault hook of tests)."""
+    Returns the stage keys pruned now. `head`: the iteration the run has reached (None: its last committed one).
+    `between` runs after each pruned manifest is committed, before its files go (the fault hook of tests)."""
     state, pinned = RunState.read(store, run_id), pinned_keys(store)
     storage = bp.storage
     pruned = []
     for kind, keep_last in (("checkpoint", storage.keep_last_checkpoints), ("export", storage.keep_last)):
-        keep = keep_set(state, kind, keep_last, storage.keep_best_metric, pinned)
+        keep = keep_set(state, kind, keep_last, storage.keep_best_metric, pinned, head)
         for unit in state.units(kind):
             if unit.key not in keep and unit.held():
                 unit = _mark(store, unit)
