@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from verlflow.core.blueprint import Blueprint
+from verlflow.core.errors import StoreError
 from verlflow.core.store.artifacts import MANIFEST, ArtifactStore, stage_key
 
 log = logging.getLogger("verlflow.retention")
@@ -109,9 +110,14 @@ class RunState:
         for f in sorted(files):
             parts = f.split("/")  # runs/<run>/<iteration>/<stage>/manifest.json
             if len(parts) == 5 and parts[4] == MANIFEST and parts[3] in (*UNITS, "rollout"):
-                m = store.read_manifest("/".join(parts[:4]))
+                key = "/".join(parts[:4])
+                try:
+                    m = store.read_manifest(key)
+                except StoreError:  # damaged: left alone for `verlflow verify` and its repair to name
+                    log.warning("retention: %s has a damaged manifest; it is neither pruned nor counted", key)
+                    continue
                 if m is not None:
-                    manifests["/".join(parts[:4])] = m
+                    manifests[key] = m
         return cls(run_id, manifests, files)
 
     def units(self, kind: str) -> list[Unit]:
