@@ -77,6 +77,14 @@ def test_a_rerun_forced_from_an_earlier_step_keeps_its_new_checkpoints(tmp_path)
     assert retain(store, bp, "r") == ["runs/r/2/update", "runs/r/3/update", "runs/r/4/update"]  # head: the last
 
 
+def test_an_unreadable_pointer_prunes_nothing(tmp_path):
+    store = ArtifactStore(tmp_path)
+    _fake_run(store, {1: 0.1, 2: 0.2, 3: 0.3})
+    store.put_bytes("pointers/runs/r/latest.json", b'{"update": "runs/r/1/upd')  # cut short
+    assert retain(store, _bp(tmp_path, keep_last_checkpoints=1), "r") == []
+    assert all(_holds_checkpoint(store, f"runs/r/{it}/update") for it in (1, 2, 3))
+
+
 def test_an_interrupted_prune_is_finished_by_the_next_pass(tmp_path):
     """The pruned manifest is committed before the files go: a crash right after it leaves the files, which no
     manifest lists any more, and the next pass deletes them."""

@@ -161,7 +161,12 @@ def retain(store: ArtifactStore, bp: Blueprint, run_id: str, *, head: int | None
     """One retention pass over a run: prune what keep_set does not keep, finish what an interrupted pass left.
     Returns the stage keys pruned now. `head`: the iteration the run has reached (None: its last committed one).
     `between` runs after each pruned manifest is committed, before its files go (the fault hook of tests)."""
-    state, pinned = RunState.read(store, run_id), pinned_keys(store)
+    try:
+        pinned = pinned_keys(store)
+    except StoreError as exc:  # what an unreadable pointer names is unknown: prune nothing rather than guess
+        log.warning("retention: nothing pruned, a pointer cannot be read: %s", exc)
+        return []
+    state = RunState.read(store, run_id)
     storage = bp.storage
     pruned = []
     for kind, keep_last in (("checkpoint", storage.keep_last_checkpoints), ("export", storage.keep_last)):
