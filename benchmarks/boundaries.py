@@ -100,6 +100,8 @@ def main(argv=None) -> int:
         "algorithm.ppo_mini_batch_size": max(1, args.prompts // 4), "algorithm.ppo_micro_batch_size_per_gpu": 8,
         "resources.nproc_per_node": args.nproc, "resources.stage_timeout_s": 1200,
         "model.dtype": "float32",
+        # every pass below restarts from the build's policy (--from rollout[1], monolithic): retention keeps it
+        "storage.keep_last_checkpoints": args.iterations + 1,
     }
     if gpu:
         over.update({"resources.device": "cuda", "fsdp.mixed_precision": "bf16", "rollout.engine": "static",

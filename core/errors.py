@@ -29,6 +29,10 @@ class ChecksumError(StoreError):
     """A committed file does not match the sha256/size its manifest recorded."""
 
 
+class PrunedError(StoreError):
+    """A committed stage's file that retention pruned (verlflow.core.store.retention) is needed."""
+
+
 class NonFiniteError(VerlflowError):
     """A loss or gradient norm became NaN/inf; the stage commits nothing."""
 

@@ -71,7 +71,8 @@ def reference(tiny_kit, tmp_path_factory) -> Reference:
     from verlflow.core.orchestrate.pipeline import run_pipeline
 
     root = tmp_path_factory.mktemp("reference") / "store"
-    bp = tiny_blueprint(tiny_kit, root, iterations=2)
+    # Tests start stages from any of its checkpoints, the build's initial policy too: retention keeps all three.
+    bp = tiny_blueprint(tiny_kit, root, iterations=2, storage__keep_last_checkpoints=3)
     lines = []
     results = run_pipeline(bp, "eq", on_line=lines.append)
     assert len(results) == 2 + 3 * 2, "\n".join(lines[-60:])

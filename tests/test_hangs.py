@@ -60,7 +60,8 @@ def test_twenty_stages_with_background_commits_under_cpu_load(tiny_kit, tmp_path
     stage hangs (a hang would hit the 120 s stage timeout), every stage commits, and the weights equal the
     one-process run's, which equal fresh jobs' (tests/test_stages.py)."""
     bp = tiny_blueprint(tiny_kit, tmp_path, iterations=6, resources__warm_workers=True, resources__nproc_per_node=3,
-                        resources__stage_timeout_s=120, data__batch_size=6, algorithm__ppo_mini_batch_size=3)
+                        resources__stage_timeout_s=120, data__batch_size=6, algorithm__ppo_mini_batch_size=3,
+                        storage__keep_last_checkpoints=7)  # the monolithic run below starts from the build's policy
     assert bp.resources.async_checkpoint
     pending = []
     results = run_pipeline(bp, "load", on_step=lambda step, res: pending.append(res.pending), **QUIET)

@@ -30,6 +30,7 @@ def _port():
 
 
 def _node_bps(kit, store, **kw):
+    kw = {"storage__keep_last_checkpoints": 3, **kw}  # the reshard test reads update[1] after iteration 3
     endpoint = f"127.0.0.1:{_port()}"
     return [tiny_blueprint(kit, store, resources__nnodes=2, resources__nproc_per_node=1,
                            resources__node_rank=rank, resources__rdzv_endpoint=endpoint, **kw) for rank in (0, 1)]
@@ -102,7 +103,7 @@ def test_checkpoints_reshard_between_two_nodes_and_one(two_node_run, tiny_kit, t
 
     store, bps, _, _ = two_node_run
     # 2 nodes -> 1 node: iteration 2 at world size 1 continues from the 2-node update[1].
-    one = tiny_blueprint(tiny_kit, store, resources__nproc_per_node=1, iterations=2)
+    one = tiny_blueprint(tiny_kit, store, resources__nproc_per_node=1, iterations=2, storage__keep_last_checkpoints=3)
     res1 = run_pipeline(one, "mn", **QUIET)
     ran = {(r.manifest["stage"], r.manifest["iteration"]): r for r in res1 if not r.skipped}
     assert set(ran) == {("validate", "init"), ("rollout", 2), ("update", 2), ("checkpoint", 2)}

@@ -1,11 +1,13 @@
-"""Promotion pointers and retention (keep the last k exports and the best one by a metric)."""
+"""Promotion pointers and retention of exports (keep the last k and the best one by a metric; the rest of
+retention: tests/test_retention.py)."""
 
 import json
 
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.job import JobSpec
 from verlflow.core.store.artifacts import ArtifactStore, file_digest
-from verlflow.core.store.promote import promote, prune
+from verlflow.core.store.promote import promote
+from verlflow.core.store.retention import retain as prune
 
 
 def _fake_checkpoint(store: ArtifactStore, tmp_path, run_id: str, it: int, reward: float) -> dict:
@@ -15,6 +17,9 @@ def _fake_checkpoint(store: ArtifactStore, tmp_path, run_id: str, it: int, rewar
     (local / "model.safetensors").write_bytes(b"w" * (10 + it))
     store.upload_dir(local, f"{key}/hf")
     files = {"hf/model.safetensors": file_digest(local / "model.safetensors")}
+    # The policy of iteration `it` is ranked by the rollout that sampled from it, the next one.
+    store.commit(f"runs/{run_id}/{it + 1}/rollout", {"key": f"r{it + 1}", "stage": "rollout",
+                                                     "metrics": {"reward_mean": reward}}, {})
     return store.commit(key, {"key": f"k{it}", "stage": "checkpoint", "metrics": {"reward_mean": reward}}, files)
 
 

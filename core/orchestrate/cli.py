@@ -184,7 +184,8 @@ def _no_such_run(store, run: str) -> VerlflowError:
 
 
 def _stage_state(store, skey: str, sizes: dict | None, checksums: bool) -> tuple[str, list[str]]:
-    """A stage's state for ls/verify: ("committed" | "pruned" | "NOT committed" | "DAMAGED", problems)."""
+    """A stage's state for ls/verify: ("committed" | "pruned" | "partly pruned" | "NOT committed" | "DAMAGED",
+    problems or notes)."""
     from verlflow.core.errors import StoreError
 
     try:
@@ -193,10 +194,16 @@ def _stage_state(store, skey: str, sizes: dict | None, checksums: bool) -> tuple
         return "DAMAGED", ["manifest.json is not valid JSON"]
     if m is None:
         return "NOT committed", []
-    if m.get("pruned"):
-        return "pruned", []
     problems = store.damage(skey, checksums=checksums, sizes=sizes)
-    return ("DAMAGED" if problems else "committed"), problems
+    if problems:
+        return "DAMAGED", problems
+    if not m.get("pruned"):
+        return "committed", []
+    # retention (verlflow.core.store.retention): a build keeps hf_meta/ and ref/; files a crash left get deleted
+    left = [r for r in m["pruned_files"] if sizes is not None and f"{skey}/{r}" in sizes]
+    note = [f"{len(left)} pruned file(s) still to delete (an interrupted prune; the next run's retention "
+            "deletes them)"] if left else []
+    return ("partly pruned" if m["files"] else "pruned"), note
 
 
 def cmd_ls(args) -> int:
@@ -240,9 +247,9 @@ def cmd_verify(args) -> int:
     for it, stage in stages:
         skey, name = f"runs/{args.run}/{it}/{stage}", f"{stage}[{it}]"
         state, problems = _stage_state(store, skey, None, checksums=True)
-        if state == "committed":
+        if state in ("committed", "partly pruned"):
             files += len(store.read_manifest(skey)["files"])
-        if problems:
+        if state == "DAMAGED":
             damaged.append((name, skey))
         print(f"  {name}".ljust(20) + f"{'ok' if state == 'committed' else state:<14}" + "; ".join(problems))
     if damaged:

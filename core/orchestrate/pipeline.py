@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from verlflow.core.blueprint import Blueprint
-from verlflow.core.errors import BlueprintError
+from verlflow.core.errors import BlueprintError, PrunedError
 from verlflow.core.orchestrate.pool import warm_pools
-from verlflow.core.orchestrate.runner import RunContext, StageResult, open_store, run_stage
-from verlflow.core.store.artifacts import stage_key
+from verlflow.core.orchestrate.runner import RunContext, StageResult, _follows, compute_key, open_store, run_stage
+from verlflow.core.store import retention
+from verlflow.core.store.artifacts import ArtifactStore, repair_command, stage_key
 
 
 @dataclass
@@ -84,6 +85,52 @@ def checked_plan(bp: Blueprint, run_id: str, force_from: str | None,
     return steps, parse_from(force_from, steps)
 
 
+def steps_that_run(store: ArtifactStore, bp: Blueprint, run_id: str, steps: list[Step],
+                   forced: list[bool]) -> list[bool]:
+    """Which steps the loop will run rather than reuse: the runner's rule (a committed manifest with the key that
+    compute_key gives is reused) applied to the plan before anything runs. A step that runs commits that key."""
+    keys: dict[str, str | None] = {}
+    runs = []
+    for step, force in zip(steps, forced):
+        inputs = {n: keys[k] if k in keys else (store.read_manifest(k) or {}).get("key")
+                  for n, k in step.inputs.items()}
+        key = None if None in inputs.values() else compute_key(step.stage, bp, step.iteration, inputs)
+        out = stage_key(run_id, step.iteration, step.stage)
+        runs.append(force or key is None or (store.read_manifest(out) or {}).get("key") != key)
+        keys[out] = key
+    return runs
+
+
+def check_not_pruned(store: ArtifactStore, run_id: str, steps: list[Step], runs: list[bool]) -> None:
+    """Refuse, before anything runs, a plan whose running step needs a checkpoint retention pruned."""
+    produced = {stage_key(run_id, s.iteration, s.stage) for s, r in zip(steps, runs) if r}
+    for step, run in zip(steps, runs):
+        for name, skey in step.inputs.items() if run else ():
+            manifest = None if skey in produced else store.read_manifest(skey)
+            gone = retention.needed_pruned(step.stage, name, manifest) if manifest else []
+            if gone:
+                raise PrunedError(f"{step.name} needs {store.uri(skey)} ({', '.join(gone[:2])}"
+                                  f"{', ...' if len(gone) > 2 else ''}), which retention pruned "
+                                  f"(storage.keep_last_checkpoints, keep_best_metric); "
+                                  f"{_resume_hint(store, run_id, skey)}")
+
+
+def _resume_hint(store: ArtifactStore, run_id: str, pruned: str) -> str:
+    """The nearest resumable step: the one after the latest kept checkpoint at or before the pruned one."""
+    _, run, it, _ = pruned.split("/")
+    if run != run_id:
+        return "it belongs to another run, so this one cannot be built again from it; start a new run id."
+    for j in range(int(it) if it.isdigit() else 0, -1, -1):
+        holder = stage_key(run_id, j, "update") if j else stage_key(run_id, "init", "build")
+        if retention.has_checkpoint(store.read_manifest(holder)):
+            step = stage_key(run_id, j + 1, "rollout")
+            break
+    else:
+        step = stage_key(run_id, "init", "build")
+    name = f"{step.split('/')[3]}[{step.split('/')[2]}]"
+    return f"the nearest step this run can resume from is {name}: `{repair_command(step)}`."
+
+
 def run_here(ctx: RunContext, step: Step, force: bool) -> StageResult:
     return run_stage(ctx, step.stage, step.iteration, step.inputs, force=force)
 
@@ -102,15 +149,20 @@ def run_pipeline(bp: Blueprint, run_id: str, *, on_line: Callable[[str], None] =
     """The pipeline, step by step; a stage committed with the same key is reused. Returns each step's result,
     with the manifests that warm pools committed in their background once the pools have closed."""
     steps, first_forced = checked_plan(bp, run_id, force_from, warm_start_source(bp, run_id))
+    forced = [first_forced is not None and i >= first_forced and not hooks.recomputed(s) for i, s in enumerate(steps)]
+    store = open_store(bp)
+    check_not_pruned(store, run_id, steps, steps_that_run(store, bp, run_id, steps, forced))
     results = []
     with warm_pools() as pools, hooks.hold():  # pools: for stages whose blueprint sets resources.warm_workers
-        ctx = RunContext(bp, run_id, on_line=on_line, cancel=cancel, pools=pools)
-        for i, step in enumerate(steps):
-            force = first_forced is not None and i >= first_forced and not hooks.recomputed(step)
+        ctx = RunContext(bp, run_id, on_line=on_line, cancel=cancel, pools=pools, store=store)
+        for step, force in zip(steps, forced):
             res = hooks.run_step(ctx, step, force)
             results.append(res)
             if on_step:
                 on_step(step, res)
     # The pools have closed, so every background commit has landed (or warm_pools raised): report the manifests.
+    if not _follows(bp.resources):  # a follower node leaves the store to node 0
+        # also finishes what a crash mid-prune left, if every step was reused
+        retention.retain(store, bp, run_id, head=bp.iterations)
     return [StageResult(ctx.store.read_manifest(stage_key(run_id, s.iteration, s.stage)), r.skipped, r.seconds)
             if r.pending else r for s, r in zip(steps, results)]

@@ -11,7 +11,7 @@ import logging
 
 from verlflow.core.ml import checkpoint, export
 from verlflow.core.stages import modelcache
-from verlflow.core.stages.common import StageContext, stage_main
+from verlflow.core.stages.common import StageContext, retention_pass, stage_main
 from verlflow.core.store.promote import promote
 from verlflow.core.testing import faults
 
@@ -49,6 +49,7 @@ def _write(ctx: StageContext, model, meta_dir, dtype: str) -> None:
 
 def after_commit(ctx: StageContext, manifest: dict) -> None:
     promote(ctx.store, ctx.bp, ctx.job, manifest)
+    retention_pass(ctx)  # after the pointers moved: what they named before may go now
 
 
 main = stage_main(run, after_commit)

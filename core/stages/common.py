@@ -27,6 +27,7 @@ from verlflow.core.ml.placement import Placement
 from verlflow.core.stages import modelcache
 from verlflow.core.stages import committer as committers
 from verlflow.core.stages.agree import any_rank
+from verlflow.core.store import retention
 from verlflow.core.store.artifacts import ArtifactStore, digest_files
 from verlflow.core.testing import faults
 
@@ -60,6 +61,9 @@ class StageContext:
             self.committer.wait(key, written=folder is not None)
             if folder is not None:
                 return folder
+        manifest = self.store.read_manifest(key)  # on every rank: each raises, none waits in the barrier below
+        if manifest is not None and (gone := retention.needed_pruned(self.job.stage, name, manifest)):
+            raise self.store.pruned_error(key, gone)
         cache = Path(self.job.scratch) / "inputs" / name
         path = None
         if self.local_rank == 0:
@@ -307,6 +311,13 @@ def _commit_and_after(ctx: StageContext, metrics: dict, t_start: float, after_co
         after_commit(ctx, manifest)
     if ctx.world > 1:
         dist.barrier(group=group)
+
+
+def retention_pass(ctx: StageContext, manifest: dict | None = None) -> None:
+    """Prune what the run no longer keeps, now that this stage is committed (an after_commit: store operations
+    only, it may run on a warm pool's committer thread)."""
+    retention.retain(ctx.store, ctx.bp, ctx.job.run_id, head=ctx.iteration,
+                     between=lambda: faults.kill_point("prune", ctx.rank))  # test hook: a crash mid-prune
 
 
 def scratch_dir() -> Path:

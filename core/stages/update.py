@@ -9,7 +9,7 @@ from verlflow.core.ml import checkpoint, model as M, ppo
 from verlflow.core.ml.optim import apply_hparams, make_optimizer
 from verlflow.core.ml.rollout import load_batch
 from verlflow.core.stages import modelcache
-from verlflow.core.stages.common import StageContext, stage_main
+from verlflow.core.stages.common import StageContext, retention_pass, stage_main
 
 log = logging.getLogger("verlflow.update")
 
@@ -97,7 +97,7 @@ def run(ctx: StageContext) -> dict:
             "grad_norm": last["grad_norm"], "tokens_per_s": last["tokens_per_s"]}
 
 
-main = stage_main(run)
+main = stage_main(run, retention_pass)  # the older checkpoints go once this one is committed
 
 if __name__ == "__main__":
     main()

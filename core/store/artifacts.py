@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 import fsspec
 
-from verlflow.core.errors import ChecksumError, StoreError, UnsafeKeyError, VerlflowError
+from verlflow.core.errors import ChecksumError, PrunedError, StoreError, UnsafeKeyError, VerlflowError
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 CHUNK = 1 << 20
@@ -109,6 +109,10 @@ def s3_max_attempts() -> int:
     if n < 1:
         raise StoreError(f"VERLFLOW_S3_MAX_ATTEMPTS={raw!r} is refused; allowed is an integer >= 1 (default 5).")
     return n
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def _index_key(key: str) -> str:
@@ -530,8 +534,10 @@ class ArtifactStore:
             os.close(fd)  # releases the lock
 
     # ---------- commit protocol
-    def commit(self, stage_key: str, manifest: dict, files: dict[str, dict]) -> dict:
-        """Write <stage_key>/manifest.json (after checking every listed file is there), then the index entry."""
+    def commit(self, stage_key: str, manifest: dict, files: dict[str, dict], *,
+               committed_at: str | None = None) -> dict:
+        """Write <stage_key>/manifest.json (after checking every listed file is there), then the index entry.
+        `committed_at`: keep an earlier commit's time (retention re-commits a stage it prunes)."""
         safe_key(stage_key)
         if not isinstance(manifest.get("key"), str):
             raise StoreError(f"The manifest for {self.uri(stage_key)} has no string 'key'; "
@@ -553,7 +559,7 @@ class ArtifactStore:
                                      f"{d['size']} were recorded; upload it again before committing.")
         listed = {rel: {k: d[k] for k in (*DIGESTS, "size", "mtime_ns") if k in d} for rel, d in sorted(files.items())}
         stored = {**manifest, "files": listed, "format": 1, "stage_uri": self.uri(stage_key),
-                  "committed_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+                  "committed_at": committed_at or _now()}
         text = json.dumps(stored, indent=2, sort_keys=True, default=str)
         if self._redact(text) != text:
             raise StoreError(f"Refusing to commit {self.uri(stage_key)}: the manifest contains a credential value; "
@@ -590,14 +596,40 @@ class ArtifactStore:
                 self.rm(index_key)
         self.rm(stage_key)
 
-    def mark_pruned(self, stage_key: str) -> None:
-        """Retention: the manifest is replaced by one listing no files (still committed, so reruns skip the
-        stage), then the data goes."""
+    def mark_pruned(self, stage_key: str, folders: tuple[str, ...] | None = None) -> dict:
+        """Retention (verlflow.core.store.retention): commit the stage's manifest again, marked pruned and listing
+        only the files outside `folders` (all of them: None) and the pruned ones under `pruned_files`. The stage
+        stays committed, so reruns skip it; the caller deletes the pruned files after this returns."""
         manifest = self._committed(stage_key)
+        files = manifest["files"]
+        gone = {r for r in files if folders is None or r.startswith(folders)}
         kept = {k: v for k, v in manifest.items() if k not in ("files", "format", "stage_uri", "committed_at")}
-        self.commit(stage_key, {**kept, "pruned": True, "pruned_files": sorted(manifest["files"])}, {})
-        for rel in manifest["files"]:
-            self.rm(f"{stage_key}/{safe_key(rel)}")
+        kept.update(pruned=True, pruned_files=sorted(gone | set(manifest.get("pruned_files", []))), pruned_at=_now())
+        return self.commit(stage_key, kept, {r: d for r, d in files.items() if r not in gone},
+                           committed_at=manifest["committed_at"])
+
+    def rm_files(self, keys: list[str]) -> None:
+        """Delete these file keys (missing ones are fine), in as few requests as the filesystem allows."""
+        if not keys:
+            return
+        with self._wrap("delete", keys[0]):
+            self._fresh()
+            paths = [self._path(k) for k in keys]
+            try:
+                self.fs.rm(paths)
+            except FileNotFoundError as exc:
+                if type(exc.__cause__).__name__ == "NoSuchBucket":
+                    raise
+                for p in paths:  # one was gone already: the others one by one
+                    if self.fs.exists(p):
+                        self.fs.rm_file(p)
+
+    def pruned_error(self, stage_key: str, rels: list[str]) -> PrunedError:
+        shown = ", ".join(rels[:3]) + (", ..." if len(rels) > 3 else "")
+        return PrunedError(
+            f"{self.uri(stage_key)}: {shown} {'was' if len(rels) == 1 else 'were'} pruned by retention "
+            "(storage.keep_last_checkpoints, keep_last, keep_best_metric); the stage stays committed but its files "
+            "are gone. `verlflow rerun` of this run names the nearest step it can resume from.")
 
     # ---------- verified reads
     def _committed(self, stage_key: str) -> dict:
@@ -618,7 +650,10 @@ class ArtifactStore:
 
     def read_verified(self, stage_key: str, rel: str) -> bytes:
         """Bytes of one committed file, checked against the manifest."""
-        files = self._committed(stage_key)["files"]
+        manifest = self._committed(stage_key)
+        files = manifest["files"]
+        if rel in manifest.get("pruned_files", []):
+            raise self.pruned_error(stage_key, [rel])
         if rel not in files:
             raise StoreError(f"{self.uri(stage_key)} has no file {rel!r}; its manifest lists {sorted(files)}.")
         data = self.get_bytes(f"{stage_key}/{safe_key(rel)}")
@@ -633,7 +668,10 @@ class ArtifactStore:
         $VERLFLOW_CACHE_DIR or ~/.cache/verlflow, then <bucket/prefix>/<stage_key>); files already there with
         the right digest are not downloaded again.
         """
-        files = self._committed(stage_key)["files"]
+        manifest = self._committed(stage_key)
+        files = manifest["files"]
+        if manifest.get("pruned") and not files:
+            raise self.pruned_error(stage_key, manifest["pruned_files"])
         if self.is_local:
             folder = Path(self._path(stage_key))
         else:

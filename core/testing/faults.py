@@ -6,6 +6,8 @@ Unset in real runs: every hook is then one dictionary lookup. Values of VERLFLOW
     kill_rank<N>_in_commit     rank N SIGKILLs itself as a warm pool's background commit begins
     kill_rank<N>_in_export     rank N SIGKILLs itself as it writes the HF export (checkpoint stage; in a warm pool
                                with async_checkpoint, in the background before the commit)
+    kill_rank0_in_prune        rank 0 SIGKILLs itself in a retention pass, after a pruned manifest is committed
+                               and before that stage's files are deleted (core/store/retention.py)
     hang_in_<stage>            every rank of <stage> sleeps before its work (a hung job, for timeouts/cancel/kill)
     barrier_hang_in_<stage>    rank 0 of <stage> waits in a barrier the other ranks never enter (a hung collective)
 VERLFLOW_FAULT_ONCE=<path>: the fault fires only for the first process that creates <path> (O_EXCL), so the retry

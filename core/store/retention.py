@@ -1,0 +1,200 @@
+"""Retention: what a run keeps of its heavy artifacts, decided here and nowhere else.
+
+Two kinds of prunable unit, each a set of folders of one stage:
+    checkpoint  the DCP training checkpoint (policy/ [+ critic/], model and optimizer) of an update stage, and of
+                the build (its initial policy, iteration 0)
+    export      the HF export (hf/) of a checkpoint stage
+Of each kind a run keeps
+    - the last N by iteration up to the one the run has reached, the `head` (N: storage.keep_last_checkpoints /
+      storage.keep_last), and every one past the head: a rerun forced from an earlier step replaces those one by
+      one, and until then the last N are the new ones, not the stale ones it is about to replace,
+    - the best by storage.keep_best_metric: the policy of iteration i (its checkpoint and its export) is ranked by
+      that metric in rollout[i+1]'s manifest, the rollout that sampled from it (the last one has no rank yet);
+      the best among those still holding files is kept,
+    - every update and export a pointer (pointers/**.json) names, whatever the pointer is (`latest`, a later
+      `best`).
+The build's other files (hf_meta/, ref/) are never pruned: every kept checkpoint resumes with them. So a pointer
+naming the build (`latest` does, as the run's origin) holds what it needs of it, and the build's initial policy is
+iteration 0 of the last-N and best rules like any update (with keep_last_checkpoints 1 it goes at update[1], before
+anything is promoted).
+
+A pruned stage keeps its manifest, marked pruned and listing the files still there (so reruns skip it), which is
+committed before any file goes: a crash mid-prune leaves files no manifest lists, which the next pass deletes.
+Passes run after a newer stage committed (update and checkpoint stages' after_commit, and at the end of the
+pipeline), so nothing is pruned for a checkpoint that is not there yet.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from verlflow.core.blueprint import Blueprint
+from verlflow.core.errors import StoreError
+from verlflow.core.store.artifacts import MANIFEST, ArtifactStore, stage_key
+
+log = logging.getLogger("verlflow.retention")
+
+CHECKPOINT_DIRS = ("policy/", "critic/")
+EXPORT_DIRS = ("hf/",)
+# Which stage holds which unit, as (kind, folders).
+UNITS = {"build": ("checkpoint", CHECKPOINT_DIRS), "update": ("checkpoint", CHECKPOINT_DIRS),
+         "checkpoint": ("export", EXPORT_DIRS)}
+# The inputs a stage reads a training checkpoint from; every other input reads the stage's other files, except
+# that the monolithic stage (all iterations in one job) trains from its `build` input's policy.
+CHECKPOINT_INPUTS = ("policy", "update", "warm_start")
+READS_ALL = ("monolithic",)
+
+
+@dataclass(frozen=True)
+class Unit:
+    kind: str  # "checkpoint" | "export"
+    iteration: int  # the build's is 0
+    key: str  # its stage key
+    manifest: dict
+
+    @property
+    def folders(self) -> tuple[str, ...]:
+        return UNITS[self.manifest["stage"]][1]
+
+    def held(self) -> list[str]:
+        """Its files the manifest still lists."""
+        return sorted(r for r in self.manifest["files"] if r.startswith(self.folders))
+
+
+def needed_pruned(stage: str, input_name: str, manifest: dict) -> list[str]:
+    """The files that `stage`, reading `manifest`'s stage as its input `input_name`, needs and retention pruned."""
+    pruned = manifest.get("pruned_files", [])
+    if stage in READS_ALL:
+        return list(pruned)
+    wants_checkpoint = input_name in CHECKPOINT_INPUTS
+    return [r for r in pruned if r.startswith(CHECKPOINT_DIRS) == wants_checkpoint]
+
+
+def has_checkpoint(manifest: dict | None) -> bool:
+    """Whether a committed build or update still holds its training checkpoint."""
+    return manifest is not None and not needed_pruned("rollout", "policy", manifest)
+
+
+def pinned_keys(store: ArtifactStore) -> set[str]:
+    """Every stage key a pointer names, at any depth of its JSON."""
+    found: set[str] = set()
+    for key in store.ls("pointers"):
+        if key.endswith(".json"):
+            _stage_keys_in(store.get_pointer(key.removeprefix("pointers/").removesuffix(".json")), found)
+    return found
+
+
+def _stage_keys_in(value, into: set[str]) -> None:
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list):
+        for v in value:
+            _stage_keys_in(v, into)
+    elif isinstance(value, str) and value.startswith("runs/") and value.count("/") == 3:
+        into.add(value)
+
+
+@dataclass
+class RunState:
+    """One listing of a run: its committed manifests by stage key and every file key it holds."""
+    run_id: str
+    manifests: dict[str, dict]
+    files: set[str]
+
+    @classmethod
+    def read(cls, store: ArtifactStore, run_id: str) -> "RunState":
+        files = set(store.ls(f"runs/{run_id}"))
+        manifests = {}
+        for f in sorted(files):
+            parts = f.split("/")  # runs/<run>/<iteration>/<stage>/manifest.json
+            if len(parts) == 5 and parts[4] == MANIFEST and parts[3] in (*UNITS, "rollout"):
+                key = "/".join(parts[:4])
+                try:
+                    m = store.read_manifest(key)
+                except StoreError:  # damaged: left alone for `verlflow verify` and its repair to name
+                    log.warning("retention: %s has a damaged manifest; it is neither pruned nor counted", key)
+                    continue
+                if m is not None:
+                    manifests[key] = m
+        return cls(run_id, manifests, files)
+
+    def units(self, kind: str) -> list[Unit]:
+        out = []
+        for key, m in self.manifests.items():
+            it = key.split("/")[2]
+            if UNITS.get(m.get("stage"), ("",))[0] == kind:
+                out.append(Unit(kind, int(it) if it.isdigit() else 0, key, m))
+        return sorted(out, key=lambda u: u.iteration)
+
+    def score(self, iteration: int, metric: str | None):
+        """The rank of the policy of `iteration`: `metric` in the manifest of the rollout that sampled from it."""
+        rollout = self.manifests.get(stage_key(self.run_id, iteration + 1, "rollout"))
+        return None if not metric or rollout is None else rollout.get("metrics", {}).get(metric)
+
+    def leftovers(self, unit: Unit) -> list[str]:
+        """Files an interrupted prune left: pruned in the manifest, still in the store."""
+        return [r for r in unit.manifest.get("pruned_files", []) if f"{unit.key}/{r}" in self.files]
+
+
+def keep_set(state: RunState, kind: str, keep_last: int, metric: str | None, pinned: set[str],
+             head: int | None) -> set[str]:
+    """The stage keys whose unit of `kind` stays."""
+    units = state.units(kind)
+    reached = [u for u in units if head is None or u.iteration <= head]
+    keep = {u.key for u in reached[-keep_last:]} | {u.key for u in units if u not in reached}
+    keep |= {u.key for u in units if u.key in pinned and not _is_build(u)}
+    scores = [(state.score(u.iteration, metric), u.iteration, u.key) for u in units if u.held()]
+    scored = [s for s in scores if s[0] is not None]
+    if scored:
+        keep.add(max(scored)[2])
+    return keep
+
+
+def _is_build(unit: Unit) -> bool:
+    return unit.manifest["stage"] == "build"  # named by pointers as the run's origin: see the module's docstring
+
+
+def retain(store: ArtifactStore, bp: Blueprint, run_id: str, *, head: int | None = None,
+           between: Callable[[], None] | None = None) -> list[str]:
+    """One retention pass over a run: prune what keep_set does not keep, finish what an interrupted pass left.
+    Returns the stage keys pruned now. `head`: the iteration the run has reached (None: its last committed one).
+    `between` runs after each pruned manifest is committed, before its files go (the fault hook of tests)."""
+    try:
+        pinned = pinned_keys(store)
+    except StoreError as exc:  # what an unreadable pointer names is unknown: prune nothing rather than guess
+        log.warning("retention: nothing pruned, a pointer cannot be read: %s", exc)
+        return []
+    state = RunState.read(store, run_id)
+    storage = bp.storage
+    pruned = []
+    for kind, keep_last in (("checkpoint", storage.keep_last_checkpoints), ("export", storage.keep_last)):
+        keep = keep_set(state, kind, keep_last, storage.keep_best_metric, pinned, head)
+        for unit in state.units(kind):
+            if unit.key not in keep and unit.held():
+                unit = _mark(store, unit)
+                pruned.append(unit.key)
+                if between is not None:
+                    between()
+            _delete(store, unit, state.leftovers(unit))
+    return sorted(pruned)
+
+
+def _mark(store: ArtifactStore, unit: Unit) -> Unit:
+    manifest = store.mark_pruned(unit.key, unit.folders)
+    log.info("retention: pruned the %s of %s", unit.kind, unit.key)
+    return Unit(unit.kind, unit.iteration, unit.key, manifest)
+
+
+def _delete(store: ArtifactStore, unit: Unit, rels: Iterable[str]) -> None:
+    """Remove pruned files: whole folders where the manifest lists nothing under them any more."""
+    rels = sorted(rels)
+    if not rels:
+        return
+    listed = unit.manifest["files"]
+    folders = {r.split("/", 1)[0] for r in rels if "/" in r}
+    whole = {f for f in folders if not any(k.startswith(f + "/") for k in listed)}
+    for f in sorted(whole):
+        store.rm(f"{unit.key}/{f}")
+    store.rm_files([f"{unit.key}/{r}" for r in rels if r.split("/", 1)[0] not in whole])
