@@ -82,7 +82,7 @@ def run(ctx: StageContext) -> dict:
     with ctx.timed("load_s"):
         models, state = _models(ctx, build / "hf_meta")
     with ctx.timed("old_logp_s"):
-        old_logp = ppo.score_all(models.policy.model, batch, bp, at)
+        old_logp = ppo.old_logprobs(models.policy.model, batch, bp, at)
         values = None if models.critic is None else ppo.score_all(models.critic.model, batch, bp, at, critic=True)
     data, adv_metrics = ppo.prepare(bp, batch, old_logp, ref_logp, values, iteration=it)
     with ctx.timed("train_s"):
