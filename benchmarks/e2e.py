@@ -1,9 +1,13 @@
 """End-to-end benchmark: GRPO iterations of the GPU blueprint's shape through the real pipeline (run_pipeline, as
 `verlflow run` does, warm workers), on a random-weight model of the Qwen2.5-1.5B shape and a local prompt set.
 
-    python benchmarks/e2e.py --store /dev/shm/e2e --configs baseline            # GPU, 1 H200 (~6.5 min)
-    python benchmarks/e2e.py --store /dev/shm/e2e --configs rollout_logprobs    # same store: the build is reused
+    python benchmarks/e2e.py --root /tmp/e2e --store /dev/shm/e2e --configs baseline --keep --json b.json
+    python benchmarks/e2e.py --root /tmp/e2e --store /dev/shm/e2e --configs rollout_logprobs --keep --json r.json
     python benchmarks/e2e.py --smoke                                            # CPU, tiny kit (the test suite)
+
+On one H200 each GPU command is one config (~5-8 min: a 10-minute limit per command holds one, not two); the same
+--root and --store make the second reuse the first's kit, build and inductor cache. The store holds the build
+(26.6 GB at 1.5B today) plus per iteration the update's checkpoint and the HF export.
 
 The blueprint is blueprints/gpu-qwen2.5-1.5b.yaml itself (its update, rollout, fsdp and storage settings), on
 1 GPU, with the model, data, store and reward pointed at the local kit: 256 prompts x 5 samples = 1,280 samples of
@@ -76,8 +80,8 @@ def overrides(args, kit: dict, store: Path, config: str) -> list[str]:
     over = {"model.path": kit["model_dir"], "data.train_files": json.dumps([kit["train_file"]]),
             "storage.uri": str(store), "reward.function": "tiny_digits", "iterations": args.iterations,
             "resources.nproc_per_node": args.gpus, "resources.stage_timeout_s": 1800}
-    if args.prompts:
-        over["data.batch_size"] = args.prompts
+    if args.prompts:  # the blueprint's 4 mini-batches per iteration
+        over.update({"data.batch_size": args.prompts, "algorithm.ppo_mini_batch_size": max(1, args.prompts // 4)})
     if args.new_tokens:
         over["rollout.max_new_tokens"] = args.new_tokens
     if args.smoke:  # the tiny kit on CPU: eager, fp32, small batches (the pipeline and the report are the subject)
@@ -148,9 +152,10 @@ def run_config(args, kit: dict, store: Path, config: str) -> dict:
 def stage_row(res) -> dict:
     t = res.manifest.get("timings", {})
     row = {"wall_s": round(res.seconds, 3), **{k: v for k, v in t.items() if isinstance(v, (int, float))}}
-    hits = res.manifest.get("metrics", {}).get("warm_cache_hits")
-    if hits is not None:
-        row["warm_cache_hits"] = hits
+    metrics = res.manifest.get("metrics", {})
+    for k in ("warm_cache_hits", "ref_source"):  # whether models came from a warm pool's memory
+        if k in metrics:
+            row[k] = metrics[k]
     return row
 
 
@@ -205,7 +210,8 @@ def main(argv=None) -> int:
                     "Reused as it is: an earlier run's build there is reused")
     ap.add_argument("--root", type=Path, help="kit, inductor cache and default store (default: a new temp folder)")
     ap.add_argument("--gpus", type=int, default=1)
-    ap.add_argument("--prompts", type=int, help="data.batch_size (default: the blueprint's 256)")
+    ap.add_argument("--prompts", type=int, help="data.batch_size (default: the blueprint's 256; a multiple of 32, for "
+                    "its 4 mini-batches of micro-batches of 8)")
     ap.add_argument("--new-tokens", type=int, help="rollout.max_new_tokens (default: the blueprint's 1,024)")
     ap.add_argument("--set", action="append", default=[], help="more blueprint overrides, a.b=value (every config)")
     ap.add_argument("--fresh-inductor-cache", action="store_true", help="a cold inductor cache for every config")
@@ -225,11 +231,12 @@ def main(argv=None) -> int:
     root = args.root or Path(tempfile.mkdtemp(prefix="verlflow-e2e-"))
     root.mkdir(parents=True, exist_ok=True)
     store = args.store or root / "store"
-    kit_dir = root / "kit"
-    kit = json.loads((kit_dir / "e2e-kit.json").read_text()) if (kit_dir / "e2e-kit.json").exists() else None
+    shape = "tiny" if args.smoke else "1.5b"
+    made = root / shape / "e2e-kit.json"  # a rerun with the same --root reuses the kit (and so the build)
+    kit = json.loads(made.read_text()) if made.exists() else None
     if kit is None:
-        kit = make_kit(root, "tiny" if args.smoke else "1.5b")
-        (kit_dir / "e2e-kit.json").write_text(json.dumps({k: kit[k] for k in ("model_dir", "train_file")}))
+        kit = make_kit(root / shape, shape)
+        made.write_text(json.dumps({k: kit[k] for k in ("model_dir", "train_file")}))
     say(f"root {root}, store {store}, kit {kit['model_dir']}")
     os.environ.setdefault("VERLFLOW_ALLOW_UNTESTED_VERSIONS", "1")  # the GPU image's transformers is newer than verl's range
     res = {"blueprint": str(BLUEPRINT.relative_to(ROOT)), "iterations": args.iterations, "smoke": args.smoke,
