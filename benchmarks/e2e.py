@@ -146,7 +146,17 @@ def run_config(args, kit: dict, store: Path, config: str) -> dict:
     out["first"], out["steady"] = summary(out["iterations"][:1]), summary(out["iterations"][1:])
     if out["steady"]:
         out["first_over_steady"] = round(out["first"]["wall_s"] / out["steady"]["wall_s"], 3)
+        out["first_extra_s"] = first_extra(out["first"], out["steady"])
     return out
+
+
+def first_extra(first: dict, steady: dict) -> dict:
+    """Where the first iteration's fixed costs go: each stage timing's first-iteration excess over the steady
+    state, largest first (engine set-up, loads from disk, compile warm-up inside train_s...)."""
+    extra = {f"{s}.{k}": round(v - steady["stages"][s].get(k, 0.0), 3)
+             for s in ITER_STAGES for k, v in first["stages"][s].items()
+             if k not in ("stage_s", "background_s", "launch_to_worker_s", "pool_start_s")}
+    return dict(sorted(extra.items(), key=lambda kv: -kv[1]))
 
 
 def stage_row(res) -> dict:
@@ -197,7 +207,8 @@ def table(res: dict) -> str:
                 cells += [f"{st['wall_s']:.1f}"] + [f"{st[k]:.1f}" if k in st else "-" for k in _SHOWN[s]]
             lines.append("| " + " | ".join(cells) + " |")
     foot = [f"{c['config']}: first/steady {c.get('first_over_steady', '-')}, build {c['setup']['build']['wall_s']:.1f} s, "
-            f"store after {len(c['iterations'])} iterations {c['store_bytes_end'] / 1e9:.2f} GB"
+            f"store after {len(c['iterations'])} iterations {c['store_bytes_end'] / 1e9:.2f} GB; first iteration's "
+            "extra s: " + ", ".join(f"{k} {v:.1f}" for k, v in list(c.get("first_extra_s", {}).items())[:6])
             for c in res["configs"].values()]
     return "\n".join(lines + [""] + foot)
 

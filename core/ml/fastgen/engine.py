@@ -23,6 +23,11 @@ log = logging.getLogger("verlflow.fastgen")
 # ----------------------------------------------------------------------------------------------- engine
 
 
+def _sampled_logp(logits: torch.Tensor, nxt: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 log_softmax(logits / temperature) of the sampled tokens (one fused pass when compiled)."""
+    return chosen_logprobs(logits.float() / temperature, nxt)
+
+
 def _on_cuda(device) -> bool:
     return torch.device(device).type == "cuda"
 
@@ -105,7 +110,7 @@ class FastGen:
 
     def _set_fns(self, compiled: bool):
         fns = dict(layer=_decode_layer, pre=_pre_attn, post=_post_attn, logits=_logits, sample=sample_logits,
-                   cands=_cands_from_stats, pick=_pick, prefill=_prefill_layer)
+                   cands=_cands_from_stats, pick=_pick, prefill=_prefill_layer, logp=_sampled_logp)
         if compiled:  # the prefill sees a new (rows, width) per micro-batch: one dynamic-shape compile
             fns = {k: torch.compile(f, dynamic=(k == "prefill"), fullgraph=k not in ("sample",))
                    for k, f in fns.items()}
@@ -241,7 +246,7 @@ class FastGen:
     def _advance(self, nxt: torch.Tensor, logits: torch.Tensor, cfg: SamplingConfig):
         """Emit the sampled tokens (pad_id for finished rows) with their log-probs under the sampling logits
         (the rollout's old log-probs: one more pass over the vocabulary per step, small against the step)."""
-        logp = chosen_logprobs(logits.float() / sampling_temperature(cfg.temperature), nxt)
+        logp = self._fn["logp"](logits, nxt, sampling_temperature(cfg.temperature))
         nxt = torch.where(self.unfinished, nxt, self.pad_id)
         self.out.index_copy_(1, self.col, nxt.unsqueeze(1))
         self.out_logp.index_copy_(1, self.col, logp.unsqueeze(1))
