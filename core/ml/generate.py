@@ -53,6 +53,15 @@ def response_lengths(responses: torch.Tensor, eos_ids: set[int]) -> torch.Tensor
     return first
 
 
+# Sampling knobs a model's own generation_config.json may set (Qwen2.5-Instruct: repetition_penalty, top_k, top_p,
+# temperature) and HF generate would apply under the blueprint's: switched off, so the rollout section alone says
+# what is sampled, as in the static engine, and the log-probs the update computes are those of the sampler.
+NEUTRAL_SAMPLING = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+                    "min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None,
+                    "min_length": 0, "min_new_tokens": None, "bad_words_ids": None, "suppress_tokens": None,
+                    "begin_suppress_tokens": None, "sequence_bias": None, "exponential_decay_length_penalty": None}
+
+
 def sampling_temperature(temperature: float) -> float:
     """The temperature the sampling logits are divided by; greedy (0) scores at 1, as the update's forward does."""
     return temperature if temperature > 0 else 1.0
@@ -103,7 +112,7 @@ def sample(model, tok, prompts: list[list[int]], cfg: RolloutSpec, device: torch
     model.eval()
     record = logprobs is not None and cfg.top_p >= 1.0 and not cfg.top_k
     gen_kw = dict(max_new_tokens=cfg.max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=sorted(eos_ids(tok)),
-                  use_cache=True)
+                  use_cache=True, **NEUTRAL_SAMPLING)
     if cfg.temperature > 0:  # a recorded sampler's temperature is the recorder's (HF then adds no warper of its own)
         gen_kw.update(do_sample=True, temperature=1.0 if record else cfg.temperature, top_p=cfg.top_p,
                       top_k=cfg.top_k or None)
