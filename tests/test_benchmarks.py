@@ -79,6 +79,7 @@ def test_e2e_benchmark_smoke(tmp_path):
             assert {"ref_s", "old_logp_s", "train_s", "save_s"} <= set(it["stages"]["update"])
             assert {"generate_s", "engine_setup_s"} <= set(it["stages"]["rollout"])
             assert it["store_bytes"] > 0
+        assert its[0]["pool_start_s"] == 0  # the warm pool started in validate (it runs again per config)
         assert c["first"]["iterations"] == [1] and c["steady"]["iterations"] == [2]
         assert c["first"]["wall_s"] == its[0]["wall_s"] and c["steady"]["tokens"] == its[1]["tokens"]
         assert c["first_over_steady"] == pytest.approx(its[0]["wall_s"] / its[1]["wall_s"], rel=0.01)
