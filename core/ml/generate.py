@@ -91,7 +91,7 @@ class _TemperatureRecorder:
 
     def take(self, chosen: torch.Tensor) -> None:
         if self.prev is not None:
-            self.steps.append(chosen_logprobs(self.prev, chosen.to(self.prev.device)).cpu())
+            self.steps.append(chosen_logprobs(self.prev, chosen.to(self.prev.device)))  # on the device: no sync
             self.prev = None
 
     def result(self, last: torch.Tensor) -> torch.Tensor:
@@ -146,10 +146,11 @@ def in_micro_batches(generate, tok, prompts: list[list[int]], cfg: RolloutSpec, 
         torch.manual_seed(seed + start)  # a micro-batch's samples do not depend on the ones before it
         resp, logp = generate(ids, mask)
         resp = resp.cpu()
+        logp = logp.float().cpu() if logp is not None else None
         for i, (row, n) in enumerate(zip(resp, response_lengths(resp, ends).tolist())):
             out.append(row[:n].tolist())
             if logprobs is not None and logp is not None:
-                logprobs.append(logp[i, :n].float().cpu().tolist())
+                logprobs.append(logp[i, :n].tolist())
             n_tok += n
         if progress:
             dt = time.perf_counter() - t0
