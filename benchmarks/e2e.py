@@ -257,6 +257,10 @@ def main(argv=None) -> int:
     if kit is None:
         kit = make_kit(root / shape, shape)
         made.write_text(json.dumps({k: kit[k] for k in ("model_dir", "train_file")}))
+        import torch
+
+        if torch.cuda.is_available():  # the random model was made on the GPU: give its memory back to the stages
+            torch.cuda.empty_cache()
     say(f"root {root}, store {store}, kit {kit['model_dir']}")
     os.environ.setdefault("VERLFLOW_ALLOW_UNTESTED_VERSIONS", "1")  # the GPU image's transformers is newer than verl's range
     res = {"blueprint": str(BLUEPRINT.relative_to(ROOT)), "iterations": args.iterations, "smoke": args.smoke,
