@@ -400,6 +400,18 @@ class Blueprint(Section):
             raise ValueError("; ".join(problems))
         return self
 
+    @model_validator(mode="after")
+    def _rollout_logprobs_are_old_logprobs(self):
+        """The rollout's log-probs are log_softmax(logits / temperature) of the sampled token, the quantity the
+        update recomputes; top-k / top-p sample from a truncated distribution whose log-probs are not that."""
+        r = self.rollout
+        if self.algorithm.old_logprobs == "rollout" and (r.top_p < 1.0 or r.top_k > 0):
+            raise ValueError(
+                f"algorithm.old_logprobs=rollout needs untruncated sampling, got rollout.top_p={r.top_p} and "
+                f"rollout.top_k={r.top_k}: set rollout.top_p=1.0 and rollout.top_k=0, or "
+                "algorithm.old_logprobs=recompute")
+        return self
+
     # -- hashing: a stage key depends on the sections it reads, not on the whole file ---------------
     def section_hash(self, *names: str) -> str:
         """Hash of the named sections or single fields ("algorithm.adv_estimator")."""

@@ -73,3 +73,47 @@ def test_dcp_benchmark_smoke(tmp_path):
     assert all(r["files"] == r["threads"] + 1 for r in rows if r["op"].startswith("save background 2"))
     assert abs(new["bytes"] - old["bytes"]) < 0.01 * old["bytes"] and all(r["gb_per_s"] > 0 for r in rows)
     assert [list(d.iterdir()) for d in dirs] == [[], []]  # every checkpoint deleted
+
+
+def test_e2e_benchmark_smoke(tmp_path):
+    """benchmarks/e2e.py on CPU: two configs through the real pipeline (warm pool), one report whose numbers agree
+    with the committed artifacts and with each other."""
+    from safetensors.torch import load_file
+
+    out, store = tmp_path / "e.json", tmp_path / "store"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/e2e.py"), "--smoke", "--root", str(tmp_path),
+                           "--store", str(store), "--keep", "--json", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| config | iteration | wall s | tokens | tok/s/GPU | store GB |" in proc.stdout
+    res = json.loads(out.read_text())
+    assert list(res["configs"]) == ["baseline", "rollout_logprobs"]
+    for name, c in res["configs"].items():
+        its = c["iterations"]
+        assert [it["iteration"] for it in its] == [1, 2]
+        for it in its:
+            # tokens are the committed batch's non-pad prompt + response tokens (the last config's batch is on disk)
+            if name == "rollout_logprobs":
+                t = load_file(str(store / f"runs/e2e/{it['iteration']}/rollout/batch.safetensors"))
+                assert it["tokens"] == int(t["prompt_mask"].sum() + t["response_mask"].sum())
+                assert it["response_tokens"] == int(t["response_mask"].sum()) > 0
+            assert it["samples"] == c["samples_per_iteration"] == 8
+            assert it["tokens"] == it["prompt_tokens"] + it["response_tokens"]
+            assert it["tok_per_s_per_gpu"] == pytest.approx(it["tokens"] / it["wall_s"] / c["gpus"], rel=0.01)
+            stage_sum = sum(it["stages"][s]["wall_s"] for s in ("rollout", "update", "checkpoint"))
+            assert stage_sum <= it["wall_s"] + it["pool_start_s"] + 0.05  # the stages run inside the iteration
+            assert {"ref_s", "old_logp_s", "train_s", "save_s"} <= set(it["stages"]["update"])
+            assert {"generate_s", "engine_setup_s"} <= set(it["stages"]["rollout"])
+            assert it["store_bytes"] > 0
+        assert its[0]["pool_start_s"] == 0  # the warm pool started in validate (it runs again per config)
+        assert c["first"]["iterations"] == [1] and c["steady"]["iterations"] == [2]
+        assert c["first"]["wall_s"] == its[0]["wall_s"] and c["steady"]["tokens"] == its[1]["tokens"]
+        assert c["first_over_steady"] == pytest.approx(its[0]["wall_s"] / its[1]["wall_s"], rel=0.01)
+        up = [it["stages"]["update"] for it in its]
+        assert c["first_extra_s"]["update.train_s"] == pytest.approx(up[0]["train_s"] - up[1]["train_s"], abs=1e-3)
+        assert c["store_bytes_end"] > 0
+        assert its[1]["stages"]["update"]["warm_cache_hits"] == ["policy", "ref"]  # steady state: from memory
+        # iteration 1 starts from the build's policy, whose weights the reference has: no reference to read
+        assert [it["stages"]["update"]["ref_source"] for it in its] == ["policy", "cache"]
+    assert res["configs"]["rollout_logprobs"]["setup"]["build"]["wall_s"] < 0.5 * \
+        res["configs"]["baseline"]["setup"]["build"]["wall_s"] + 0.5  # the second config reuses the build

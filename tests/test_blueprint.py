@@ -69,6 +69,18 @@ def test_gpu_blueprint_rejects_a_world_it_does_not_fit():
     assert "must divide across 3 ranks" in msg
 
 
+@pytest.mark.parametrize("sampling", [["rollout.top_p=0.9"], ["rollout.top_k=20"]])
+def test_rollout_old_logprobs_refuse_truncated_sampling(sampling):
+    """The rollout's log-probs are log_softmax(logits / T): not what top-p / top-k sampling drew from."""
+    with pytest.raises(BlueprintError) as e:
+        load_blueprint(None, ["algorithm.old_logprobs=rollout", *sampling])
+    msg = str(e.value)
+    assert "algorithm.old_logprobs=rollout" in msg and "rollout.top_p" in msg and "rollout.top_k" in msg
+    assert "algorithm.old_logprobs=recompute" in msg  # the fix
+    assert load_blueprint(None, sampling).algorithm.old_logprobs == "recompute"  # recompute: any sampling
+    assert load_blueprint(None, ["algorithm.old_logprobs=rollout"]).rollout.top_p == 1.0
+
+
 def test_tiny_blueprint_resolves_paths_against_its_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # not the repository
     bp = load_blueprint(TINY)

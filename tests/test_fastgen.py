@@ -276,3 +276,38 @@ def test_benchmark_smoke_prints_the_table():
     r = res["tiny"]
     assert r["ours_sampled"]["tokens"] > 0 and r["hf_sampled"]["tokens"] > 0
     assert r["greedy_agreement_vs_hf"]["rows_identical"] == 1.0  # fp32 on CPU: exact
+
+
+@pytest.mark.parametrize("engine", ["hf", "static"])
+def test_rollout_logprobs_equal_the_updates_recomputed_ones(tiny_kit, tmp_path, engine):
+    """fp32 on CPU: the log-probs a rollout saves with its batch (the sampling logits over the temperature, of the
+    chosen tokens) are the update's recomputed old log-probs, and algorithm.old_logprobs=rollout takes them."""
+    from tinybp import tiny_blueprint
+    from transformers import AutoTokenizer
+
+    from verlflow.core.ml import model as M, ppo
+    from verlflow.core.ml.data import load_prompts
+    from verlflow.core.ml.rollout import generate_share, load_batch, save_batch
+
+    bp = tiny_blueprint(tiny_kit, tmp_path, rollout__engine=engine, rollout__temperature=0.7, rollout__n=2,
+                        rollout__max_new_tokens=24, rollout__micro_batch_size=3, resources__nproc_per_node=1)
+    tok = AutoTokenizer.from_pretrained(tiny_kit["model_dir"])
+    model = M.build_module(tiny_kit["model_dir"], bp).eval()
+    with torch.no_grad():  # a random model rarely says EOS: make it likelier, so responses are ragged
+        model.lm_head.weight[tok.eos_token_id] *= 6
+    # A model's own sampling settings (Qwen2.5-Instruct ships some) do not apply: the rollout section says it all.
+    model.generation_config.repetition_penalty, model.generation_config.top_k = 1.3, 5
+    data = load_prompts(bp.data.train_files, bp.data.prompt_key)
+    at = Placement(0, 1, torch.device("cpu"))
+    samples = generate_share(model, tok, bp, data.take(list(range(bp.data.batch_size))), 1, at)
+    save_batch(samples, tmp_path, tok.pad_token_id, bp.rollout.max_new_tokens)
+    batch = load_batch(tmp_path)
+    mask = batch["response_mask"].bool()
+    assert 0 < mask.sum(1).min() < mask.shape[1]  # ragged: some responses ended at EOS
+    want = ppo.score_all(model, batch, bp, at)
+    got = batch["rollout_logp"]
+    assert got.dtype == torch.float32 and (got[~mask] == 0).all()
+    torch.testing.assert_close(got[mask], want[mask], atol=2e-5, rtol=1e-5)
+    rollout_bp = tiny_blueprint(tiny_kit, tmp_path, algorithm__old_logprobs="rollout", resources__nproc_per_node=1)
+    assert torch.equal(ppo.old_logprobs(model, batch, rollout_bp, at), got)
+    assert torch.equal(ppo.old_logprobs(model, batch, bp, at), want)  # recompute, the default

@@ -116,6 +116,27 @@ def test_warm_pool_gives_the_same_weights_without_a_spawn_per_stage(staged, tmp_
     assert not [p for p in psutil.Process().children(recursive=True) if "verlflow.core.stages" in " ".join(p.cmdline())]
 
 
+def test_rollout_old_logprobs_give_the_recomputed_update(reference, tmp_path):
+    """algorithm.old_logprobs=rollout (fp32, 2 ranks): update[1] from the log-probs its rollout saved has the
+    losses and weights of the reference's update[1], which recomputed them with the FSDP policy."""
+    from verlflow.core.blueprint import load_blueprint
+
+    bp, root = reference.copy(tmp_path)
+    rb = load_blueprint(None, ["algorithm.old_logprobs=rollout", "iterations=1"], data=bp.model_dump(mode="json"))
+    results = {r.manifest["stage"]: r for r in run_pipeline(rb, reference.run_id, **QUIET)}
+    assert results["rollout"].skipped and not results["update"].skipped  # the reference's batch, a new update
+    got, want = full_weights(root, "eq/1/update", rb), full_weights(reference.root, "eq/1/update", reference.bp)
+    moved = full_weights(reference.root, "eq/init/build", reference.bp)
+    for k in want:  # Adam moves a weight by ~lr = 3e-3 a step (tiny gradients too): agreed to 1/300 of a step
+        torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=0)
+    assert any(not torch.equal(want[k], moved[k]) for k in want)  # the update did move the weights
+    new, old = results["update"].manifest["metrics"], reference.results[3].manifest["metrics"]
+    assert len(new["mini_batches"]) == len(old["mini_batches"]) == 2
+    for a, b in zip(new["mini_batches"], old["mini_batches"]):
+        for k in ("pg_loss", "kl_loss", "entropy", "grad_norm"):
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
+
+
 def test_rerun_reuses_and_resumes_at_another_world_size(staged_copy):
     """Same run id, one more iteration, 1 rank: the 2-rank stages are reused, the checkpoint reshards."""
     bp, store, _ = staged_copy

@@ -53,23 +53,79 @@ def response_lengths(responses: torch.Tensor, eos_ids: set[int]) -> torch.Tensor
     return first
 
 
+# Sampling knobs a model's own generation_config.json may set (Qwen2.5-Instruct: repetition_penalty, top_k, top_p,
+# temperature) and HF generate would apply under the blueprint's: switched off, so the rollout section alone says
+# what is sampled, as in the static engine, and the log-probs the update computes are those of the sampler.
+NEUTRAL_SAMPLING = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+                    "min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None,
+                    "min_length": 0, "min_new_tokens": None, "bad_words_ids": None, "suppress_tokens": None,
+                    "begin_suppress_tokens": None, "sequence_bias": None, "exponential_decay_length_penalty": None}
+
+
+def sampling_temperature(temperature: float) -> float:
+    """The temperature the sampling logits are divided by; greedy (0) scores at 1, as the update's forward does."""
+    return temperature if temperature > 0 else 1.0
+
+
+def chosen_logprobs(scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """fp32 log_softmax(scores)[chosen] per row: scores (B, V) already divided by the temperature."""
+    x = scores.float()
+    return x.gather(1, chosen.view(-1, 1)).squeeze(1) - torch.logsumexp(x, dim=-1)
+
+
+class _TemperatureRecorder:
+    """HF's temperature warper, as a logits processor that also keeps each step's scaled scores until the next
+    step's input shows the token chosen from them. It is the only warper of an untruncated sampler (top_p=1,
+    top_k=0), so where HF puts it in its list does not matter (transformers 5 runs custom processors before its
+    own warpers)."""
+
+    def __init__(self, temperature: float):
+        self.temperature = sampling_temperature(temperature)
+        self.prev: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.take(input_ids[:, -1])
+        self.prev = scores / self.temperature
+        return self.prev
+
+    def take(self, chosen: torch.Tensor) -> None:
+        if self.prev is not None:
+            self.steps.append(chosen_logprobs(self.prev, chosen.to(self.prev.device)))  # on the device: no sync
+            self.prev = None
+
+    def result(self, last: torch.Tensor) -> torch.Tensor:
+        """(B, steps) log-probs, once generate returned with `last`, its final tokens."""
+        self.take(last)
+        return torch.stack(self.steps, dim=1)
+
+
 @torch.no_grad()
 def sample(model, tok, prompts: list[list[int]], cfg: RolloutSpec, device: torch.device, seed: int,
-           progress=None, timings: dict | None = None) -> list[list[int]]:
+           progress=None, timings: dict | None = None, logprobs: list | None = None) -> list[list[int]]:
     """Responses (without padding, EOS kept) for each prompt, in micro-batches of cfg.micro_batch_size.
-    `timings["setup_s"]` is where an engine adds its set-up time; HF generate has none to add."""
+    `timings["setup_s"]` is where an engine adds its set-up time; HF generate has none to add. `logprobs`: a list
+    that gets each response's fp32 per-token log-probs under the sampling logits (log_softmax(logits / T) of the
+    chosen token) when sampling is untruncated (top_p=1, top_k=0); else it stays empty."""
+    from transformers import LogitsProcessorList
+
     model.eval()
+    record = logprobs is not None and cfg.top_p >= 1.0 and not cfg.top_k
     gen_kw = dict(max_new_tokens=cfg.max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=sorted(eos_ids(tok)),
-                  use_cache=True)
-    if cfg.temperature > 0:
-        gen_kw.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or None)
+                  use_cache=True, **NEUTRAL_SAMPLING)
+    if cfg.temperature > 0:  # a recorded sampler's temperature is the recorder's (HF then adds no warper of its own)
+        gen_kw.update(do_sample=True, temperature=1.0 if record else cfg.temperature, top_p=cfg.top_p,
+                      top_k=cfg.top_k or None)
     else:
         gen_kw.update(do_sample=False)
-    def generate(ids, mask):
-        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **gen_kw)
-        return gen[:, ids.shape[1]:]
 
-    return in_micro_batches(generate, tok, prompts, cfg, seed, progress)
+    def generate(ids, mask):
+        rec = _TemperatureRecorder(cfg.temperature) if record else None
+        extra = {"logits_processor": LogitsProcessorList([rec])} if rec is not None else {}
+        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **gen_kw, **extra)[:, ids.shape[1]:]
+        return gen, (rec.result(gen[:, -1]) if rec is not None else None)
+
+    return in_micro_batches(generate, tok, prompts, cfg, seed, progress, logprobs if record else None)
 
 
 def eos_ids(tok) -> set[int]:
@@ -79,18 +135,22 @@ def eos_ids(tok) -> set[int]:
 
 
 def in_micro_batches(generate, tok, prompts: list[list[int]], cfg: RolloutSpec, seed: int,
-                     progress=None) -> list[list[int]]:
-    """Left-pad each micro-batch of cfg.micro_batch_size, call `generate(ids, mask) -> responses`, cut each row
-    after its EOS."""
+                     progress=None, logprobs: list | None = None) -> list[list[int]]:
+    """Left-pad each micro-batch of cfg.micro_batch_size, call `generate(ids, mask) -> (responses, log-probs or
+    None)`, cut each row after its EOS; each row's log-probs, cut alike, go to `logprobs` when it is a list."""
     out: list[list[int]] = []
     t0, n_tok = time.perf_counter(), 0
     ends = eos_ids(tok)
     for start in range(0, len(prompts), cfg.micro_batch_size):
         ids, mask = left_pad(prompts[start:start + cfg.micro_batch_size], tok.pad_token_id)
         torch.manual_seed(seed + start)  # a micro-batch's samples do not depend on the ones before it
-        resp = generate(ids, mask).cpu()
-        for row, n in zip(resp, response_lengths(resp, ends).tolist()):
+        resp, logp = generate(ids, mask)
+        resp = resp.cpu()
+        logp = logp.float().cpu() if logp is not None else None
+        for i, (row, n) in enumerate(zip(resp, response_lengths(resp, ends).tolist())):
             out.append(row[:n].tolist())
+            if logprobs is not None and logp is not None:
+                logprobs.append(logp[i, :n].tolist())
             n_tok += n
         if progress:
             dt = time.perf_counter() - t0

@@ -162,6 +162,18 @@ def score_all(model, batch: dict, bp: Blueprint, at: Placement, critic: bool = F
     return torch.cat(full).cpu()
 
 
+def old_logprobs(policy, batch: dict, bp: Blueprint, at: Placement) -> torch.Tensor:
+    """The PPO ratio's old log-probs: the rollout's own (algorithm.old_logprobs=rollout: the sampling logits' fp32
+    log-probs; the policy the rollout sampled from is the one the update starts from) or a forward pass of the
+    policy."""
+    if bp.algorithm.old_logprobs == "recompute":
+        return score_all(policy, batch, bp, at)
+    if "rollout_logp" not in batch:
+        raise ValueError("algorithm.old_logprobs=rollout: the rollout batch has no rollout_logp (an older verlflow "
+                         "made it); rerun its rollout or set algorithm.old_logprobs=recompute")
+    return batch["rollout_logp"] * batch["response_mask"]
+
+
 def advantages(bp: Blueprint, batch: dict, old_logp, ref_logp, values=None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Token-level rewards (score on the last response token, minus KL when in reward) -> verl estimator."""
     from verl.trainer.config import AlgoConfig

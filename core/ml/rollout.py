@@ -1,6 +1,7 @@
 """One iteration's rollout: this rank's share of prompts x n samples, generated and scored.
 
-The batch is stored as safetensors (no pickle): prompts left-padded, responses right-padded to max_new_tokens.
+The batch is stored as safetensors (no pickle): prompts left-padded, responses right-padded to max_new_tokens, and
+`rollout_logp`, each response token's fp32 log-prob under the sampling logits (algorithm.old_logprobs=rollout).
 """
 
 import hashlib
@@ -37,19 +38,23 @@ def generate_share(model, tok, bp: Blueprint, prompts: Prompts, iteration: int, 
     if bp.rollout.engine == "static":
         from verlflow.core.ml.fastgen import sample as sampler
     timings = {"setup_s": 0.0}  # the engine's own set-up (build, compile, graph capture), filled by the sampler
+    logprobs: list[list[float]] = []  # always taken (cheap): algorithm.old_logprobs=rollout reads them
     t0 = time.perf_counter()
     responses = sampler(model, tok, enc, bp.rollout, at.device, sample_seed(bp, iteration) + mine.start, progress,
-                        timings=timings)
+                        timings=timings, logprobs=logprobs)
+    if len(logprobs) != len(responses):  # a sampler that could not take them (HF generate with top_p/top_k)
+        logprobs = [None] * len(responses)
     setup_s = timings["setup_s"]
     gen_s = time.perf_counter() - t0 - setup_s  # generation only: tokens_per_s must not pay for the set-up
     reward = load_reward(bp.reward.function, bp.reward.module)
     out = []
-    for j, p, ids, resp in zip(mine, p_idx, enc, responses):
+    for j, p, ids, resp, logp in zip(mine, p_idx, enc, responses, logprobs):
         text = tok.decode(resp, skip_special_tokens=True)
         score = float(reward(prompts.data_source[p], text, prompts.ground_truth[p], prompts.extra_info[p]))
         if not math.isfinite(score):
             raise ValueError(f"reward.function={bp.reward.function} returned {score} for sample {j}")
         out.append({"sample": j, "group": p, "row": prompts.rows[p], "prompt_ids": ids, "response_ids": resp,
+                    "logprobs": logp,
                     "response": text, "ground_truth": prompts.ground_truth[p], "score": score, "gen_s": gen_s,
                     "setup_s": setup_s})
     return out
@@ -60,15 +65,20 @@ def save_batch(samples: list[dict], folder: Path, pad_id: int, max_new_tokens: i
     prompts, prompt_mask = left_pad([s["prompt_ids"] for s in samples], pad_id)
     responses = torch.full((len(samples), max_new_tokens), pad_id, dtype=torch.long)
     response_mask = torch.zeros_like(responses)
+    rollout_logp = torch.zeros(responses.shape, dtype=torch.float32)  # the sampler's, 0 on padding
     for i, s in enumerate(samples):
         r = s["response_ids"]
         responses[i, :len(r)] = torch.tensor(r, dtype=torch.long)
         response_mask[i, :len(r)] = 1
+        if s["logprobs"] is not None:
+            rollout_logp[i, :len(r)] = torch.tensor(s["logprobs"], dtype=torch.float32)
     tensors = {
         "prompts": prompts, "prompt_mask": prompt_mask, "responses": responses, "response_mask": response_mask,
         "scores": torch.tensor([s["score"] for s in samples], dtype=torch.float32),
         "group": torch.tensor([s["group"] for s in samples], dtype=torch.long),
     }
+    if all(s["logprobs"] is not None for s in samples):
+        tensors["rollout_logp"] = rollout_logp
     save_file(tensors, str(folder / "batch.safetensors"))
     pq.write_table(pa.table({k: [s[k] for s in samples] for k in ("sample", "group", "row", "response",
                                                                  "ground_truth", "score")}),

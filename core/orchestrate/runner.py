@@ -41,7 +41,9 @@ SECTIONS = {
     "build": ("model", "fsdp", "algorithm.adv_estimator", "seed", "deterministic"),
     "rollout": ("model", "data", "reward", "rollout", "fsdp.mixed_precision", "seed"),
     "update": ("model", "data", "algorithm", "rollout", "fsdp", "seed", "deterministic"),
-    "checkpoint": ("storage",),
+    # Only what the export's bytes depend on: a changed retention or cadence field must not re-export (and so
+    # reach for update checkpoints retention has pruned).
+    "checkpoint": ("storage.export_dtype",),
     "monolithic": ("model", "data", "reward", "algorithm", "rollout", "fsdp", "seed", "deterministic", "iterations",
                    "storage.export_dtype"),  # its HF export is written in that dtype
 }

@@ -42,7 +42,7 @@ def _as_batch(ctx: StageContext, samples: list[dict], tok, it: int) -> tuple[dic
 def _update(ctx: StageContext, ref, models: ppo.Models, batch: dict, it: int) -> list[dict]:
     bp, at = ctx.bp, ctx.placement
     ref_logp = ppo.score_all(ref, batch, bp, at)
-    old_logp = ppo.score_all(models.policy.model, batch, bp, at)
+    old_logp = ppo.old_logprobs(models.policy.model, batch, bp, at)
     values = None if models.critic is None else ppo.score_all(models.critic.model, batch, bp, at, critic=True)
     data, _ = ppo.prepare(bp, batch, old_logp, ref_logp, values, iteration=it)
     return ppo.train(bp, models, data, at)

@@ -34,14 +34,35 @@ def load_trainee(ctx: StageContext, meta_dir, prev, role: str) -> ppo.Trainee:
     return ppo.Trainee(model, opt)
 
 
-def _ref_logp(ctx: StageContext, build, batch: dict):
-    """Log-probs under the frozen reference (kept in a warm pool's memory across iterations)."""
-    ref = modelcache.get("ref", ctx.identity("build"))
-    if ref is None:
-        ref = sharded(ctx, build / "hf_meta")
-        checkpoint.load(build / "ref", ref)
-        modelcache.put("ref", ctx.identity("build"), ref)
-    return ppo.score_all(ref, batch, ctx.bp, ctx.placement)
+def _ref_logp(ctx: StageContext, build, batch: dict, policy, policy_logp) -> tuple:
+    """Log-probs under the frozen reference, and where the reference came from: a warm pool's memory ("cache"),
+    the build's checkpoint, or the policy itself ("policy"). An update that starts from the build's policy is
+    scored by it: the build wrote its policy and its reference from the same weights (the model folder, or the
+    warm start), so their log-probs are one (`policy_logp` when the policy was scored, else scored now), and a warm
+    pool keeps a copy of the policy's weights as the reference for later updates instead of reading it back."""
+    key = ctx.identity("build")
+    ref = modelcache.get("ref", key)
+    if ref is not None:
+        return ppo.score_all(ref, batch, ctx.bp, ctx.placement), "cache"
+    if ctx.job.inputs["policy"] == ctx.job.inputs["build"]:
+        if modelcache.enabled():
+            modelcache.put("ref", key, _frozen_copy(ctx, build / "hf_meta", policy))
+        if policy_logp is None:
+            policy_logp = ppo.score_all(policy, batch, ctx.bp, ctx.placement)
+        return policy_logp, "policy"
+    ref = sharded(ctx, build / "hf_meta")
+    checkpoint.load(build / "ref", ref)
+    modelcache.put("ref", key, ref)
+    return ppo.score_all(ref, batch, ctx.bp, ctx.placement), "checkpoint"
+
+
+def _frozen_copy(ctx: StageContext, meta_dir, policy):
+    """A sharded model holding the policy's current weights (shard to shard: no gather, no file)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    ref = sharded(ctx, meta_dir)
+    set_model_state_dict(ref, get_model_state_dict(policy))
+    return ref
 
 
 def _models(ctx: StageContext, meta_dir) -> tuple[ppo.Models, dict]:
@@ -77,13 +98,14 @@ def run(ctx: StageContext) -> dict:
     bp, it, at = ctx.bp, ctx.iteration, ctx.placement
     build = ctx.input("build")
     batch = load_batch(ctx.input("rollout"))
-    with ctx.timed("ref_s"):
-        ref_logp = _ref_logp(ctx, build, batch)
     with ctx.timed("load_s"):
         models, state = _models(ctx, build / "hf_meta")
     with ctx.timed("old_logp_s"):
-        old_logp = ppo.score_all(models.policy.model, batch, bp, at)
+        old_logp = ppo.old_logprobs(models.policy.model, batch, bp, at)
         values = None if models.critic is None else ppo.score_all(models.critic.model, batch, bp, at, critic=True)
+    with ctx.timed("ref_s"):
+        scored = old_logp if bp.algorithm.old_logprobs == "recompute" else None
+        ref_logp, ref_source = _ref_logp(ctx, build, batch, models.policy.model, scored)
     data, adv_metrics = ppo.prepare(bp, batch, old_logp, ref_logp, values, iteration=it)
     with ctx.timed("train_s"):
         history = ppo.train(bp, models, data, at, progress=log.info if ctx.is_main() else None)
@@ -92,7 +114,7 @@ def run(ctx: StageContext) -> dict:
     with ctx.timed("save_s"):
         _save(ctx, models, new_state)
     last = history[-1]
-    return {**adv_metrics, "step": models.step, "mini_batches": history, "pg_loss": last["pg_loss"],
+    return {**adv_metrics, "step": models.step, "ref_source": ref_source, "mini_batches": history, "pg_loss": last["pg_loss"],
             "kl_loss": last["kl_loss"], "entropy": last["entropy"], "pg_clipfrac": last["pg_clipfrac"],
             "grad_norm": last["grad_norm"], "tokens_per_s": last["tokens_per_s"]}
 

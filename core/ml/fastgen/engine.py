@@ -16,10 +16,16 @@ from verlflow.core.ml.fastgen.kernels import (HAVE_TRITON, _cands_from_stats, _p
                                     sample_logits_triton)
 from verlflow.core.ml.fastgen.layers import _decode_layer, _logits, _post_attn, _pre_attn, _prefill_layer, _Weights
 from verlflow.core.ml.fastgen.sampling import SamplingConfig, _Stats, sample_logits
+from verlflow.core.ml.generate import chosen_logprobs, sampling_temperature
 
 log = logging.getLogger("verlflow.fastgen")
 
 # ----------------------------------------------------------------------------------------------- engine
+
+
+def _sampled_logp(logits: torch.Tensor, nxt: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 log_softmax(logits / temperature) of the sampled tokens (one fused pass when compiled)."""
+    return chosen_logprobs(logits.float() / temperature, nxt)
 
 
 def _on_cuda(device) -> bool:
@@ -86,6 +92,8 @@ class FastGen:
         self.col = torch.zeros(1, dtype=torch.long, device=dev)
         self.unfinished = torch.ones(self.B, dtype=torch.bool, device=dev)
         self.out = torch.zeros(self.B, self.max_new, dtype=torch.long, device=dev)
+        self.out_logp = torch.zeros(self.B, self.max_new, dtype=torch.float32, device=dev)  # of the chosen tokens
+        self.last_logprobs: torch.Tensor | None = None
         self.eos = torch.zeros(1, dtype=torch.long, device=dev)
         self.pad_id = torch.zeros((), dtype=torch.long, device=dev)
         self._eos_key: tuple | None = None
@@ -102,7 +110,7 @@ class FastGen:
 
     def _set_fns(self, compiled: bool):
         fns = dict(layer=_decode_layer, pre=_pre_attn, post=_post_attn, logits=_logits, sample=sample_logits,
-                   cands=_cands_from_stats, pick=_pick, prefill=_prefill_layer)
+                   cands=_cands_from_stats, pick=_pick, prefill=_prefill_layer, logp=_sampled_logp)
         if compiled:  # the prefill sees a new (rows, width) per micro-batch: one dynamic-shape compile
             fns = {k: torch.compile(f, dynamic=(k == "prefill"), fullgraph=k not in ("sample",))
                    for k, f in fns.items()}
@@ -227,7 +235,7 @@ class FastGen:
                                 L["wdown"], L["bdown"], self.kc[i], self.vc[i], self.slot, cos, sin, bias,
                                 w.eps, w.nh, w.nkv, w.hd, w.scaling, kv_len, self.attn)
         logits = fn["logits"](x, w.norm_w, w.lm_w, w.norm_eps)
-        self._advance(self._sample(logits, cfg))
+        self._advance(self._sample(logits, cfg), logits, cfg)
 
     def _sample(self, logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         u = None if cfg.greedy else torch.rand(logits.shape[0], cfg.candidates(), 2, device=logits.device)
@@ -235,9 +243,13 @@ class FastGen:
             return sample_logits_triton(logits, cfg, u, self._fn["cands"], self._fn["pick"])
         return self._fn["sample"](logits, cfg, u)
 
-    def _advance(self, nxt: torch.Tensor):
+    def _advance(self, nxt: torch.Tensor, logits: torch.Tensor, cfg: SamplingConfig):
+        """Emit the sampled tokens (pad_id for finished rows) with their log-probs under the sampling logits
+        (the rollout's old log-probs: one more pass over the vocabulary per step, small against the step)."""
+        logp = self._fn["logp"](logits, nxt, sampling_temperature(cfg.temperature))
         nxt = torch.where(self.unfinished, nxt, self.pad_id)
         self.out.index_copy_(1, self.col, nxt.unsqueeze(1))
+        self.out_logp.index_copy_(1, self.col, logp.unsqueeze(1))
         self.unfinished &= ~(nxt.unsqueeze(1) == self.eos.unsqueeze(0)).any(1)
         self.tok.copy_(nxt)
         self.pos += 1
@@ -380,15 +392,17 @@ class FastGen:
         for c in (self.kc + self.vc):
             c[:, :, P:].zero_()  # slots past the prompt: no stale non-finite values under a zero weight
         h = self._prefill(ids, pad)
-        first = self._sample(_logits(h, self.w.norm_w, self.w.lm_w, self.w.norm_eps), cfg)
+        first_logits = _logits(h, self.w.norm_w, self.w.lm_w, self.w.norm_eps)
+        first = self._sample(first_logits, cfg)
         self.out.fill_(int(pad_id))
+        self.out_logp.zero_()
         self.pad_off.copy_(pad)
         self.pos.copy_(P - pad - 1)  # _advance moves these to the first generated token's position / slot
         self.slot.fill_(P - 1)
         self.col.zero_()
         self.unfinished.fill_(True)
         self.unfinished[b:] = False
-        self._advance(first)
+        self._advance(first, first_logits, cfg)
         sync()
         t2 = time.perf_counter()
         steps = 1
@@ -405,6 +419,7 @@ class FastGen:
         t3 = time.perf_counter()
         self.last_stats = {"setup_s": t1 - t0, "prefill_s": t2 - t1, "decode_s": t3 - t2, "steps": steps,
                            "decode_ms_per_step": 1e3 * (t3 - t2) / max(steps - 1, 1), "batch": b, "prompt": P}
+        self.last_logprobs = self.out_logp[:b].clone()
         return self.out[:b].clone()
 
 
@@ -427,11 +442,12 @@ def engine_for(model, batch_size: int, max_prompt_len: int, max_new_tokens: int)
 
 @torch.no_grad()
 def sample(model, tok, prompts: list[list[int]], cfg, device, seed: int, progress=None,
-           timings: dict | None = None) -> list[list[int]]:
+           timings: dict | None = None, logprobs: list | None = None) -> list[list[int]]:
     """Same contract as ``verlflow.core.ml.generate.sample`` (responses without padding, EOS kept), on the static engine.
 
     cfg: a RolloutSpec (temperature, top_p, top_k, max_new_tokens, micro_batch_size). top_k=0 means off.
-    The engine's set-up (building it, compiling, capturing graphs) is added to ``timings["setup_s"]``."""
+    The engine's set-up (building it, compiling, capturing graphs) is added to ``timings["setup_s"]``;
+    ``logprobs`` (a list) gets each response's fp32 log-probs under the sampling logits, as from HF's path."""
     from verlflow.core.ml.generate import eos_ids as end_ids, in_micro_batches
 
     model.eval()
@@ -446,9 +462,9 @@ def sample(model, tok, prompts: list[list[int]], cfg, device, seed: int, progres
     def generate(ids, mask):
         out = eng.generate(ids, mask, scfg, eos_ids, tok.pad_token_id)
         setup_s[0] += eng.last_stats["setup_s"]  # this micro-batch's compile and captures
-        return out
+        return out, eng.last_logprobs
 
-    responses = in_micro_batches(generate, tok, prompts, cfg, seed, progress)
+    responses = in_micro_batches(generate, tok, prompts, cfg, seed, progress, logprobs)
     if timings is not None:
         timings["setup_s"] = timings.get("setup_s", 0.0) + setup_s[0]
     return responses
