@@ -12,8 +12,9 @@ On one H200 each GPU command is one config (~5-8 min: a 10-minute limit per comm
 The blueprint is blueprints/gpu-qwen2.5-1.5b.yaml itself (its update, rollout, fsdp and storage settings), on
 1 GPU, with the model, data, store and reward pointed at the local kit: 256 prompts x 5 samples = 1,280 samples of
 <= 1,024 new tokens per iteration. Each config is one pipeline run (validate, build, `--iterations` x rollout ->
-update -> checkpoint) under the run id "e2e", forced from rollout[1]: configs share the build (its key does not
-depend on them) and rewrite the same iteration folders, so the store holds one run at a time.
+update -> checkpoint) under the run id "e2e", forced from build: the blueprint's retention prunes the build's
+initial policy once an update is kept instead, so a config cannot restart from the previous config's build; every
+config rewrites the same folders, so the store holds one run at a time.
 
 The workload: the model's weights are random and the prompts are the tiny kit's (its tokenizer's ids stop at 384,
 prompts are ~20 tokens). A random 152k-vocabulary model picks the tokenizer's EOS with probability ~1/152k per
@@ -122,7 +123,7 @@ def run_config(args, kit: dict, store: Path, config: str) -> dict:
         f"{args.iterations} iterations on {gpus} {bp.resources.device} rank(s), "
         f"algorithm.old_logprobs={bp.algorithm.old_logprobs}")
     try:
-        results = run_pipeline(bp, RUN_ID, on_line=lines.append, on_step=on_step, force_from="rollout[1]")
+        results = run_pipeline(bp, RUN_ID, on_line=lines.append, on_step=on_step, force_from="build")
     except Exception:
         print("\n".join(lines[-80:]), flush=True)  # the failing stage's own output
         raise
@@ -165,7 +166,8 @@ def first_extra(first: dict, steady: dict) -> dict:
 
 def stage_row(res) -> dict:
     t = res.manifest.get("timings", {})
-    row = {"wall_s": round(res.seconds, 3), **{k: v for k, v in t.items() if isinstance(v, (int, float))}}
+    row = {"wall_s": round(res.seconds, 3), "skipped": res.skipped,
+           **{k: v for k, v in t.items() if isinstance(v, (int, float))}}
     metrics = res.manifest.get("metrics", {})
     for k in ("warm_cache_hits", "ref_source"):  # whether models came from a warm pool's memory
         if k in metrics:

@@ -115,5 +115,4 @@ def test_e2e_benchmark_smoke(tmp_path):
         assert its[1]["stages"]["update"]["warm_cache_hits"] == ["policy", "ref"]  # steady state: from memory
         # iteration 1 starts from the build's policy, whose weights the reference has: no reference to read
         assert [it["stages"]["update"]["ref_source"] for it in its] == ["policy", "cache"]
-    assert res["configs"]["rollout_logprobs"]["setup"]["build"]["wall_s"] < 0.5 * \
-        res["configs"]["baseline"]["setup"]["build"]["wall_s"] + 0.5  # the second config reuses the build
+    assert not res["configs"]["rollout_logprobs"]["setup"]["build"]["skipped"]  # each config builds its own
