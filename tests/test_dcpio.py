@@ -2,9 +2,9 @@
 the background save's one-slab CPU copy. Real torchrun jobs (gloo, FSDP2) running verlflow.core.testing.dcp_probe."""
 
 import json
-import subprocess
 
 import pytest
+from sysdeps import small_tmpfs
 import torch
 
 from verlflow.core.orchestrate.launcher import LaunchSpec, launch
@@ -64,14 +64,8 @@ def test_slab_copy_checkpoints_equal_per_tensor_staging(tmp_path):
 @pytest.fixture
 def small_fs(tmp_path):
     """A 1 MiB tmpfs: the probe's checkpoint (~2.7 MB in 6 files) does not fit, its first files do."""
-    from sysdeps import unavailable
-
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
-        unavailable("mounting a tmpfs needs root (a full filesystem is simulated with a small one)")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with small_tmpfs(tmp_path / "small", "1m") as mnt:
+        yield mnt
 
 
 def test_a_writer_thread_that_fails_fails_the_save(tmp_path, small_fs):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from sysdeps import small_tmpfs
 from tinybp import tiny_blueprint
 
 from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
@@ -217,16 +218,8 @@ def test_a_pool_waiting_for_gpus_does_not_block_the_other_pools(tmp_path):
 @pytest.fixture
 def small_fs(tmp_path):
     """A 16 MiB tmpfs: room for the whole tiny run by validate's estimate (~6 MB), until `fill_up` takes it."""
-    import subprocess
-
-    from sysdeps import unavailable
-
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True).returncode:
-        unavailable("mounting a tmpfs needs root (a full filesystem is simulated with a small one)")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with small_tmpfs(tmp_path / "small", "16m") as mnt:
+        yield mnt
 
 
 def test_a_full_store_during_a_background_commit_says_so_and_leaves_no_partial_stage(tiny_kit, small_fs):
