@@ -54,6 +54,9 @@ RUN_ID = "e2e"
 CONFIGS = {  # blueprint overrides per config, on top of the GPU blueprint
     "baseline": {"algorithm.old_logprobs": "recompute"},
     "rollout_logprobs": {"algorithm.old_logprobs": "rollout"},  # the rollout's log-probs replace the update's pass
+    # On one GPU the blueprint's 160 samples per wave (its share on 8 GPUs) make 8 waves; 640 make 2 (~28 GB of KV
+    # cache at 1.5B, prompt 512 + 1,024 new tokens). Not measured yet.
+    "rollout_logprobs_640": {"algorithm.old_logprobs": "rollout", "rollout.micro_batch_size": 640},
 }
 ITER_STAGES = ("rollout", "update", "checkpoint")
 T0 = time.perf_counter()
