@@ -667,13 +667,19 @@ def _flip_byte(path: Path) -> None:
     path.write_bytes(bytes(data))  # same size: only the checksum can tell
 
 
+def _rank0_shard(store, stage_key: str) -> str:
+    """One of rank 0's policy shard files (a DCP save writes one per I/O thread: __<rank>_<thread>_0.distcp)."""
+    files = store.read_manifest(stage_key)["files"]
+    return sorted(f for f in files if f.startswith("policy/dcp/__0_") and f.endswith(".distcp"))[0]
+
+
 def test_corrupted_file_on_disk_is_named_by_the_next_stage(ref):
     """A byte of the committed build's policy shard flips on disk. The next stage that reads it (rollout) fails
     with a ChecksumError naming that file and the fix; nothing of rollout is committed; following the fix
     (rerun from build) the rollout completes with the reference's exact batch."""
     ref.clone("rot", UP_TO_ROLLOUT[:2])
     store, bp = ref.store, ref.variant()
-    bad = "runs/rot/init/build/policy/dcp/__0_0.distcp"
+    bad = f"runs/rot/init/build/{_rank0_shard(store, 'runs/rot/init/build')}"
     _flip_byte(store.local_path(bad))
     with pytest.raises(StageFailure) as e:
         run_pipeline(bp, "rot", on_line=Lines())
@@ -699,7 +705,7 @@ def test_corrupted_object_on_s3_is_named_on_read(ref, s3_bucket, tmp_path, monke
     store = ArtifactStore(f"{s3_bucket.uri}/vf")
     clone_stages(ref.store, "ref", "rot", [("init", "build")], dst_store=store)
     good = store.materialize("runs/rot/init/build", tmp_path / "inputs")  # a job's cache, filled and verified
-    rel = "policy/dcp/__0_0.distcp"
+    rel = _rank0_shard(store, "runs/rot/init/build")
     data = bytearray((good / rel).read_bytes())
     data[len(data) // 2] ^= 0xFF
     s3_bucket.client().put_object(Bucket=s3_bucket.name, Key=f"vf/runs/rot/init/build/{rel}", Body=bytes(data))

@@ -9,9 +9,11 @@ are checked against the plan before DCP writes the metadata.
 
 import copy
 import dataclasses
+import errno
 import logging
 import math
 import os
+import shutil
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -48,7 +50,12 @@ class ParallelWriter(FileSystemWriter):
         subplans = [dataclasses.replace(plan, items=share, storage_data=dataclasses.replace(
             plan.storage_data, prefix=f"{prefix}{n}_")) for n, share in enumerate(shares)]
         write = super().write_data
-        results = [r for rs in _run_all(lambda sub: write(sub, planner).wait(), subplans, self.device) for r in rs]
+        try:
+            results = [r for rs in _run_all(lambda sub: write(sub, planner).wait(), subplans, self.device)
+                       for r in rs]
+        except BaseException as e:
+            _name_a_full_disk(e, str(self.path), sum(map(_write_size, plan.items)))
+            raise
         _check_written(plan, results)
         done: Future = Future()
         done.set_result(results)
@@ -72,6 +79,20 @@ class ParallelReader(FileSystemReader):
         done: Future = Future()
         done.set_result(None)
         return done
+
+
+def _name_a_full_disk(error: BaseException, path: str, nbytes: int) -> None:
+    """A write that fails on a filesystem too full for it is a full disk, whatever the writer said: torch.save's
+    zip writer reports ENOSPC as "unexpected pos" when the short write came from another of its calls."""
+    if isinstance(error, OSError):
+        return
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return
+    if free < nbytes:
+        raise OSError(errno.ENOSPC, f"No space left on device: {free} bytes free at {path} for this rank's "
+                      f"{nbytes} bytes of checkpoint ({type(error).__name__}: {error})") from error
 
 
 def _write_size(item) -> int:

@@ -69,7 +69,7 @@ def _space(bp, run_id: str | None = None):
     return space
 
 
-def _preflight(bp, run_id: str) -> None:
+def _preflight(bp, run_id: str):
     from verlflow.core.blueprint import missing_inputs
     from verlflow.core.orchestrate.runner import open_store
 
@@ -78,7 +78,7 @@ def _preflight(bp, run_id: str) -> None:
         raise VerlflowError("Blueprint refers to inputs that are missing or unusable:\n  " + "\n  ".join(problems))
     space = _space(bp, run_id)  # refused before the probe writes to the store
     open_store(bp).probe()
-    print(f"[verlflow] {space.summary()}", flush=True)
+    return space
 
 
 def _print_summary(bp, run_id: str, results) -> None:
@@ -106,11 +106,13 @@ def cmd_run(args) -> int:
         safe_run_id(args.run_id, "rerun RUN" if getattr(args, "run", None) is not None else "--run-id")
     run_id = args.run_id or f"{bp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     steps, _ = checked_plan(bp, run_id, args.from_step)
-    _preflight(bp, run_id)
+    space = _preflight(bp, run_id)
     if getattr(args, "prefect", False):  # the same pipeline as a Prefect flow run (tasks, logs, artifacts, lease)
+        print(f"[verlflow] {space.summary()}", flush=True)
         return _run_flow(bp, args.run_id, args.from_step)
     store = open_store(bp)
     with run_lease(store, run_id):
+        print(f"[verlflow] {space.summary()}", flush=True)  # once the run is ours: a refused one prints nothing
         logs = _StageLogs(store, run_id, steps)
         try:
             results = run_pipeline(bp, run_id, on_line=logs, on_step=logs.step_done, force_from=args.from_step)
