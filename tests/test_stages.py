@@ -185,6 +185,18 @@ def test_learning_beats_random_variation(tiny_kit, tmp_path, estimator, lr):
     assert sum(rewards[-2:]) / 2 - sum(rewards[:2]) / 2 > 0.1, rewards
 
 
+@pytest.mark.parametrize("critic", [False, True])
+def test_a_module_built_on_meta_has_the_loaded_ones_dtypes(tiny_kit, tmp_path, critic):
+    """Ranks > 0 build on meta what rank 0 loads with from_pretrained; a bf16 critic's backbone came out in fp32
+    there, and FSDP2 then refused the mixed dtypes in update (2 ranks, gae, model.dtype bfloat16)."""
+    bp = tiny_blueprint(tiny_kit, tmp_path, model__dtype="bfloat16")
+    loaded = M.build_module(tiny_kit["model_dir"], bp, critic=critic)
+    meta = M.build_module(tiny_kit["model_dir"], bp, critic=critic, meta=True)
+    dtypes = lambda m: {n: p.dtype for n, p in m.named_parameters()}  # noqa: E731
+    assert dtypes(meta) == dtypes(loaded) and set(dtypes(meta).values()) == {torch.bfloat16}
+    assert {n: b.dtype for n, b in meta.named_buffers()} == {n: b.dtype for n, b in loaded.named_buffers()}
+
+
 @pytest.mark.parametrize("arch,fsdp,estimator,packed,fused", [("llama", 2, "rloo", True, True),
                                                               ("qwen2", 1, "gae", True, False),
                                                               ("llama", 1, "reinforce_plus_plus", False, True)])

@@ -67,6 +67,7 @@ def build_module(model_dir: str | Path, bp: Blueprint, *, critic: bool = False, 
         ctx = init_empty_weights(include_buffers=False) if meta else contextlib.nullcontext()
         with ctx:
             model = cls.from_config(config, dtype=kw["dtype"], attn_implementation=kw["attn_implementation"])
+        _cast_parameters(model, kw["dtype"])
         # Built on meta, a tied output layer (Qwen2.5-0.5B/1.5B) comes out untied (init_empty_weights re-creates
         # every registered parameter): the ranks would disagree on the parameter set and a checkpoint would miss
         # (or gain) the head's optimizer state. Tie outside the context, where assignment keeps the object.
@@ -75,6 +76,17 @@ def build_module(model_dir: str | Path, bp: Blueprint, *, critic: bool = False, 
         model = cls.from_pretrained(str(model_dir), **kw)
     model.config.use_cache = False
     return model
+
+
+def _cast_parameters(model: nn.Module, dtype) -> None:
+    """The parameters in `dtype`, as from_pretrained gives them on the rank that loads the weights: from_config
+    leaves a critic's backbone (AutoModelForTokenClassification builds it with AutoModel.from_config) in fp32, and
+    FSDP then refuses the mixed dtypes or a checkpoint holds both. Buffers (rotary inv_freq) keep theirs, and so do
+    the modules a model keeps in fp32."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype != dtype and not keep & set(name.split(".")):
+            p.data = p.data.to(dtype)
 
 
 def empty_module(model_dir: str | Path, bp: Blueprint, device="cpu") -> nn.Module:
