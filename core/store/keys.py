@@ -17,6 +17,8 @@ explicit version number per stage. So:
 import ast
 import hashlib
 import io
+import threading
+import time
 import tokenize
 from pathlib import Path
 
@@ -79,12 +81,31 @@ def _file(root: Path, module: str) -> Path | None:
     return None
 
 
+_PARSE = threading.Lock()
+
+
+def _parse(text: str) -> ast.Module:
+    """ast.parse, again after CPython 3.11's spurious "AST constructor recursion depth mismatch": the AST state is
+    shared by the interpreter's threads (python/cpython#106905), and a Prefect flow-run process has threads of its
+    own that parse (a scheduled run on a process worker failed so in CI once)."""
+    for _ in range(4):
+        try:
+            with _PARSE:
+                return ast.parse(text)
+        except SystemError as e:
+            if "recursion depth mismatch" not in str(e):
+                raise
+            time.sleep(0.01)
+    with _PARSE:
+        return ast.parse(text)
+
+
 def _imports(root: Path, module: str) -> list[str]:
     """Modules of this package that `module` imports anywhere in its body (function-level imports too)."""
     f = _file(root, module)
     package = module if f.name == "__init__.py" else module.rpartition(".")[0]
     found = []
-    for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+    for node in ast.walk(_parse(f.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
