@@ -343,6 +343,70 @@ class StorageSpec(Section):
         "e.g. bf16 for a bf16 model trained with fp32 master weights.")
 
 
+class EvalSpec(Section):
+    model_config = ConfigDict(title="eval")
+
+    files: list[str] = Field(
+        [], description="Held-out parquet files in verl's RL schema (prompt, data_source, reward_model.ground_truth); "
+        "each data_source is reported on its own. Empty: no evaluation.")
+    prompt_key: str = Field("prompt", description="Column of the eval files holding each prompt's chat messages.")
+    max_prompts: Optional[int] = Field(None, ge=1, description="Prompts evaluated per file at most (its first "
+                                       "rows); empty: all of them.")
+    n: int = Field(1, ge=1, description="Samples per prompt (pass@k needs n >= k).")
+    temperature: float = Field(0.0, ge=0.0, description="0: greedy (then n must be 1); above 0: sampled.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling of the eval samples; 1 disables it.")
+    max_new_tokens: Optional[int] = Field(None, ge=1, description="Response tokens per sample at most; empty: "
+                                          "rollout.max_new_tokens.")
+    reward: Optional[str] = Field(None, description="Reward function scoring the eval responses (a registry name "
+                                  "or 'package.module:function', reward.module is imported first); empty: "
+                                  "reward.function.")
+    threshold: float = Field(1.0, description="A sample is correct when its reward is >= threshold (accuracy, "
+                             "pass@k).")
+    pass_k: list[int] = Field([1], min_length=1, description="pass@k is reported for each of these k (unbiased "
+                              "estimator over the n samples of a prompt; each k <= n).")
+    before_train: bool = Field(True, description="Evaluate the initial policy before the first iteration.")
+    every: int = Field(1, ge=1, description="Evaluate every N iterations, and always at the last.")
+    samples_shown: int = Field(3, ge=0, description="Sample responses per data source kept in the report.")
+
+    @model_validator(mode="after")
+    def _samples_cover_k(self):
+        problems = []
+        if bad := [k for k in self.pass_k if k < 1 or k > self.n]:
+            problems.append(f"eval.pass_k {bad} must be between 1 and eval.n={self.n}: raise eval.n or drop them")
+        if self.n > 1 and self.temperature == 0:
+            problems.append(f"eval.n={self.n} greedy samples would all be the same: set eval.temperature > 0 "
+                            "(e.g. 0.6) or eval.n=1")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+class PromoteSpec(Section):
+    model_config = ConfigDict(title="promote")
+
+    metric: Optional[str] = Field(
+        None, description="Metric that decides promotion, e.g. eval/openai/gsm8k/accuracy, eval/accuracy (all data "
+        "sources), rollout/reward_mean, update/kl_loss. The run's and the blueprint's latest move only to a policy "
+        "better than the best so far. Empty: every export is promoted.")
+    mode: Literal["max", "min"] = Field("max", description="Whether a higher (max) or lower (min) metric is better.")
+    min_delta: float = Field(0.0, ge=0.0, description="How much better than the best so far a policy must be to "
+                             "be promoted.")
+
+
+class TrackingSpec(Section):
+    model_config = ConfigDict(title="tracking")
+
+    backends: list[Literal["mlflow", "tensorboard", "wandb"]] = Field(
+        ["mlflow"], description="Experiment trackers the run logs its parameters and metrics to (empty: none). "
+        "mlflow: a local store under the artifact root unless tracking.mlflow_uri is set.")
+    mlflow_uri: Optional[str] = Field(None, description="MLflow tracking server (http://host:5000) or store URI; "
+                                      "empty: the embedded local store.")
+    experiment: Optional[str] = Field(None, description="MLflow experiment / W&B project; empty: the blueprint's "
+                                      "name.")
+    wandb_entity: Optional[str] = Field(None, description="W&B entity (team); the API key comes from WANDB_API_KEY "
+                                        "in the environment, never from the blueprint.")
+
+
 class ScheduleSpec(Section):
     model_config = ConfigDict(title="schedule")
 
@@ -368,6 +432,9 @@ class Blueprint(Section):
     resources: ResourcesSpec = Field(ResourcesSpec(), description="Where and on what the stage jobs run.")
     storage: StorageSpec = Field(StorageSpec(), description="The artifact store.")
     schedule: ScheduleSpec = Field(ScheduleSpec(), description="Recurring fine-tunes (verlflow serve / deploy).")
+    eval: EvalSpec = Field(EvalSpec(), description="Held-out evaluation before and during training.")
+    promote: PromoteSpec = Field(PromoteSpec(), description="Which exported policy the latest pointers move to.")
+    tracking: TrackingSpec = Field(TrackingSpec(), description="Experiment tracking (MLflow, TensorBoard, W&B).")
     iterations: int = Field(2, ge=1, description="rollout -> update -> checkpoint rounds.")
     seed: int = Field(0, description="Seeds prompt order, sampling and initialisation.")
     deterministic: bool = Field(False, description="Deterministic kernels (slower); for exact reproducibility.")
@@ -411,6 +478,35 @@ class Blueprint(Section):
                 f"rollout.top_k={r.top_k}: set rollout.top_p=1.0 and rollout.top_k=0, or "
                 "algorithm.old_logprobs=recompute")
         return self
+
+    @model_validator(mode="after")
+    def _promotion_has_its_metric(self):
+        """A metric of the eval stage decides promotion only where every export has an evaluation of its policy."""
+        metric, ev, st = self.promote.metric, self.eval, self.storage
+        if metric is None or not metric.startswith("eval/"):
+            return self
+        if not ev.files:
+            raise ValueError(f"promote.metric={metric} is an evaluation metric, but eval.files is empty: give held-out "
+                             "parquet files in eval.files, or promote by a rollout/ or update/ metric")
+        if st.export_every % ev.every:
+            raise ValueError(f"promote.metric={metric} needs an evaluation at every export, but storage.export_every="
+                             f"{st.export_every} is not a multiple of eval.every={ev.every}: set eval.every to "
+                             f"{st.export_every} or a divisor of it")
+        return self
+
+    # -- the schedule: which iterations export and evaluate (the plan and the validators read it here) ----------
+    def exports_at(self, iteration: int) -> bool:
+        """Whether iteration has a checkpoint step (HF export, promotion): every storage.export_every, and the last."""
+        return iteration % self.storage.export_every == 0 or iteration == self.iterations
+
+    def evaluates_at(self, iteration: int) -> bool:
+        """Whether the policy of `iteration` (0: the initial one) is evaluated: eval.before_train for 0, then every
+        eval.every iterations and the last."""
+        if not self.eval.files:
+            return False
+        if iteration == 0:
+            return self.eval.before_train
+        return iteration % self.eval.every == 0 or iteration == self.iterations
 
     # -- hashing: a stage key depends on the sections it reads, not on the whole file ---------------
     def section_hash(self, *names: str) -> str:
@@ -565,6 +661,7 @@ def resolve_paths(bp: Blueprint, base: Path | str) -> Blueprint:
 
     bp.model.path = fix(bp.model.path)
     bp.data.train_files = [fix(p) for p in bp.data.train_files]
+    bp.eval.files = [fix(p) for p in bp.eval.files]
     bp.storage.uri = fix(bp.storage.uri)
     return bp
 

@@ -11,6 +11,7 @@ BASE = {
     "data.batch_size": 4, "data.max_prompt_length": 64, "rollout.n": 4, "rollout.max_new_tokens": 8,
     "algorithm.ppo_mini_batch_size": 2, "algorithm.ppo_micro_batch_size_per_gpu": 4, "algorithm.lr": 3e-3,
     "resources.nproc_per_node": 2, "resources.stage_timeout_s": 300, "iterations": 1,
+    "tracking.backends": [],  # the tracking tests turn it on: an MLflow store per run costs seconds
 }
 # One rank unless ranks are the point (tests of orchestration, not of the maths).
 ONE_RANK = ("resources.nproc_per_node=1", "rollout.n=2", "rollout.max_new_tokens=4",

@@ -1,5 +1,6 @@
-"""The pipeline as data: validate -> build -> (rollout -> update [-> checkpoint]) x iterations, a checkpoint
-step (HF export, promotion) every storage.export_every iterations and at the last.
+"""The pipeline as data: validate -> build [-> evaluate] -> (rollout -> update [-> evaluate] [-> checkpoint]) x
+iterations: a checkpoint step (HF export, promotion) every storage.export_every iterations and at the last, an
+evaluate step (held-out prompts, eval.files) before training and every eval.every iterations and at the last.
 
 Inputs are store paths known in advance, so the plan is fixed before anything runs; the CLI and the Prefect
 flow both run it through the one loop here (`run_pipeline`), the flow with its hooks (tasks, slots, its Retry).
@@ -44,13 +45,15 @@ def warm_start_source(bp: Blueprint, run_id: str) -> str | None:
 
 
 def exports_at(bp: Blueprint, iteration: int) -> bool:
-    """Whether the iteration has a checkpoint step (HF export, promotion): every storage.export_every, and the last."""
-    return iteration % bp.storage.export_every == 0 or iteration == bp.iterations
+    """Whether the iteration has a checkpoint step (HF export, promotion): Blueprint.exports_at."""
+    return bp.exports_at(iteration)
 
 
 def plan(bp: Blueprint, run_id: str, warm_start: str | None = None) -> list[Step]:
     build = stage_key(run_id, "init", "build")
     steps = [Step("validate", "init"), Step("build", "init", {"warm_start": warm_start} if warm_start else {})]
+    if bp.evaluates_at(0):
+        steps.append(Step("evaluate", 0, {"build": build, "policy": build}))
     policy = build
     for i in range(1, bp.iterations + 1):
         rollout, update = stage_key(run_id, i, "rollout"), stage_key(run_id, i, "update")
@@ -58,8 +61,12 @@ def plan(bp: Blueprint, run_id: str, warm_start: str | None = None) -> list[Step
             Step("rollout", i, {"build": build, "policy": policy}),
             Step("update", i, {"build": build, "policy": policy, "rollout": rollout}),
         ]
+        evaluated = {}
+        if bp.evaluates_at(i):  # before the checkpoint step: its promotion may be decided by this evaluation
+            steps.append(Step("evaluate", i, {"build": build, "policy": update}))
+            evaluated = {"evaluate": stage_key(run_id, i, "evaluate")}
         if exports_at(bp, i):
-            steps.append(Step("checkpoint", i, {"build": build, "update": update, "rollout": rollout}))
+            steps.append(Step("checkpoint", i, {"build": build, "update": update, "rollout": rollout, **evaluated}))
         policy = update
     return steps
 
