@@ -23,7 +23,7 @@ import re
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import fsspec
 
@@ -741,6 +741,21 @@ class ArtifactStore:
 
     def get_pointer(self, name: str) -> dict | None:
         return self._read_json(f"pointers/{safe_key(name)}.json")
+
+    def update_pointer(self, name: str, change: Callable[[dict | None], dict | None]) -> dict | None:
+        """Read-modify-write of a pointer as one atomic, conditional write (flock here, If-Match on S3), retried
+        while another writer gets in between: `change` maps the current value (None: none yet) to the new one
+        (None: leave it). Returns what was written, or None."""
+        key = f"pointers/{safe_key(name)}.json"
+        while True:
+            current = self.read_versioned(key)
+            value = change(None if current is None else json.loads(current[0]))
+            if value is None:
+                return None
+            data = json.dumps(value, sort_keys=True).encode()
+            done = self.create_exclusive(key, data) if current is None else self.replace_if(key, data, current[1])
+            if done is not None:
+                return value
 
     def probe(self) -> None:
         """Write, read back and delete a small object; raise StoreError saying what is wrong and how to fix it."""
