@@ -36,7 +36,7 @@ def of_iteration(store: ArtifactStore, run_id: str, iteration: int) -> dict[str,
 # (verlflow.core.stages.update.run, kl_in_reward from verlflow.core.ml.ppo.advantages), the evaluate stage's per
 # data source and over all of them (its pass@K for each eval.pass_k).
 ROLLOUT_KEYS = ("reward_mean", "reward_std", "reward_max", "response_len_mean", "samples", "tokens", "tokens_per_s",
-                "sampling_s", "engine_setup_s")
+                "sampling_s", "engine_setup_s", "data_cursor")  # data_cursor: the rollout stage adds it
 UPDATE_KEYS = ("step", "pg_loss", "kl_loss", "entropy", "pg_clipfrac", "grad_norm", "tokens_per_s")
 EVAL_KEYS = ("reward_mean", "accuracy", "response_len_mean", "samples")
 
