@@ -21,6 +21,7 @@ from tinybp import ONE_RANK, prompt_rows, tiny_blueprint
 from verlflow.core.orchestrate.cli import main
 from verlflow.core.orchestrate.pipeline import run_pipeline
 from verlflow.core.orchestrate.runner import open_store
+from verlflow.core.store.retention import retain
 
 VERLFLOW = str(Path(sys.executable).with_name("verlflow"))
 QUIET = dict(on_line=lambda line: None)
@@ -110,6 +111,9 @@ def test_promote_and_rollback_by_hand_through_the_cli(tiny_kit, tmp_path):
     for name in ("runs/h/latest", "blueprints/hand/latest"):
         assert pointer(store, name)["iteration"] == 3 and pointer(store, name)["history"][-1]["by"] == "promote"
     assert pointer(store, "runs/h/best")["iteration"] == 1  # a person's choice is not the metric's best
+    retain(store, bp, "h")  # now only the best pointers name iteration 1 (a history entry pins nothing)
+    assert not store.read_manifest("runs/h/1/checkpoint").get("pruned")
+    assert not store.read_manifest("runs/h/1/update").get("pruned")
 
     p = cli("rollback", "hand", f"storage.uri={root}")
     assert p.returncode == 0, p.stderr
