@@ -153,3 +153,23 @@ def test_validate_refuses_an_unknown_promote_metric_and_lists_the_names(tiny_kit
     assert main(["validate-blueprint", *base, "promote.metric=eval/openai/gsm8k/accuracy"]) == 0, capsys.readouterr()
     assert main(["validate-blueprint", *base, "promote.metric=eval/other/accuracy"]) != 0
     assert not (tmp_path / "store").exists()
+
+
+def test_a_policy_without_the_metric_is_not_promoted_and_the_log_says_why(tmp_path, caplog):
+    """A NaN (the manifests hold only finite metrics: core/metrics.flat) or absent metric moves no pointer."""
+    from verlflow.core.blueprint import Blueprint
+    from verlflow.core.job import JobSpec
+    from verlflow.core.store.artifacts import ArtifactStore
+    from verlflow.core.store.promote import promote
+
+    store = ArtifactStore(tmp_path / "store")
+    bp = Blueprint(name="nm", storage={"uri": str(tmp_path / "store")}, promote={"metric": "update/kl_loss"})
+    for it, kl in ((1, 0.5), (2, float("nan"))):
+        store.commit(f"runs/r/{it}/update", {"key": f"u{it}", "stage": "update", "metrics": {"kl_loss": kl}}, {})
+        job = JobSpec.model_construct(run_id="r", iteration=it, output=f"runs/r/{it}/checkpoint",
+                                      inputs={"update": f"runs/r/{it}/update", "build": "runs/r/init/build"})
+        with caplog.at_level("INFO", logger="verlflow.promote"):
+            promote(store, bp, job, {"metrics": {}})
+    assert store.get_pointer("runs/r/latest")["iteration"] == 1
+    assert store.get_pointer("blueprints/nm/best")["value"] == 0.5
+    assert "not promoted: r iteration 2 has no finite update/kl_loss" in caplog.text

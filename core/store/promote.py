@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import math
+from typing import Callable
 
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.errors import VerlflowError
@@ -55,12 +56,16 @@ def _entry(by: str, policy: dict, before: dict | None, metric: str | None, value
 
 
 def move(store: ArtifactStore, name: str, policy: dict, by: str, metric: str | None = None,
-         value: float | None = None) -> tuple[dict | None, dict]:
-    """Point `name` at `policy`, appending the move to its history in the same atomic write: (before, after)."""
-    seen: list[dict | None] = []
+         value: float | None = None, *, only_if: Callable[[dict | None], bool] = lambda current: True,
+         ) -> tuple[dict | None, dict | None]:
+    """Point `name` at `policy` if `only_if(current)`, appending the move to its history, in one conditional
+    write (decided on what is there at the write, whoever else moves it): (before, after; None if not moved)."""
+    seen: list[dict | None] = [None]
 
-    def change(current: dict | None) -> dict:
-        seen[:] = [current]
+    def change(current: dict | None) -> dict | None:
+        seen[0] = current
+        if not only_if(current):
+            return None
         history = (current or {}).get("history", []) + [_entry(by, policy, current, metric, value)]
         return {**policy, **({"metric": metric, "value": value} if metric else {}), "history": history[-HISTORY_LEN:]}
 
@@ -102,9 +107,9 @@ def promote(store: ArtifactStore, bp: Blueprint, job: JobSpec, manifest: dict) -
     moved = False
     for scope, latest, best_name in ((job.run_id, run_pointer(job.run_id), run_pointer(job.run_id, "best")),
                                      (bp.name, blueprint_pointer(bp.name), blueprint_pointer(bp.name, "best"))):
-        best = store.get_pointer(best_name)
-        if better(value, best, bp) or _replaced(best, policy):
-            move(store, best_name, policy, "gate", metric, value)
+        best, won = move(store, best_name, policy, "gate", metric, value,
+                         only_if=lambda best: better(value, best, bp) or _replaced(best, policy))
+        if won:
             move(store, latest, policy, "gate", metric, value)
             log.info("promoted %s iteration %s (%s=%s, the best of %s so far) -> %s", job.run_id, job.iteration,
                      metric, value, scope, policy["hf_uri"])
@@ -185,5 +190,8 @@ def rollback(store: ArtifactStore, name: str) -> tuple[dict, dict]:
                             f"{target['iteration']}, has no export any more (retention pruned it); move the pointer "
                             f"with `verlflow promote RUN ITER` instead ({_nearest(store, target['run_id'], target['iteration'])}).")
     before, after = move(store, pointer_name, policy_of(store, manifest), "rollback", target.get("metric"),
-                         target.get("value"))
+                         target.get("value"), only_if=lambda now: now == current)
+    if after is None:
+        raise VerlflowError(f"verlflow rollback {name}: {pointer_name} moved while rolling back (now "
+                            f"{before['run_id']} iteration {before['iteration']}); nothing changed, run it again.")
     return before, after
