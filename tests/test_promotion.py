@@ -173,3 +173,31 @@ def test_a_policy_without_the_metric_is_not_promoted_and_the_log_says_why(tmp_pa
     assert store.get_pointer("runs/r/latest")["iteration"] == 1
     assert store.get_pointer("blueprints/nm/best")["value"] == 0.5
     assert "not promoted: r iteration 2 has no finite update/kl_loss" in caplog.text
+
+
+@pytest.mark.parametrize("where", ["folder", "s3"])
+def test_pointer_moves_and_their_history_are_one_conditional_write_on_a_folder_and_on_s3(where, tmp_path, request):
+    """Two writers moving one pointer at once both land in its history (none lost between read and write)."""
+    import threading
+
+    from verlflow.core.store.artifacts import ArtifactStore
+    from verlflow.core.store.promote import HISTORY_LEN, move
+
+    uri = str(tmp_path / "store") if where == "folder" else f"{request.getfixturevalue('s3_bucket').uri}/p"
+    store = ArtifactStore(uri)
+
+    def policy(it: int) -> dict:
+        return {"run_id": "r", "iteration": it, "checkpoint": f"runs/r/{it}/checkpoint"}
+
+    threads = [threading.Thread(target=lambda w=w: [move(store, "runs/r/latest", policy(w * 100 + i), "promote")
+                                                    for i in range(8)]) for w in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    history = store.get_pointer("runs/r/latest")["history"]
+    assert sorted(e["iteration"] for e in history) == sorted([100 + i for i in range(8)] + [200 + i for i in range(8)])
+    for i in range(HISTORY_LEN):
+        move(store, "runs/r/latest", policy(i), "gate")
+    after = store.get_pointer("runs/r/latest")
+    assert len(after["history"]) == HISTORY_LEN and after["history"][-1]["iteration"] == HISTORY_LEN - 1
