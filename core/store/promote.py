@@ -186,9 +186,10 @@ def rollback(store: ArtifactStore, name: str) -> tuple[dict, dict]:
                             f"{current['run_id']} iteration {current['iteration']}; nothing to roll back to.")
     manifest = store.read_manifest(stage_key(target["run_id"], target["iteration"], "checkpoint"))
     if not _export_held(manifest):
+        nearest = _nearest(store, target["run_id"], target["iteration"])
         raise VerlflowError(f"verlflow rollback {name}: the previous policy, {target['run_id']} iteration "
                             f"{target['iteration']}, has no export any more (retention pruned it); move the pointer "
-                            f"with `verlflow promote RUN ITER` instead ({_nearest(store, target['run_id'], target['iteration'])}).")
+                            f"with `verlflow promote RUN ITER` instead ({nearest}).")
     before, after = move(store, pointer_name, policy_of(store, manifest), "rollback", target.get("metric"),
                          target.get("value"), only_if=lambda now: now == current)
     if after is None:
