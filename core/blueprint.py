@@ -759,6 +759,7 @@ def missing_inputs(bp: Blueprint) -> list[str]:
     """Files, URIs and names the blueprint refers to that are not usable, each with the fix (cheap: no torch
     or verl import; the datasets are read with pyarrow, the reward function is resolved)."""
     from verlflow.core.errors import VerlflowError
+    from verlflow.core.metrics import unknown_metric_problem
     from verlflow.core.ml.data import load_prompts, missing_file_problems
     from verlflow.core.ml.modeldir import model_dir_problems
     from verlflow.core.ml.rewards import load_reward
@@ -779,6 +780,8 @@ def missing_inputs(bp: Blueprint) -> list[str]:
         load_reward(bp.reward.function, bp.reward.module)
     except VerlflowError as e:
         problems.append(str(e))
+    if unknown := unknown_metric_problem(bp):
+        problems.append(unknown)
     scheme = bp.storage.uri.split("://", 1)[0] if "://" in bp.storage.uri else "file"
     if scheme not in ("file", "s3"):
         problems.append(f"storage.uri: scheme '{scheme}://' is not supported; use a folder, file:// or s3://bucket/prefix.")

@@ -30,3 +30,51 @@ def of_iteration(store: ArtifactStore, run_id: str, iteration: int) -> dict[str,
         if manifest is not None:
             out.update(flat(stage, manifest.get("metrics", {})))
     return out
+
+
+# The keys each stage's manifest metrics hold: the rollout's (verlflow.core.ml.rollout.save_batch), the update's
+# (verlflow.core.stages.update.run, kl_in_reward from verlflow.core.ml.ppo.advantages), the evaluate stage's per
+# data source and over all of them (its pass@K for each eval.pass_k).
+ROLLOUT_KEYS = ("reward_mean", "reward_std", "reward_max", "response_len_mean", "samples", "tokens", "tokens_per_s",
+                "sampling_s", "engine_setup_s", "data_cursor")  # data_cursor: the rollout stage adds it
+UPDATE_KEYS = ("step", "pg_loss", "kl_loss", "entropy", "pg_clipfrac", "grad_norm", "tokens_per_s")
+EVAL_KEYS = ("reward_mean", "accuracy", "response_len_mean", "samples")
+
+
+def eval_sources(files: list[str]) -> list[str]:
+    """The data sources of the eval files (their data_source column, read with pyarrow); unreadable files add none
+    (missing_inputs reports them)."""
+    import pyarrow.parquet as pq
+
+    found: set[str] = set()
+    for f in files:
+        try:
+            found.update(str(s) for s in pq.read_table(f, columns=["data_source"]).column(0).unique().to_pylist())
+        except Exception:  # noqa: BLE001 - a missing file or column is the eval checks' to report
+            continue
+    return sorted(found)
+
+
+def available(bp) -> list[str]:
+    """Every metric name the blueprint's configured stages record: what promote.metric may name."""
+    names = [f"rollout/{k}" for k in ROLLOUT_KEYS] + [f"update/{k}" for k in UPDATE_KEYS]
+    if bp.algorithm.use_kl_in_reward:
+        names.append("update/kl_in_reward")
+    if bp.eval.files:
+        keys = EVAL_KEYS + tuple(f"pass@{k}" for k in bp.eval.pass_k)
+        for source in [""] + [f"{s}/" for s in eval_sources(bp.eval.files)]:
+            names += [f"eval/{source}{k}" for k in keys]
+    return names
+
+
+def unknown_metric_problem(bp) -> str | None:
+    """promote.metric, when it names no metric the configured stages record: the problem, with the names."""
+    import difflib
+
+    metric = bp.promote.metric
+    names = available(bp)
+    if metric is None or metric in names:
+        return None
+    close = difflib.get_close_matches(metric, names, n=1)
+    return (f"promote.metric={metric} is not a metric this blueprint's stages record"
+            f"{f' (did you mean {close[0]}?)' if close else ''}; choose one of: {', '.join(names)}")

@@ -274,6 +274,42 @@ def cmd_show(args) -> int:
     return 0
 
 
+def _pointer_store(args):
+    """The store of a pointer command: --store, else the blueprint's storage (its file and overrides)."""
+    from verlflow.core.orchestrate.runner import open_store
+
+    if args.store:
+        args.overrides = list(args.overrides) + [f"storage.uri={args.store}"]
+    return open_store(_blueprint(args))
+
+
+def _said(pointer: dict | None) -> str:
+    if pointer is None:
+        return "(none)"
+    value = f", {pointer['metric']}={pointer['value']}" if pointer.get("metric") else ""
+    return f"{pointer['run_id']} iteration {pointer['iteration']}{value} ({pointer['hf_uri']})"
+
+
+def cmd_promote(args) -> int:
+    from verlflow.core.store.artifacts import safe_run_id
+    from verlflow.core.store.promote import promote_by_hand
+
+    safe_run_id(args.run, "promote RUN")
+    for name, before, after in promote_by_hand(_pointer_store(args), args.run, args.iteration):
+        print(f"{name}: {_said(before)} -> {_said(after)}")
+    return 0
+
+
+def cmd_rollback(args) -> int:
+    from verlflow.core.store.artifacts import safe_name
+    from verlflow.core.store.promote import blueprint_pointer, rollback
+
+    safe_name(args.name, "rollback NAME")
+    before, after = rollback(_pointer_store(args), args.name)
+    print(f"{blueprint_pointer(args.name)}: {_said(before)} -> {_said(after)}")
+    return 0
+
+
 def _run_flow(bp, run_id, from_step) -> int:
     from verlflow.flows.finetune import finetune
 
@@ -386,6 +422,19 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("run", help="run id")
     _add_blueprint(s)
     s.set_defaults(fn=cmd_verify)
+
+    s = sub.add_parser("promote", help="move a run's and its blueprint's latest pointer to an iteration's export")
+    s.add_argument("run", help="run id")
+    s.add_argument("iteration", type=int, help="an iteration with a committed checkpoint stage (export)")
+    s.add_argument("--store", help="artifact root (default: the blueprint's storage.uri)")
+    _add_blueprint(s)
+    s.set_defaults(fn=cmd_promote)
+
+    s = sub.add_parser("rollback", help="move a blueprint's latest pointer back to the previous one of its history")
+    s.add_argument("name", help="blueprint name")
+    s.add_argument("--store", help="artifact root (default: the blueprint's storage.uri)")
+    _add_blueprint(s)
+    s.set_defaults(fn=cmd_rollback)
 
     s = sub.add_parser("show", help="print a committed stage's manifest")
     s.add_argument("stage", help="stage path, e.g. runs/<run>/1/rollout")

@@ -23,7 +23,7 @@ import re
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import fsspec
 
@@ -200,6 +200,14 @@ def _precondition_failed(exc: BaseException) -> bool:
     """An S3 conditional request lost: 412 PreconditionFailed, or 409 when another conditional write is in flight."""
     response = getattr(exc.__cause__, "response", None) or {}
     return response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict")
+
+
+def _read_raced(exc: BaseException) -> bool:
+    """A read of an S3 object another writer replaced meanwhile (If-Match lost, or s3fs's FileExpired)."""
+    chain = [exc]
+    while chain[-1].__cause__ is not None and len(chain) < 8:
+        chain.append(chain[-1].__cause__)
+    return any(type(e).__name__ == "FileExpired" or _precondition_failed(e) for e in chain)
 
 
 def algorithm_of(entry: dict) -> str:
@@ -739,8 +747,32 @@ class ArtifactStore:
     def set_pointer(self, name: str, value: dict) -> None:
         self._write_atomic(f"pointers/{safe_key(name)}.json", json.dumps(value, sort_keys=True).encode())
 
+    def _read_settled(self, key: str, attempts: int = 10) -> tuple[bytes, str] | None:
+        """read_versioned, read again while other writers keep replacing the object under the read (S3)."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self.read_versioned(key)
+            except StoreError as exc:
+                if attempt == attempts or not _read_raced(exc):
+                    raise
+
     def get_pointer(self, name: str) -> dict | None:
         return self._read_json(f"pointers/{safe_key(name)}.json")
+
+    def update_pointer(self, name: str, change: Callable[[dict | None], dict | None]) -> dict | None:
+        """Read-modify-write of a pointer as one atomic, conditional write (flock here, If-Match on S3), retried
+        while another writer gets in between: `change` maps the current value (None: none yet) to the new one
+        (None: leave it). Returns what was written, or None."""
+        key = f"pointers/{safe_key(name)}.json"
+        while True:  # until our write lands on the version we read
+            current = self._read_settled(key)
+            value = change(None if current is None else json.loads(current[0]))
+            if value is None:
+                return None
+            data = json.dumps(value, sort_keys=True).encode()
+            done = self.create_exclusive(key, data) if current is None else self.replace_if(key, data, current[1])
+            if done is not None:
+                return value
 
     def probe(self) -> None:
         """Write, read back and delete a small object; raise StoreError saying what is wrong and how to fix it."""
