@@ -28,13 +28,13 @@ def tracking_problems(spec) -> list[str]:
 
 def mlflow_uri_problems(uri: str) -> list[str]:
     scheme = uri.split("://", 1)[0].split("+", 1)[0] if "://" in uri else "file"
-    if scheme not in SERVER_SCHEMES + STORE_SCHEMES:
-        return [f"tracking.mlflow_uri: scheme '{scheme}://' is not one MLflow tracks to; use a tracking server "
-                f"(http://host:5000) or a store URI ({', '.join(s + '://' for s in STORE_SCHEMES)}), or leave it "
-                "empty for the embedded store under the artifact root."]
     if carries_credentials(uri):  # the URI itself is not repeated: it holds a secret
         return ["tracking.mlflow_uri: the URI must not carry credentials (http://user:password@host); set "
                 "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment."]
+    if scheme not in SERVER_SCHEMES + STORE_SCHEMES:
+        return [f"tracking.mlflow_uri: {uri}: the scheme '{scheme}://' is not one MLflow tracks to; use a tracking "
+                f"server (http://host:5000) or a store URI ({', '.join(s + '://' for s in STORE_SCHEMES)}), or "
+                "leave it empty for the embedded store under the artifact root."]
     if scheme in SERVER_SCHEMES:
         return _server_problems(uri)
     return []
