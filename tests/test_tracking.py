@@ -182,6 +182,7 @@ def test_wandb_offline_run_holds_metrics_and_never_the_key(reference, tmp_path, 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_API_KEY", secret)
     bp, root = _tracked_copy(reference, tmp_path, backends=["wandb"])
+    bp.resources.slurm.setup = [f"export WANDB_API_KEY={secret}"]  # shell lines are never logged (validate reruns)
     run_id, lines = reference.run_id, []
     run_pipeline(bp, run_id, on_line=lines.append)
 
