@@ -126,8 +126,8 @@ def test_mlflow_server_one_run_per_verlflow_run(reference, tmp_path, mlflow_serv
 
     caplog.set_level("WARNING", logger="verlflow.tracking")
 
-    def server_gone(step, res):  # after the tracker opened its run: the server goes down mid-run
-        if step.stage == "validate":
+    def server_gone(step, res):  # the tracker opened its run at build: the server goes down mid-run
+        if step.stage == "build":
             stop_server()
 
     results = run_pipeline(bp, run_id, on_line=lines.append, on_step=server_gone, force_from="update[2]")

@@ -64,26 +64,32 @@ def commit_time(manifest: dict) -> float:
 
 
 class Tracker:
-    def __init__(self, store: ArtifactStore, run_id: str, backends: list[Backend], extra: dict | None = None):
-        self.store, self.run_id, self.backends = store, run_id, backends
-        self.ledger = self._read_ledger()
-        self.ledger.update(extra or {})
-        self._save()
+    """Opens its backends at the first step after validate: a run that validate refuses leaves no tracker run (and
+    nothing in the store) behind."""
 
-    @classmethod
-    def open(cls, bp: Blueprint, run_id: str, store: ArtifactStore) -> "Tracker":
-        run = TrackedRun(bp, run_id, store, blueprint_params(bp))
-        opened = []
-        for name in bp.tracking.backends:
+    def __init__(self, bp: Blueprint, run_id: str, store: ArtifactStore):
+        self.bp, self.run_id, self.store = bp, run_id, store
+        self.backends: list[Backend] | None = None  # None: not opened yet
+        self.ledger: dict = {}
+
+    def _open(self) -> None:
+        run = TrackedRun(self.bp, self.run_id, self.store, blueprint_params(self.bp))
+        self.backends = []
+        for name in self.bp.tracking.backends:
             try:
-                opened.append(importlib.import_module(BACKENDS[name]).open_backend(run))
+                self.backends.append(importlib.import_module(BACKENDS[name]).open_backend(run))
             except Exception as e:  # a tracker that cannot start does not stop the training
-                _warn(name, "could not start", e)
-        extra = {"mlflow_url": b.url for b in opened if b.name == "mlflow"}
-        return cls(store, run_id, opened, extra)
+                _warn(name, "start", e)
+        self.ledger = self._read_ledger()
+        self.ledger.update({"mlflow_url": b.url for b in self.backends if b.name == "mlflow"})
+        self._save()
 
     def step(self, stage: str, iteration, manifest: dict | None) -> None:
         """Log a committed step's metrics (rollout/update/evaluate) at step = iteration, once per commit."""
+        if stage == "validate":
+            return
+        if self.backends is None:
+            self._open()
         if stage not in metrics.PREFIX or not manifest or manifest.get("pending") or not self.backends:
             return
         name, done = f"{stage}[{iteration}]", commit_id(manifest)
@@ -110,7 +116,7 @@ class Tracker:
 
     def _each(self, action: str, call: Callable[[Backend], None]) -> None:
         """`call` on each live backend; one that raises is dropped with a warning and the rest go on."""
-        for b in list(self.backends):
+        for b in list(self.backends or ()):
             try:
                 call(b)
             except Exception as e:
@@ -137,7 +143,7 @@ def _warn(name: str, action: str, e: Exception) -> None:
 @contextmanager
 def tracked(bp: Blueprint, run_id: str, store: ArtifactStore, enabled: bool = True) -> Iterator[Tracker]:
     """The run's tracker, closed FINISHED, or FAILED (KILLED on an interrupt) if the block raises."""
-    tracker = Tracker.open(bp, run_id, store) if enabled and bp.tracking.backends else _Off()
+    tracker = Tracker(bp, run_id, store) if enabled and bp.tracking.backends else _Off()
     try:
         yield tracker
     except KeyboardInterrupt:
