@@ -188,9 +188,10 @@ def test_wandb_offline_run_holds_metrics_and_never_the_key(reference, tmp_path, 
 
     files = glob.glob(str(root / "tracking" / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(files) == 1, files
-    history, config, summary = {}, {}, {}
+    history, config, summary, kinds = {}, {}, {}, []
     for rec in _wandb_records(Path(files[0])):
         kind = rec.WhichOneof("record_type")
+        kinds.append(kind)
         if kind == "history":
             row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
             history.setdefault(row["iteration"], {}).update(row)
@@ -198,6 +199,7 @@ def test_wandb_offline_run_holds_metrics_and_never_the_key(reference, tmp_path, 
             config.update({u.key: json.loads(u.value_json) for u in rec.run.config.update})
         elif kind == "summary":
             summary.update({(u.key or "/".join(u.nested_key)): u.value_json for u in rec.summary.update})
+    assert {1, 2} <= set(history), (kinds, os.path.getsize(files[0]), sorted(history))
     for it in (1, 2):
         for name, value in {**_metrics(bp, run_id, "rollout", it), **_metrics(bp, run_id, "update", it)}.items():
             assert history[it][name] == pytest.approx(value), (it, name)
