@@ -765,6 +765,7 @@ def missing_inputs(bp: Blueprint) -> list[str]:
     from verlflow.core.ml.rewards import load_reward
     from verlflow.core.orchestrate import preflight
     from verlflow.core.store.artifacts import carries_credentials
+    from verlflow.core.tracking.checks import tracking_problems
 
     problems = model_dir_problems(bp.model.path) + _engine_problems(bp)
     missing_data = missing_file_problems(bp.data.train_files)
@@ -789,6 +790,7 @@ def missing_inputs(bp: Blueprint) -> list[str]:
         problems.append("storage.uri: an s3:// URI must not carry credentials (s3://key:secret@bucket); use "
                         "s3://bucket/prefix and set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment "
                         "(or a Prefect Secret).")
+    problems += tracking_problems(bp.tracking)
     return problems
 
 

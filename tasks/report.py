@@ -13,6 +13,7 @@ from verlflow.core.blueprint import Blueprint
 from verlflow.core.orchestrate.pipeline import exports_at
 from verlflow.core.orchestrate.runner import StageResult, open_store
 from verlflow.core.store.artifacts import ArtifactStore, stage_key
+from verlflow.core.tracking import summary_lines
 
 COLUMNS = ("iteration", "reward_mean", "reward_std", "kl", "entropy", "clipfrac", "grad_norm", "rollout_tok_s",
            "update_tok_s", "rollout_s", "update_s", "checkpoint_s", "reused")
@@ -70,6 +71,7 @@ def run_summary(store: ArtifactStore, bp: Blueprint, run_id: str, rows: list[dic
         _policy_line(store, bp, run_id, rows[-1]["iteration"]),
         f"- Pointer: {link(store.uri(f'pointers/runs/{run_id}/latest.json'))} (the blueprint's: "
         f"{link(store.uri(f'pointers/blueprints/{bp.name}/latest.json'))})",
+        *summary_lines(store, run_id),  # the MLflow run (verlflow.core.tracking)
         f"- Reward mean per iteration: {', '.join(str(r.get('reward_mean')) for r in rows)}"])
 
 

@@ -18,6 +18,7 @@ from verlflow.core.orchestrate.pool import warm_pools
 from verlflow.core.orchestrate.runner import RunContext, StageResult, _follows, compute_key, open_store, run_stage
 from verlflow.core.store import retention
 from verlflow.core.store.artifacts import ArtifactStore, repair_command, stage_key
+from verlflow.core.tracking import tracked
 
 
 @dataclass
@@ -160,16 +161,22 @@ def run_pipeline(bp: Blueprint, run_id: str, *, on_line: Callable[[str], None] =
     store = open_store(bp)
     check_not_pruned(store, run_id, steps, steps_that_run(store, bp, run_id, steps, forced))
     results = []
-    with warm_pools() as pools, hooks.hold():  # pools: for stages whose blueprint sets resources.warm_workers
-        ctx = RunContext(bp, run_id, on_line=on_line, cancel=cancel, pools=pools, store=store)
-        for step, force in zip(steps, forced):
-            res = hooks.run_step(ctx, step, force)
-            results.append(res)
-            if on_step:
-                on_step(step, res)
-    # The pools have closed, so every background commit has landed (or warm_pools raised): report the manifests.
-    if not _follows(bp.resources):  # a follower node leaves the store to node 0
-        # also finishes what a crash mid-prune left, if every step was reused
-        retention.retain(store, bp, run_id, head=bp.iterations)
-    return [StageResult(ctx.store.read_manifest(stage_key(run_id, s.iteration, s.stage)), r.skipped, r.seconds)
-            if r.pending else r for s, r in zip(steps, results)]
+    with tracked(bp, run_id, store, enabled=not _follows(bp.resources)) as tracker:  # node 0 tracks
+        with warm_pools() as pools, hooks.hold():  # pools: for stages whose blueprint sets resources.warm_workers
+            ctx = RunContext(bp, run_id, on_line=on_line, cancel=cancel, pools=pools, store=store)
+            for step, force in zip(steps, forced):
+                res = hooks.run_step(ctx, step, force)
+                results.append(res)
+                tracker.step(step.stage, step.iteration, res.manifest)
+                if on_step:
+                    on_step(step, res)
+        # The pools have closed, so every background commit has landed (or warm_pools raised): report the manifests.
+        if not _follows(bp.resources):  # a follower node leaves the store to node 0
+            # also finishes what a crash mid-prune left, if every step was reused
+            retention.retain(store, bp, run_id, head=bp.iterations)
+        done = [StageResult(ctx.store.read_manifest(stage_key(run_id, s.iteration, s.stage)), r.skipped, r.seconds)
+                if r.pending else r for s, r in zip(steps, results)]
+        for step, res in zip(steps, done):  # the background commits; the ledger skips steps logged above
+            tracker.step(step.stage, step.iteration, res.manifest)
+        tracker.promoted()
+    return done

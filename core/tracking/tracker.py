@@ -1,0 +1,168 @@
+"""The Tracker the pipeline drives: opens the blueprint's backends, logs each committed step once, tags the
+promoted model and closes with the run's status. A backend that fails is dropped with one warning."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib
+import json
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol
+
+from verlflow.core import metrics
+from verlflow.core.blueprint import Blueprint
+from verlflow.core.store.artifacts import ArtifactStore
+from verlflow.core.tracking.params import blueprint_params
+from verlflow.core.tracking.places import ledger_key, local_root
+
+log = logging.getLogger("verlflow.tracking")
+
+# backend name -> module (named *_backend so that it never shadows the library it drives)
+BACKENDS = {"mlflow": "verlflow.core.tracking.mlflow_backend",
+            "tensorboard": "verlflow.core.tracking.tensorboard_backend",
+            "wandb": "verlflow.core.tracking.wandb_backend"}
+
+
+@dataclass(frozen=True)
+class TrackedRun:
+    """What a backend opens with."""
+    bp: Blueprint
+    run_id: str
+    store: ArtifactStore
+    params: dict[str, str]
+
+    @property
+    def experiment(self) -> str:
+        return self.bp.tracking.experiment or self.bp.name
+
+    @property
+    def local_root(self):
+        return local_root(self.store)
+
+
+class Backend(Protocol):
+    name: str
+    target: str  # where it logs, e.g. mlflow:<run uuid>: the ledger is kept per destination
+
+    def log(self, iteration: int, values: dict[str, float], wall_s: float) -> None: ...
+
+    def tag_model(self, iteration: int, uri: str) -> None: ...
+
+    def close(self, status: str) -> None: ...  # FINISHED, FAILED or KILLED
+
+
+def commit_id(manifest: dict) -> str:
+    """Which commit of a step: a recomputed step (--from) commits anew, a reused or re-pruned one keeps it."""
+    return f"{manifest['key']}@{manifest.get('committed_at')}"
+
+
+def commit_time(manifest: dict) -> float:
+    at = manifest.get("committed_at")
+    return _dt.datetime.fromisoformat(at).timestamp() if at else _dt.datetime.now().timestamp()
+
+
+class Tracker:
+    """Opens its backends at the first step after validate: a run that validate refuses leaves no tracker run (and
+    nothing in the store) behind."""
+
+    def __init__(self, bp: Blueprint, run_id: str, store: ArtifactStore):
+        self.bp, self.run_id, self.store = bp, run_id, store
+        self.backends: list[Backend] | None = None  # None: not opened yet
+        self.ledger: dict = {}
+
+    def _open(self) -> None:
+        run = TrackedRun(self.bp, self.run_id, self.store, blueprint_params(self.bp))
+        self.backends = []
+        for name in self.bp.tracking.backends:
+            try:
+                self.backends.append(importlib.import_module(BACKENDS[name]).open_backend(run))
+            except Exception as e:  # a tracker that cannot start does not stop the training
+                _warn(name, "start", e)
+        self.ledger = self._read_ledger()
+        self.ledger.update({"mlflow_url": b.url for b in self.backends if b.name == "mlflow"})
+        self._save()
+
+    def step(self, stage: str, iteration, manifest: dict | None) -> None:
+        """Log a committed step's metrics (rollout/update/evaluate) at step = iteration, once per commit."""
+        if stage == "validate":
+            return
+        if self.backends is None:
+            self._open()
+        if stage not in metrics.PREFIX or not manifest or manifest.get("pending") or not self.backends:
+            return
+        name, done = f"{stage}[{iteration}]", commit_id(manifest)
+        values = metrics.flat(stage, manifest.get("metrics", {}))
+
+        def log_once(b: Backend) -> None:
+            logged = self.ledger.setdefault("logged", {}).setdefault(b.target, {})
+            if logged.get(name) != done:
+                b.log(int(iteration), values, commit_time(manifest))
+                logged[name] = done
+
+        self._each(f"log {name}", log_once)
+        self._save()
+
+    def promoted(self) -> None:
+        """Tag the model the run's `latest` pointer names (verlflow.core.store.promote), if any."""
+        pointer = self.store.get_pointer(f"runs/{self.run_id}/latest")
+        if pointer and pointer.get("hf_uri"):
+            self._each("tag the promoted model", lambda b: b.tag_model(pointer.get("iteration"), pointer["hf_uri"]))
+
+    def close(self, status: str) -> None:
+        self._each(f"close ({status})", lambda b: b.close(status))
+        self.backends = []
+
+    def _each(self, action: str, call: Callable[[Backend], None]) -> None:
+        """`call` on each live backend; one that raises is dropped with a warning and the rest go on."""
+        for b in list(self.backends or ()):
+            try:
+                call(b)
+            except Exception as e:
+                self.backends.remove(b)
+                _warn(b.name, action, e)
+
+    def _read_ledger(self) -> dict:
+        key = ledger_key(self.run_id)
+        try:
+            return json.loads(self.store.get_bytes(key)) if self.store.exists(key) else {}
+        except ValueError:  # a torn write: steps already logged may be logged again
+            log.warning("tracking: %s is unreadable; starting a new ledger", self.store.uri(key))
+            return {}
+
+    def _save(self) -> None:
+        self.store.put_bytes(ledger_key(self.run_id), json.dumps(self.ledger, indent=1, sort_keys=True).encode())
+
+
+def _warn(name: str, action: str, e: Exception) -> None:
+    log.warning("tracking: %s failed to %s (%s: %s); the run goes on without %s; a rerun of the run logs the steps "
+                "it missed", name, action, type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "", name)
+
+
+@contextmanager
+def tracked(bp: Blueprint, run_id: str, store: ArtifactStore, enabled: bool = True) -> Iterator[Tracker]:
+    """The run's tracker, closed FINISHED, or FAILED (KILLED on an interrupt) if the block raises."""
+    tracker = Tracker(bp, run_id, store) if enabled and bp.tracking.backends else _Off()
+    try:
+        yield tracker
+    except KeyboardInterrupt:
+        tracker.close("KILLED")
+        raise
+    except BaseException:
+        tracker.close("FAILED")
+        raise
+    tracker.close("FINISHED")
+
+
+class _Off:
+    """No backends (tracking.backends: []), or a follower node (node 0 tracks)."""
+
+    def step(self, stage, iteration, manifest) -> None:
+        pass
+
+    def promoted(self) -> None:
+        pass
+
+    def close(self, status: str) -> None:
+        pass

@@ -1,0 +1,226 @@
+"""Experiment tracking (core/tracking): a real `mlflow server` read back through MlflowClient, TensorBoard event
+files read back with tensorboard's EventAccumulator, an offline W&B run read back from its .wandb file, and
+validate's refusal of an unreachable tracking.mlflow_uri. Runs start from a copy of the reference run (every stage
+reused, nothing logged yet), so only the forced update[2] rerun computes anything."""
+
+import glob
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from tinybp import ONE_RANK, tiny_overrides
+
+from verlflow.core.metrics import flat
+from verlflow.core.store.artifacts import stage_key
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+           "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+           "--default-artifact-root", str(tmp_path / "server-artifacts")]
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # + its uvicorn
+    deadline = time.monotonic() + 180  # a loaded machine: the server's first start migrates its database
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2).close()
+            break
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
+            time.sleep(0.5)
+
+    def stop():
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+
+    yield url, stop
+    stop()
+    log.close()
+
+
+def _tracked_copy(reference, tmp_path, **tracking):
+    bp, root = reference.copy(tmp_path)
+    bp.tracking = bp.tracking.model_copy(update=tracking)
+    return bp, root
+
+
+def _metrics(root_bp, run_id: str, stage: str, it: int) -> dict[str, float]:
+    from verlflow.core.orchestrate.runner import open_store
+
+    return flat(stage, open_store(root_bp).read_manifest(stage_key(run_id, it, stage))["metrics"])
+
+
+def _history(client, run_uuid: str, name: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_uuid, name))
+
+
+def test_mlflow_server_one_run_per_verlflow_run(reference, tmp_path, mlflow_server, caplog):
+    """Params, metrics per iteration and the promoted model's tag on a real server; a rerun and a forced
+    `--from update[2]` resume the same MLflow run and log only what they recomputed; a server gone mid-run
+    costs one warning, not the training."""
+    from mlflow.tracking import MlflowClient
+
+    from verlflow.core.orchestrate.pipeline import run_pipeline
+    from verlflow.core.orchestrate.runner import open_store
+    from verlflow.core.tracking import mlflow_run_url
+
+    url, stop_server = mlflow_server
+    bp, root = _tracked_copy(reference, tmp_path, backends=["mlflow"], mlflow_uri=url)
+    run_id, lines = reference.run_id, []
+    run_pipeline(bp, run_id, on_line=lines.append)
+
+    client = MlflowClient(tracking_uri=url)
+    exp = client.get_experiment_by_name(bp.name)
+
+    def the_run():
+        runs = client.search_runs([exp.experiment_id])
+        assert len(runs) == 1, [r.info.run_name for r in runs]
+        return runs[0]
+
+    run = the_run()
+    uuid = run.info.run_id
+    assert run.info.run_name == run_id and run.data.tags["verlflow.run_id"] == run_id
+    assert run.info.status == "FINISHED"
+    params = run.data.params
+    assert params["algorithm.lr"] == str(bp.algorithm.lr) and params["iterations"] == "2"
+    assert params["storage.uri"] == bp.storage.uri and params["data.batch_size"] == str(bp.data.batch_size)
+    expected = {it: {**_metrics(bp, run_id, "rollout", it), **_metrics(bp, run_id, "update", it)} for it in (1, 2)}
+    assert "rollout/reward_mean" in expected[1] and any(k.startswith("update/") for k in expected[1])
+    for name in expected[1]:
+        assert _history(client, uuid, name) == [(1, pytest.approx(expected[1][name])),
+                                                (2, pytest.approx(expected[2][name]))], name
+    pointer = open_store(bp).get_pointer(f"runs/{run_id}/latest")
+    assert run.data.tags["verlflow.promoted_model"] == pointer["hf_uri"]
+    assert mlflow_run_url(open_store(bp), run_id) == f"{url}/#/experiments/{exp.experiment_id}/runs/{uuid}"
+
+    run_pipeline(bp, run_id, on_line=lines.append)  # everything reused: nothing logged again
+    assert the_run().info.run_id == uuid
+    for name in expected[1]:
+        assert [s for s, _ in _history(client, uuid, name)] == [1, 2], name
+
+    run_pipeline(bp, run_id, on_line=lines.append, force_from="update[2]")  # update[2] recomputed, logged anew
+    assert the_run().info.run_id == uuid
+    for name in expected[1]:
+        steps = [s for s, _ in _history(client, uuid, name)]
+        assert steps == ([1, 2, 2] if name.startswith("update/") else [1, 2]), name
+    assert the_run().data.tags["verlflow.promoted_model"] == open_store(bp).get_pointer(
+        f"runs/{run_id}/latest")["hf_uri"]
+
+    caplog.set_level("WARNING", logger="verlflow.tracking")
+
+    def server_gone(step, res):  # the tracker opened its run at build: the server goes down mid-run
+        if step.stage == "build":
+            stop_server()
+
+    results = run_pipeline(bp, run_id, on_line=lines.append, on_step=server_gone, force_from="update[2]")
+    assert results[-1].manifest["stage"] == "checkpoint" and not results[-1].skipped  # the run went on to the end
+    warned = [r.getMessage() for r in caplog.records if r.name == "verlflow.tracking"]
+    assert len(warned) == 1 and "mlflow failed to log update[2]" in warned[0], warned
+
+
+def test_tensorboard_event_files_hold_each_iteration(reference, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from verlflow.core.orchestrate.pipeline import run_pipeline
+
+    bp, root = _tracked_copy(reference, tmp_path, backends=["tensorboard"])
+    run_id = reference.run_id
+    expected = {it: {**_metrics(bp, run_id, "rollout", it), **_metrics(bp, run_id, "update", it)} for it in (1, 2)}
+    for _ in range(2):  # the rerun reuses every stage and adds no event for them
+        run_pipeline(bp, run_id, on_line=lambda line: None)
+        # purge_orphaned_data=False: steps written twice show as twice, not folded by TensorBoard's restart logic
+        events = EventAccumulator(str(root / "tracking" / "tensorboard" / run_id), purge_orphaned_data=False)
+        events.Reload()
+        assert set(expected[1]) <= set(events.Tags()["scalars"])
+        for name in expected[1]:
+            got = [(e.step, e.value) for e in events.Scalars(name)]
+            assert got == [(1, pytest.approx(expected[1][name], rel=1e-6)),
+                           (2, pytest.approx(expected[2][name], rel=1e-6))], name
+
+
+def _wandb_records(path: Path):
+    """The records of a .wandb file (wandb's own protobuf, in the LevelDB log framing wandb-core writes: a 7-byte
+    file header, then 32 KiB blocks of chunks with a 7-byte header: crc32, length, type FULL/FIRST/MIDDLE/LAST)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, chunk, block = path.read_bytes(), 7, b"", 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = chunk + data[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunk)
+            chunk = b""
+            yield record
+
+
+def test_wandb_offline_run_holds_metrics_and_never_the_key(reference, tmp_path, monkeypatch, capfd):
+    from verlflow.core.orchestrate.pipeline import run_pipeline
+
+    secret = "wbkey-" + "7f3a9c" * 6
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    bp, root = _tracked_copy(reference, tmp_path, backends=["wandb"])
+    bp.resources.slurm.setup = [f"export WANDB_API_KEY={secret}"]  # shell lines are never logged (validate reruns)
+    run_id, lines = reference.run_id, []
+    run_pipeline(bp, run_id, on_line=lines.append)
+
+    files = glob.glob(str(root / "tracking" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(files) == 1, files
+    history, config, summary, kinds = {}, {}, {}, []
+    for rec in _wandb_records(Path(files[0])):
+        kind = rec.WhichOneof("record_type")
+        kinds.append(kind)
+        if kind == "history":
+            row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
+            history.setdefault(row["iteration"], {}).update(row)
+        elif kind == "run":
+            config.update({u.key: json.loads(u.value_json) for u in rec.run.config.update})
+        elif kind == "summary":
+            summary.update({(u.key or "/".join(u.nested_key)): u.value_json for u in rec.summary.update})
+    assert {1, 2} <= set(history), (kinds, os.path.getsize(files[0]), sorted(history))
+    for it in (1, 2):
+        for name, value in {**_metrics(bp, run_id, "rollout", it), **_metrics(bp, run_id, "update", it)}.items():
+            assert history[it][name] == pytest.approx(value), (it, name)
+    assert config["algorithm.lr"] == str(bp.algorithm.lr)
+    assert "verlflow/promoted_model" in summary
+
+    out, err = capfd.readouterr()
+    assert secret not in out + err + "\n".join(lines)
+    leaked = [p for p in tmp_path.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert not leaked, leaked
+
+
+@pytest.mark.parametrize("uri, why", [("http://127.0.0.1:{port}", "unreachable"), ("ftp://host/x", "scheme")])
+def test_validate_refuses_an_unusable_mlflow_uri(tiny_kit, tmp_path, capsys, uri, why):
+    from verlflow.core.orchestrate.cli import main
+
+    store = tmp_path / "store"
+    uri = uri.format(port=_free_port())  # nothing listens there
+    args = tiny_overrides(tiny_kit, store, *ONE_RANK, "tracking.backends=[mlflow]", f"tracking.mlflow_uri={uri}")
+    for verb in (["validate-blueprint"], ["run", "--run-id", "t1"]):
+        rc = main([*verb, *args])
+        err = capsys.readouterr().err
+        assert rc != 0 and "tracking.mlflow_uri" in err and why in err and uri in err, err
+    assert not store.exists()
