@@ -2,12 +2,16 @@
 is the blueprint schema with the blueprint's values, and a finished flow run shows its artifacts and the metrics
 table. Screenshots are kept under test-outputs/ (git-ignored)."""
 
+import base64
+import json
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
 import pytest
+from prefect_server import FED_SOURCES
 from sysdeps import unavailable
 from tinybp import ONE_RANK, tiny_blueprint
 
@@ -34,6 +38,57 @@ def page(url: str, shot: str) -> str:
     return r.stdout
 
 
+IMAGES_JS = ("JSON.stringify(Array.from(document.images).filter(i => i.src.startsWith('data:image/png'))"
+             ".map(i => [i.complete, i.naturalWidth, i.naturalHeight]))")
+
+
+def rendered_images(url: str, shot: str, tmp_path: Path, wait_s: float = 60.0) -> tuple[str, list]:
+    """(DOM, [(complete, naturalWidth, naturalHeight)] of the page's PNG data images) once Chromium has decoded one,
+    through the DevTools protocol (--dump-dom cannot say whether an image decoded); a screenshot to test-outputs/."""
+    from websockets.sync.client import connect
+
+    profile = tmp_path / "chromium-profile"
+    proc = subprocess.Popen([CHROMIUM, *FLAGS[:-2], "--window-size=1400,1600", "--remote-debugging-port=0",
+                             f"--user-data-dir={profile}", url], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        ws_url = _page_target(profile, wait_s)
+        with connect(ws_url, max_size=2**26) as ws:
+            deadline, images = time.monotonic() + wait_s, []
+            while time.monotonic() < deadline and not any(i[0] and i[1] > 0 for i in images):
+                time.sleep(0.5)
+                images = json.loads(_cdp(ws, "Runtime.evaluate", expression=IMAGES_JS)["result"]["value"])
+            dom = _cdp(ws, "Runtime.evaluate", expression="document.documentElement.outerHTML")["result"]["value"]
+            OUT.mkdir(exist_ok=True)
+            (OUT / shot).write_bytes(base64.b64decode(_cdp(ws, "Page.captureScreenshot")["data"]))
+        return dom, images
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def _page_target(profile: Path, wait_s: float) -> str:
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        port_file = profile / "DevToolsActivePort"
+        if port_file.is_file() and port_file.read_text().strip():
+            port = port_file.read_text().split()[0]
+            pages = [t for t in httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=10).json()
+                     if t["type"] == "page"]
+            if pages:
+                return pages[0]["webSocketDebuggerUrl"]
+        time.sleep(0.2)
+    pytest.fail(f"Chromium opened no DevTools page within {wait_s:.0f} s")
+
+
+def _cdp(ws, method: str, **params) -> dict:
+    ws.send(json.dumps({"id": 1, "method": method, "params": params}))
+    while True:
+        msg = json.loads(ws.recv())
+        if msg.get("id") == 1:
+            assert "error" not in msg, msg
+            return msg["result"]
+
+
 def test_deployment_run_form_is_the_blueprint(prefect_server, tiny_kit, tmp_path):
     from verlflow.flows.deploy import deploy
 
@@ -46,20 +101,29 @@ def test_deployment_run_form_is_the_blueprint(prefect_server, tiny_kit, tmp_path
     assert "ui-form" in dom and "rloo" in dom  # the deployment's blueprint values fill the form
 
 
-def test_flow_run_artifacts_and_metrics_table(prefect_server, tiny_flow_run):
+def test_flow_run_artifacts_metrics_and_eval_tables_and_figure(prefect_server, tiny_flow_run, tmp_path):
     fr = str(tiny_flow_run.flow_run_id)
     dom = page(f"{prefect_server.ui}/v2/runs/flow-run/{fr}?tab=Artifacts", "flow-run-artifacts.png")
-    for key in ("flow1-metrics", "flow1-progress", "flow1-plot", "rollout[1]"):
+    for key in ("flow1-metrics", "flow1-progress", "flow1-plot", "rollout[1]", "flow1-eval", "flow1-eval-samples"):
         assert key in dom, key
     table = httpx.post(f"{prefect_server.url}/artifacts/filter", timeout=30,
                        json={"artifacts": {"key": {"any_": ["flow1-metrics"]}}}).json()[0]
     dom = page(f"{prefect_server.ui}/v2/artifacts/artifact/{table['id']}", "metrics-table.png")
     for col in ("reward_mean", "reward_std", "kl", "entropy", "clipfrac", "grad_norm", "rollout_tok_s", "update_s"):
         assert f">{col}<" in dom, col
+    evals = httpx.post(f"{prefect_server.url}/artifacts/filter", timeout=30,
+                       json={"artifacts": {"key": {"any_": ["flow1-eval"]}}}).json()[0]
+    dom = page(f"{prefect_server.ui}/v2/artifacts/artifact/{evals['id']}", "eval-table.png")
+    for col in ("iteration", "data_source", "accuracy", "reward_mean", "pass@1", "response_len_mean"):
+        assert f">{col}<" in dom, col
+    for src in FED_SOURCES:  # a row per data source
+        assert f">{src}<" in dom, src
     plot = httpx.post(f"{prefect_server.url}/artifacts/filter", timeout=30,
                       json={"artifacts": {"key": {"any_": ["flow1-plot"]}}}).json()[0]
-    dom = page(f"{prefect_server.ui}/v2/artifacts/artifact/{plot['id']}", "reward-kl-plot.png")
+    dom, images = rendered_images(f"{prefect_server.ui}/v2/artifacts/artifact/{plot['id']}", "curves-plot.png",
+                                  tmp_path)
     assert 'src="data:image/png;base64,' in dom
+    assert any(done and w > 0 and h > 0 for done, w, h in images), images  # Chromium decoded the matplotlib PNG
 
 
 def test_run_form_describes_every_flow_parameter_and_the_backend_sections(prefect_server, tiny_kit, tmp_path):
