@@ -85,7 +85,7 @@ class RunReport:
                                                     description=f"{run_id}: iterations done")
 
     def step_done(self, step, res: StageResult) -> None:
-        """After each pipeline step: the iteration's row once its last step (its checkpoint, if it exports) is done."""
+        """After each pipeline step: the iteration's row once its last step (checkpoint, else evaluate, else update)."""
         if step.stage == "rollout":
             self._done = {}
         self._done[step.stage] = res

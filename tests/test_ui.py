@@ -102,6 +102,8 @@ def test_deployment_run_form_is_the_blueprint(prefect_server, tiny_kit, tmp_path
 
 
 def test_flow_run_artifacts_metrics_and_eval_tables_and_figure(prefect_server, tiny_flow_run, tmp_path):
+    from verlflow.core.orchestrate import figures
+
     fr = str(tiny_flow_run.flow_run_id)
     dom = page(f"{prefect_server.ui}/v2/runs/flow-run/{fr}?tab=Artifacts", "flow-run-artifacts.png")
     for key in ("flow1-metrics", "flow1-progress", "flow1-plot", "rollout[1]", "flow1-eval", "flow1-eval-samples"):
@@ -123,7 +125,8 @@ def test_flow_run_artifacts_metrics_and_eval_tables_and_figure(prefect_server, t
     dom, images = rendered_images(f"{prefect_server.ui}/v2/artifacts/artifact/{plot['id']}", "curves-plot.png",
                                   tmp_path)
     assert 'src="data:image/png;base64,' in dom
-    assert any(done and w > 0 and h > 0 for done, w, h in images), images  # Chromium decoded the matplotlib PNG
+    width = round(figures.PANEL_INCHES[0] * 2 * figures.DPI)  # two panels a row: the matplotlib figure's pixels
+    assert any(done and w == width and h > 0 for done, w, h in images), images  # Chromium decoded it
 
 
 def test_run_form_describes_every_flow_parameter_and_the_backend_sections(prefect_server, tiny_kit, tmp_path):

@@ -1,20 +1,17 @@
 """The figures and tables people read: a run's training and evaluation curves (the run report's PNG) and runs side
 by side (`verlflow compare`). Every number is read through core/metrics.py's names from the stages' manifests;
-drawn with matplotlib's Agg backend (no display), on the driver."""
+drawn on the driver with matplotlib's Figure API, which renders a PNG with the Agg canvas (no display, and no
+pyplot: the process's backend stays whatever it is)."""
 
 from __future__ import annotations
 
 import io
 from dataclasses import dataclass
 
-import matplotlib
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")  # before pyplot: no display on a driver or a CI machine
-
-from matplotlib.figure import Figure  # noqa: E402
-
-from verlflow.core import metrics  # noqa: E402
-from verlflow.core.store.artifacts import ArtifactStore  # noqa: E402
+from verlflow.core import metrics
+from verlflow.core.store.artifacts import ArtifactStore
 
 History = dict[int, dict[str, float]]  # iteration -> named metrics (core/metrics.py)
 EVAL_COLUMNS = ("accuracy", "reward_mean", "response_len_mean", "samples")  # then each pass@k
