@@ -42,28 +42,35 @@ IMAGES_JS = ("JSON.stringify(Array.from(document.images).filter(i => i.src.start
              ".map(i => [i.complete, i.naturalWidth, i.naturalHeight]))")
 
 
-def rendered_images(url: str, shot: str, tmp_path: Path, wait_s: float = 60.0) -> tuple[str, list]:
-    """(DOM, [(complete, naturalWidth, naturalHeight)] of the page's PNG data images) once Chromium has decoded one,
-    through the DevTools protocol (--dump-dom cannot say whether an image decoded); a screenshot to test-outputs/."""
+def rendered(pages: list[tuple[str, str, str | None]], tmp_path: Path, wait_s: float = 60.0) -> list[tuple]:
+    """For each (url, screenshot, marker) in one Chromium through the DevTools protocol: (DOM, [(complete,
+    naturalWidth, naturalHeight)] of its PNG data images) once the DOM holds `marker` (None: once an image decoded,
+    which --dump-dom cannot tell); screenshots to test-outputs/."""
     from websockets.sync.client import connect
 
     profile = tmp_path / "chromium-profile"
     proc = subprocess.Popen([CHROMIUM, *FLAGS[:-2], "--window-size=1400,1600", "--remote-debugging-port=0",
-                             f"--user-data-dir={profile}", url], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             f"--user-data-dir={profile}", "about:blank"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     try:
-        ws_url = _page_target(profile, wait_s)
-        with connect(ws_url, max_size=2**26) as ws:
-            deadline, images = time.monotonic() + wait_s, []
-            while time.monotonic() < deadline and not any(i[0] and i[1] > 0 for i in images):
-                time.sleep(0.5)
-                images = json.loads(_cdp(ws, "Runtime.evaluate", expression=IMAGES_JS)["result"]["value"])
-            dom = _cdp(ws, "Runtime.evaluate", expression="document.documentElement.outerHTML")["result"]["value"]
-            OUT.mkdir(exist_ok=True)
-            (OUT / shot).write_bytes(base64.b64decode(_cdp(ws, "Page.captureScreenshot")["data"]))
-        return dom, images
+        with connect(_page_target(profile, wait_s), max_size=2**26) as ws:
+            return [_visit(ws, url, shot, marker, wait_s) for url, shot, marker in pages]
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def _visit(ws, url: str, shot: str, marker: str | None, wait_s: float) -> tuple[str, list]:
+    _cdp(ws, "Page.navigate", url=url)
+    deadline, dom, images = time.monotonic() + wait_s, "", []
+    ready = (lambda: marker in dom) if marker else (lambda: any(i[0] and i[1] > 0 for i in images))
+    while time.monotonic() < deadline and not ready():
+        time.sleep(0.3)
+        dom = _cdp(ws, "Runtime.evaluate", expression="document.documentElement.outerHTML")["result"]["value"]
+        images = json.loads(_cdp(ws, "Runtime.evaluate", expression=IMAGES_JS)["result"]["value"])
+    OUT.mkdir(exist_ok=True)
+    (OUT / shot).write_bytes(base64.b64decode(_cdp(ws, "Page.captureScreenshot")["data"]))
+    return dom, images
 
 
 def _page_target(profile: Path, wait_s: float) -> str:
@@ -115,16 +122,16 @@ def test_flow_run_artifacts_metrics_and_eval_tables_and_figure(prefect_server, t
         assert f">{col}<" in dom, col
     evals = httpx.post(f"{prefect_server.url}/artifacts/filter", timeout=30,
                        json={"artifacts": {"key": {"any_": ["flow1-eval"]}}}).json()[0]
-    dom = page(f"{prefect_server.ui}/v2/artifacts/artifact/{evals['id']}", "eval-table.png")
+    plot = httpx.post(f"{prefect_server.url}/artifacts/filter", timeout=30,
+                      json={"artifacts": {"key": {"any_": ["flow1-plot"]}}}).json()[0]
+    (dom, _), (plot_dom, images) = rendered([
+        (f"{prefect_server.ui}/v2/artifacts/artifact/{evals['id']}", "eval-table.png", ">response_len_mean<"),
+        (f"{prefect_server.ui}/v2/artifacts/artifact/{plot['id']}", "curves-plot.png", None)], tmp_path)
     for col in ("iteration", "data_source", "accuracy", "reward_mean", "pass@1", "response_len_mean"):
         assert f">{col}<" in dom, col
     for src in FED_SOURCES:  # a row per data source
         assert f">{src}<" in dom, src
-    plot = httpx.post(f"{prefect_server.url}/artifacts/filter", timeout=30,
-                      json={"artifacts": {"key": {"any_": ["flow1-plot"]}}}).json()[0]
-    dom, images = rendered_images(f"{prefect_server.ui}/v2/artifacts/artifact/{plot['id']}", "curves-plot.png",
-                                  tmp_path)
-    assert 'src="data:image/png;base64,' in dom
+    assert 'src="data:image/png;base64,' in plot_dom
     width = round(figures.PANEL_INCHES[0] * 2 * figures.DPI)  # two panels a row: the matplotlib figure's pixels
     assert any(done and w == width and h > 0 for done, w, h in images), images  # Chromium decoded it
 
