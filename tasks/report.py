@@ -1,15 +1,16 @@
 """Run-level Prefect artifacts: a metrics table and a progress bar over iterations, a summary linking the promoted
-policy, and a PNG of the reward/KL curves written into the artifact store (drawn with PIL, no plotting
-dependency)."""
+policy, an eval table (iteration x data source) with sample responses, and a PNG of the training and eval curves
+(core/orchestrate/figures.py) written into the artifact store and embedded in a markdown artifact."""
 
 import base64
-import io
 import re
 
 from prefect.artifacts import (create_link_artifact, create_markdown_artifact, create_progress_artifact,
                                create_table_artifact, update_progress_artifact)
 
+from verlflow.core import metrics
 from verlflow.core.blueprint import Blueprint
+from verlflow.core.orchestrate import figures
 from verlflow.core.orchestrate.pipeline import exports_at
 from verlflow.core.orchestrate.runner import StageResult, open_store
 from verlflow.core.store.artifacts import ArtifactStore, stage_key
@@ -80,17 +81,17 @@ class RunReport:
 
     def __init__(self, bp: Blueprint, run_id: str):
         self.bp, self.run_id, self.key, self.rows = bp, run_id, artifact_key(run_id), []
+        self.history: figures.History = {}  # named metrics per iteration done (0: the evaluation before training)
         self._done: dict[str, StageResult] = {}  # the iteration's steps so far, by stage
         self.progress_id = create_progress_artifact(0.0, key=f"{self.key}-progress",
                                                     description=f"{run_id}: iterations done")
 
     def step_done(self, step, res: StageResult) -> None:
-        """After each pipeline step: the iteration's row once its last step (its checkpoint, if it exports) is done."""
+        """After each pipeline step: the iteration's row once its last step (checkpoint, else evaluate, else update)."""
         if step.stage == "rollout":
             self._done = {}
         self._done[step.stage] = res
-        last = "checkpoint" if isinstance(step.iteration, int) and exports_at(self.bp, step.iteration) else "update"
-        if step.stage == last:
+        if step.stage == _last_stage(self.bp, step.iteration):
             d = self._done
             self.iteration_done(iteration_row(step.iteration, d["rollout"], d["update"], d.get("checkpoint")))
 
@@ -102,50 +103,58 @@ class RunReport:
         store = open_store(self.bp)
         create_markdown_artifact(run_summary(store, self.bp, self.run_id, self.rows), key=f"{self.key}-summary",
                                  description=f"{self.run_id}: the promoted policy")
-        png = plot_curves(self.rows)
+        self._read_history(store, row["iteration"])
+        self._eval_artifacts(store)
+        self._figure_artifacts(store)
+
+    def _read_history(self, store: ArtifactStore, iteration: int) -> None:
+        for it in ([0] if len(self.rows) == 1 else []) + [iteration]:  # 0: before training
+            if found := metrics.of_iteration(store, self.run_id, it):
+                self.history[it] = found
+
+    def _eval_artifacts(self, store: ArtifactStore) -> None:
+        rows = figures.eval_rows(self.history)
+        if not rows:
+            return
+        create_table_artifact(rows, key=f"{self.key}-eval",
+                              description=f"{self.run_id}: held-out evaluation per iteration and data source")
+        last = max(r["iteration"] for r in rows)
+        create_markdown_artifact(eval_samples_markdown(self.run_id, last, figures.eval_samples(store, self.run_id, last)),
+                                 key=f"{self.key}-eval-samples", description=f"{self.run_id}: eval sample responses")
+
+    def _figure_artifacts(self, store: ArtifactStore) -> None:
+        png = figures.png(figures.run_figure(self.history, self.run_id))
         key = f"reports/{self.run_id}/curves.png"
         store.put_bytes(key, png)
-        create_link_artifact(store.uri(key), link_text="reward / KL curves (PNG)", key=f"{self.key}-curves",
-                             description=f"{self.run_id}: reward and KL per iteration, in the artifact store")
-        create_markdown_artifact(f"### {self.run_id}: reward and KL per iteration\n\n"
+        create_link_artifact(store.uri(key), link_text="training and eval curves (PNG)", key=f"{self.key}-curves",
+                             description=f"{self.run_id}: reward, KL and eval per iteration, in the artifact store")
+        create_markdown_artifact(f"### {self.run_id}: training and evaluation per iteration\n\n"
                                  f"![curves](data:image/png;base64,{base64.b64encode(png).decode()})\n\n"
                                  f"Stored at [{store.uri(key)}]({store.uri(key)})", key=f"{self.key}-plot")
 
 
-def plot_curves(rows: list[dict], w: int = 640, h: int = 220) -> bytes:
-    """Two panels (reward mean with a ±std band, KL) over iterations, as PNG bytes."""
-    from PIL import Image, ImageDraw
+def _last_stage(bp: Blueprint, iteration) -> str | None:
+    """The step after which an iteration's row is complete: its checkpoint, else its evaluation, else its update."""
+    if not isinstance(iteration, int) or iteration < 1:
+        return None
+    if exports_at(bp, iteration):
+        return "checkpoint"
+    return "evaluate" if bp.evaluates_at(iteration) else "update"
 
-    img = Image.new("RGB", (w, 2 * h), "white")
-    d = ImageDraw.Draw(img)
-    its = [r["iteration"] for r in rows]
-    panels = [("reward mean ± std", "reward_mean", "reward_std", (31, 119, 180)), ("KL", "kl", None, (214, 39, 40))]
-    for p, (title, key, band, color) in enumerate(panels):
-        top, left, right, bottom = p * h + 24, 60, w - 20, (p + 1) * h - 28
-        ys = [r.get(key) or 0.0 for r in rows]
-        sd = [r.get(band) or 0.0 for r in rows] if band else [0.0] * len(rows)
-        lo, hi = min(y - s for y, s in zip(ys, sd)), max(y + s for y, s in zip(ys, sd))
-        hi = hi if hi > lo else lo + 1e-6
-        x0, x1 = min(its), max(its) if max(its) > min(its) else min(its) + 1
 
-        def xy(x, y):
-            return (left + (right - left) * (x - x0) / (x1 - x0), bottom - (bottom - top) * (y - lo) / (hi - lo))
+def eval_samples_markdown(run_id: str, iteration: int, samples: dict[str, list[dict]]) -> str:
+    """A few sample responses of the latest evaluation, per data source."""
+    lines = [f"### {run_id}: sample responses of the evaluation at iteration {iteration}", ""]
+    if not samples:
+        lines.append("_No sample responses recorded by this evaluation._")
+    for src, shown in sorted(samples.items()):
+        lines += [f"#### {src}", ""]
+        for s in shown:
+            lines += [f"- reward {s.get('reward')}: prompt `{_one_line(s.get('prompt'))}`", "",
+                      "  ```", *(f"  {t}" for t in str(s.get("response", "")).splitlines()), "  ```", ""]
+    return "\n".join(lines)
 
-        d.rectangle([left, top, right, bottom], outline=(160, 160, 160))
-        d.text((left, top - 18), title, fill=(0, 0, 0))
-        d.text((4, top), f"{hi:.3g}", fill=(90, 90, 90))
-        d.text((4, bottom - 10), f"{lo:.3g}", fill=(90, 90, 90))
-        for x in its:
-            d.text((xy(x, lo)[0] - 3, bottom + 4), str(x), fill=(90, 90, 90))
-        if band and len(rows) > 1:
-            poly = [xy(x, y + s) for x, y, s in zip(its, ys, sd)] + [xy(x, y - s) for x, y, s in
-                                                                      reversed(list(zip(its, ys, sd)))]
-            d.polygon(poly, fill=tuple(200 + c // 5 for c in color))
-        pts = [xy(x, y) for x, y in zip(its, ys)]
-        if len(pts) > 1:
-            d.line(pts, fill=color, width=3)
-        for x, y in pts:
-            d.ellipse([x - 4, y - 4, x + 4, y + 4], fill=color)
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
+
+def _one_line(text, limit: int = 200) -> str:
+    flat = " ".join(str(text or "").split()).replace("`", "'")
+    return flat if len(flat) <= limit else flat[:limit] + "..."

@@ -162,6 +162,26 @@ class FinishedRun:
     wall_s: float
 
 
+FED_SOURCES = ("openai/gsm8k", "tiny/held")
+
+
+def feed_eval(bp, run_id: str, iterations) -> None:
+    """Evaluations of the run's iterations committed under the evaluate stage's metric names (core/metrics.py),
+    for the report to show, until the evaluate stage lands: then drop this and give tiny_flow_run's blueprint
+    an `eval.files=[...]` override instead (the report reads whatever evaluate manifests the store holds)."""
+    from verlflow.core.orchestrate.runner import open_store
+
+    store = open_store(bp)
+    for it in iterations:
+        metrics = {"accuracy": 0.25 * it, "samples": 8}
+        for src in FED_SOURCES:
+            metrics.update({f"{src}/accuracy": 0.25 * it, f"{src}/reward_mean": 0.1 * it, f"{src}/pass@1": 0.25 * it,
+                            f"{src}/response_len_mean": 6.0, f"{src}/samples": 4})
+        samples = {src: [{"prompt": "2+2?", "response": f"fed answer {it}", "reward": 0.0}] for src in FED_SOURCES}
+        store.commit(f"runs/{run_id}/{it}/evaluate", {"key": f"fed-eval-{run_id}-{it}", "metrics": metrics,
+                                                      "samples": samples}, {})
+
+
 @pytest.fixture(scope="session")
 def tiny_flow_run(prefect_server, tiny_kit, tmp_path_factory) -> FinishedRun:
     from verlflow.flows.finetune import finetune
@@ -171,6 +191,7 @@ def tiny_flow_run(prefect_server, tiny_kit, tmp_path_factory) -> FinishedRun:
     # A warm pool, as the demo runs (one job for every stage; fresh jobs are the stage and fault tests' subject).
     bp = tiny_blueprint(tiny_kit, tmp_path_factory.mktemp("store-inproc"), *ONE_RANK, "name=tiny-flow",
                         "resources.warm_workers=true")
+    feed_eval(bp, "flow1", (0, 1))
     t0 = time.perf_counter()
     state = finetune(blueprint=bp, run_id="flow1", return_state=True)
     return FinishedRun(bp, "flow1", state.state_details.flow_run_id, state, time.perf_counter() - t0)

@@ -310,6 +310,29 @@ def cmd_rollback(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    """Runs side by side: a per-iteration table on stdout and a PNG with one panel per metric, one line per run."""
+    from verlflow.core.blueprint import load_blueprint
+    from verlflow.core.orchestrate.figures import compare_runs, png
+    from verlflow.core.orchestrate.runner import open_store
+    from verlflow.core.store.artifacts import safe_run_id
+
+    runs = [r for r in args.runs if "=" not in r]
+    overrides = [r for r in args.runs if "=" in r] + list(args.overrides)
+    if args.store:
+        overrides.append(f"storage.uri={args.store}")
+    for r in runs:
+        safe_run_id(r, "compare RUN")
+    store = open_store(load_blueprint(args.blueprint, overrides))
+    names = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None
+    result = compare_runs(store, runs, names)
+    print(result.table())
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_bytes(png(result.figure))
+    print(f"figure: {args.out} ({len(result.names)} panels, one line per run)")
+    return 0
+
+
 def _run_flow(bp, run_id, from_step) -> int:
     from verlflow.flows.finetune import finetune
 
@@ -440,6 +463,15 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("stage", help="stage path, e.g. runs/<run>/1/rollout")
     _add_blueprint(s)
     s.set_defaults(fn=cmd_show)
+
+    s = sub.add_parser("compare", help="runs side by side: a per-iteration table and a PNG (one panel per metric)")
+    s.add_argument("runs", nargs="+", metavar="RUN", help="run ids (KEY=VALUE overrides may follow)")
+    s.add_argument("--blueprint", help="blueprint YAML naming the store (default: embedded defaults)")
+    s.add_argument("--store", help="artifact store URI (instead of the blueprint's storage.uri)")
+    s.add_argument("--metrics", help="comma-separated metric names, e.g. rollout/reward_mean,eval/accuracy "
+                   "(default: reward mean, KL and eval accuracy where recorded)")
+    s.add_argument("--out", default="compare.png", help="PNG to write (default: compare.png)")
+    s.set_defaults(fn=cmd_compare, overrides=[])
     return p
 
 
