@@ -80,7 +80,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.shape, args.prompts, args.n, args.new_tokens, args.nproc = "tiny", 4, 4, 8, 2
+        # One rank and a short rollout: the smoke checks every path and column, not the speed of the maths.
+        args.shape, args.prompts, args.n, args.new_tokens, args.nproc = "tiny", 4, 2, 4, 1
         args.pools = "async"
 
     from verlflow.core.blueprint import load_blueprint

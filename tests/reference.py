@@ -5,18 +5,21 @@ Fixture:
   reference (session) -> Reference: two GRPO iterations of the tiny blueprint (2 ranks), run `eq`, each stage its
                          own fresh torchrun job (test_stages compares it with one monolithic process and with a warm
                          pool). Its store is read-only for tests: a test that writes to a store (runs a stage there,
-                         adds a run, moves a pointer) works on `reference.copy(tmp_path)`.
+                         adds a run, moves a pointer) works on `reference.copy(tmp_path)`. Under pytest-xdist it runs
+                         once for all workers (kits.built_once), so every worker's tests read the same store.
 
 Helpers: copy_store(bp, dst) (any local store), rekey(bp, run_id), clone_stages(src_store, src, dst, steps),
 promote_clone(bp, run_id, iteration).
 """
 
+import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from kits import built_once
 from tinybp import tiny_blueprint
 
 # The stages whose keys hash storage.uri (validate also the resources): in another store they must be re-keyed.
@@ -66,17 +69,28 @@ def rekey(bp, run_id: str) -> None:
         store.commit(stage_dir, {**kept, "key": key}, m["files"])
 
 
+def _reference_bp(kit: dict, root: Path):
+    # Tests start stages from any of its checkpoints, the build's initial policy too: retention keeps all three.
+    return tiny_blueprint(kit, root, iterations=2, storage__keep_last_checkpoints=3)
+
+
 @pytest.fixture(scope="session")
 def reference(tiny_kit, tmp_path_factory) -> Reference:
-    from verlflow.core.orchestrate.pipeline import run_pipeline
+    """Run once per session, whatever the number of xdist workers (kits.built_once): tests only read its store."""
+    from verlflow.core.orchestrate.runner import StageResult
 
-    root = tmp_path_factory.mktemp("reference") / "store"
-    # Tests start stages from any of its checkpoints, the build's initial policy too: retention keeps all three.
-    bp = tiny_blueprint(tiny_kit, root, iterations=2, storage__keep_last_checkpoints=3)
-    lines = []
-    results = run_pipeline(bp, "eq", on_line=lines.append)
-    assert len(results) == 2 + 3 * 2, "\n".join(lines[-60:])
-    return Reference(tiny_kit, root, bp, "eq", results)
+    def build(folder: Path) -> dict:
+        from verlflow.core.orchestrate.pipeline import run_pipeline
+
+        root, lines = folder / "store", []
+        results = run_pipeline(_reference_bp(tiny_kit, root), "eq", on_line=lines.append)
+        assert len(results) == 2 + 3 * 2, "\n".join(lines[-60:])
+        return {"root": str(root), "results": [dataclasses.asdict(r) for r in results]}
+
+    built = built_once(tmp_path_factory, "reference", build)
+    root = Path(built["root"])
+    return Reference(tiny_kit, root, _reference_bp(tiny_kit, root), "eq",
+                     [StageResult(**r) for r in built["results"]])
 
 
 def clone_stages(src_store, src: str, dst: str, steps, dst_store=None) -> None:
