@@ -779,6 +779,7 @@ def missing_inputs(bp: Blueprint) -> list[str]:
         load_reward(bp.reward.function, bp.reward.module)
     except VerlflowError as e:
         problems.append(str(e))
+    problems += [p for p in _eval_problems(bp) if p not in problems]  # a reward.module error once
     scheme = bp.storage.uri.split("://", 1)[0] if "://" in bp.storage.uri else "file"
     if scheme not in ("file", "s3"):
         problems.append(f"storage.uri: scheme '{scheme}://' is not supported; use a folder, file:// or s3://bucket/prefix.")
@@ -786,6 +787,21 @@ def missing_inputs(bp: Blueprint) -> list[str]:
         problems.append("storage.uri: an s3:// URI must not carry credentials (s3://key:secret@bucket); use "
                         "s3://bucket/prefix and set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment "
                         "(or a Prefect Secret).")
+    return problems
+
+
+def _eval_problems(bp: Blueprint) -> list[str]:
+    """eval.files' files, columns and rows, and eval.reward's function."""
+    from verlflow.core.errors import VerlflowError
+    from verlflow.core.ml.evaluate import held_out_problems
+    from verlflow.core.ml.rewards import load_reward
+
+    problems = held_out_problems(bp.eval)
+    if bp.eval.reward:
+        try:
+            load_reward(bp.eval.reward, bp.reward.module, field="eval.reward")
+        except VerlflowError as e:
+            problems.append(str(e))
     return problems
 
 

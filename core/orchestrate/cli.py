@@ -46,6 +46,11 @@ def cmd_validate_blueprint(args) -> int:
     space = _space(bp)
     print(f"{args.blueprint or '<embedded defaults>'}: ok ({bp.name}, {bp.iterations} iterations, "
           f"{bp.resources.world_size} ranks on {bp.resources.device}, store {bp.storage.uri})")
+    if bp.eval.files:
+        from verlflow.core.ml.evaluate import load_held_out
+        from verlflow.core.orchestrate.preflight import eval_sources_line
+
+        print(eval_sources_line(load_held_out(bp.eval)))
     print(space.summary())
     return 0
 
