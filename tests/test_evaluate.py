@@ -12,7 +12,7 @@ import pytest
 from reference import copy_store, rekey
 from tinybp import tiny_blueprint, tiny_overrides
 
-from verlflow.core.errors import PrunedError
+from verlflow.core.blueprint import load_blueprint
 from verlflow.core.ml.evaluate import pass_at_k
 from verlflow.core.orchestrate.cli import main
 from verlflow.core.orchestrate.pipeline import run_pipeline
@@ -60,22 +60,21 @@ def other_source_file(kit: dict, dst) -> str:
     return str(dst)
 
 
-def eval_blueprint(kit: dict, root, other: str, *overrides: str):
+def eval_overrides(kit: dict, root, other: str) -> list[str]:
     """6 GRPO iterations that learn (8 prompts x 4, lr 1e-2; tests/test_stages.py's learning test), one rank in a
     warm pool, an export at the last only; evaluated before training, at 3 and at 6 with 4 samples a prompt."""
-    return tiny_blueprint(kit, root, "resources.nproc_per_node=1", "resources.warm_workers=true", "iterations=6",
+    return tiny_overrides(kit, root, "resources.nproc_per_node=1", "resources.warm_workers=true", "iterations=6",
                           "data.batch_size=8", "algorithm.ppo_mini_batch_size=4", "algorithm.lr=1e-2",
                           "storage.export_every=6", f"eval.files=[{kit['test_file']},{other}]",
                           f"eval.max_prompts={PROMPTS_PER_FILE}", "eval.every=3", f"eval.n={N}",
-                          "eval.temperature=1.0", "eval.pass_k=[1,4]", "eval.threshold=0.5", "eval.samples_shown=2",
-                          *overrides)
+                          "eval.temperature=1.0", "eval.pass_k=[1,4]", "eval.threshold=0.5", "eval.samples_shown=2")
 
 
 @pytest.fixture(scope="module")
 def evaluated(tiny_kit, tmp_path_factory):
     """(blueprint, store folder, results by step name) of the run; read only (a test that writes copies it)."""
     tmp = tmp_path_factory.mktemp("evaluated")
-    bp = eval_blueprint(tiny_kit, tmp / "store", other_source_file(tiny_kit, tmp / "other.parquet"))
+    bp = load_blueprint(None, eval_overrides(tiny_kit, tmp / "store", other_source_file(tiny_kit, tmp / "other.parquet")))
     lines = []
     results = run_pipeline(bp, "ev", on_line=lines.append)
     by_name = {f"{r.manifest['stage']}[{r.manifest['iteration']}]": r for r in results}
@@ -119,24 +118,38 @@ def test_the_held_out_split_improves_and_the_evaluation_shows_it(evaluated):
     assert row["ok"] and "tiny_digits (16), other_digits (16)" in row["detail"], row
 
 
-def test_a_rerun_reuses_every_evaluation_and_from_reruns_one(evaluated, tmp_path):
+def test_a_rerun_reuses_every_evaluation_and_from_reruns_one(evaluated, tiny_kit, tmp_path, capsys):
+    """Through the CLI, as a user resumes: `verlflow rerun`, `--from evaluate[3]`, `--from evaluate[6]`, `ls`."""
     bp, _, res = evaluated
     bp, root = copy_store(bp, tmp_path)
     rekey(bp, "ev")
-    again = run_pipeline(bp, "ev", on_line=lambda line: None)
-    assert all(r.skipped for r in again), [r.manifest["stage"] for r in again if not r.skipped]
+    argv = ["rerun", "ev", *eval_overrides(tiny_kit, root, bp.eval.files[1])]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for it in (0, 3, 6):
+        assert f"evaluate[{it}] is committed with the same key: reusing" in out, out
+    assert " -> " not in out, out  # nothing launched
+    assert "held-out evaluation" in out and f"{res['evaluate[6]'].manifest['metrics']['accuracy']:.4f}" in out
     # keep_last_checkpoints 2: update[3]'s policy is pruned, so evaluate[3] cannot run again; refused before anything
-    with pytest.raises(PrunedError, match=r"evaluate\[3\] needs .*runs/ev/3/update.*retention pruned"):
-        run_pipeline(bp, "ev", on_line=lambda line: None, force_from="evaluate[3]")
+    assert main([*argv, "--from", "evaluate[3]"]) != 0
+    err = capsys.readouterr().err
+    assert "evaluate[3] needs" in err and "runs/ev/3/update" in err and "retention pruned" in err, err
     assert (root / "runs/ev/3/evaluate/manifest.json").is_file()
-    redo = run_pipeline(bp, "ev", on_line=lambda line: None, force_from="evaluate[6]")
-    ran = [f"{r.manifest['stage']}[{r.manifest['iteration']}]" for r in redo if not r.skipped]
-    assert ran == ["evaluate[6]", "checkpoint[6]"], ran
+    assert main([*argv, "--from", "evaluate[6]"]) == 0
+    out = capsys.readouterr().out
+    ran = [line.split()[1] for line in out.splitlines() if line.startswith("[verlflow] ") and " -> " in line]
+    assert ran == ["evaluate[6]", "checkpoint[6]"], out
     # the same seeds and weights: the same samples (the policy read back from its checkpoint this time)
-    new, old = redo[-2].manifest["metrics"], res["evaluate[6]"].manifest["metrics"]
-    assert {k: v for k, v in new.items() if k != "warm_cache_hits"} == \
-        {k: v for k, v in old.items() if k != "warm_cache_hits"}
-    assert "warm_cache_hits" not in new
+    new, old = load_manifest(root, "runs/ev/6/evaluate")["metrics"], res["evaluate[6]"].manifest["metrics"]
+    assert "warm_cache_hits" not in new and {k: v for k, v in old.items() if k != "warm_cache_hits"} == new
+    assert main(["ls", *argv[2:], "--run", "ev"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed[:4] == ["validate[init]", "build[init]", "evaluate[0]", "rollout[1]"], listed
+    assert listed[-4:] == ["rollout[6]", "update[6]", "evaluate[6]", "checkpoint[6]"], listed
+
+
+def load_manifest(root, key: str) -> dict:
+    return json.loads((root / key / "manifest.json").read_text())
 
 
 def test_an_evaluation_keeps_its_key_when_only_the_rollout_sampling_changes(evaluated, tmp_path):

@@ -34,7 +34,8 @@ STAGES = ("validate", "build", "rollout", "update", "evaluate", "checkpoint")
 # The blueprint sections each stage's outputs depend on. resources is absent on purpose: a checkpoint
 # reshards, so a world-size change reuses what was committed and continues.
 SECTIONS = {
-    "validate": ("model", "data", "reward", "rollout", "fsdp", "resources", "storage", "eval", "algorithm.adv_estimator",
+    "validate": ("model", "data", "reward", "rollout", "fsdp", "resources", "storage", "eval.files", "eval.prompt_key",
+                 "eval.max_prompts", "eval.reward", "algorithm.adv_estimator",
                  "algorithm.ppo_mini_batch_size", "algorithm.ppo_micro_batch_size_per_gpu"),
     # build: optimizer hyperparameters are re-applied from the blueprint on every load, so only the
     # estimator (whether a critic exists) matters here.
