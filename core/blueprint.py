@@ -783,6 +783,7 @@ def missing_inputs(bp: Blueprint) -> list[str]:
         problems.append(str(e))
     if unknown := unknown_metric_problem(bp):
         problems.append(unknown)
+    problems += [p for p in _eval_problems(bp) if p not in problems]  # a reward.module error once
     scheme = bp.storage.uri.split("://", 1)[0] if "://" in bp.storage.uri else "file"
     if scheme not in ("file", "s3"):
         problems.append(f"storage.uri: scheme '{scheme}://' is not supported; use a folder, file:// or s3://bucket/prefix.")
@@ -791,6 +792,21 @@ def missing_inputs(bp: Blueprint) -> list[str]:
                         "s3://bucket/prefix and set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment "
                         "(or a Prefect Secret).")
     problems += tracking_problems(bp.tracking)
+    return problems
+
+
+def _eval_problems(bp: Blueprint) -> list[str]:
+    """eval.files' files, columns and rows, and eval.reward's function."""
+    from verlflow.core.errors import VerlflowError
+    from verlflow.core.ml.evaluate import held_out_problems
+    from verlflow.core.ml.rewards import load_reward
+
+    problems = held_out_problems(bp.eval)
+    if bp.eval.reward:
+        try:
+            load_reward(bp.eval.reward, bp.reward.module, field="eval.reward")
+        except VerlflowError as e:
+            problems.append(str(e))
     return problems
 
 

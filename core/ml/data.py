@@ -28,41 +28,45 @@ class Prompts:
                                                            self.extra_info, self.rows)))
 
 
-def missing_file_problems(files: list[str]) -> list[str]:
-    """data.train_files entries that are not files, each named with its place and the fix."""
-    return [f"data.train_files[{i}]: {f} does not exist; give a parquet file in verl's RL schema."
+def missing_file_problems(files: list[str], field: str = "data.train_files") -> list[str]:
+    """Entries of the list `field` (data.train_files, eval.files) that are not files, each named with its place
+    and the fix."""
+    return [f"{field}[{i}]: {f} does not exist; give a parquet file in verl's RL schema."
             for i, f in enumerate(files) if not Path(f).is_file()]
 
 
-def load_prompts(files: list[str], prompt_key: str = "prompt") -> Prompts:
-    if missing := missing_file_problems(files):
+def load_prompts(files: list[str], prompt_key: str = "prompt", field: str = "data.train_files") -> Prompts:
+    """The prompts of `files`, the blueprint's list `field` (its errors name it, and the prompt key of its
+    section: data.prompt_key for data.train_files, eval.prompt_key for eval.files)."""
+    if missing := missing_file_problems(files, field):
         raise InputError(" ".join(missing))
+    key_field = f"{field.split('.', 1)[0]}.prompt_key"
     cols: dict[str, list] = {k: [] for k in (prompt_key, *REQUIRED, "extra_info")}
     for f in files:
         try:
             table = pq.read_table(f)
         except Exception as e:
-            raise InputError(f"data.train_files: {f} is not a readable parquet file ({e}).") from None
+            raise InputError(f"{field}: {f} is not a readable parquet file ({e}).") from None
         missing = [c for c in (prompt_key, *REQUIRED) if c not in table.column_names]
         if missing:
             raise InputError(
-                f"data.train_files: {f} lacks column(s) {missing} (has {table.column_names}); verl's schema needs "
+                f"{field}: {f} lacks column(s) {missing} (has {table.column_names}); verl's schema needs "
                 f"'{prompt_key}' (chat messages), 'data_source' and 'reward_model' {{ground_truth}}. "
-                "Set data.prompt_key if the prompts are under another name."
+                f"Set {key_field} if the prompts are under another name."
             )
         if table.num_rows == 0:
-            raise InputError(f"data.train_files: {f} has no rows.")
+            raise InputError(f"{field}: {f} has no rows.")
         rows = table.to_pylist()
         for i, r in enumerate(rows):
             msgs = r[prompt_key]
             if isinstance(msgs, str):
                 msgs = [{"role": "user", "content": msgs}]
             if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "content" in m for m in msgs)):
-                raise InputError(f"data.train_files: {f} row {i}: '{prompt_key}' must be a list of "
+                raise InputError(f"{field}: {f} row {i}: '{prompt_key}' must be a list of "
                                  f"{{role, content}} messages or a string (got {type(msgs).__name__}).")
             rm = r["reward_model"]
             if not isinstance(rm, dict) or "ground_truth" not in rm:
-                raise InputError(f"data.train_files: {f} row {i}: reward_model must be a struct with ground_truth.")
+                raise InputError(f"{field}: {f} row {i}: reward_model must be a struct with ground_truth.")
             cols[prompt_key].append(msgs)
             cols["data_source"].append(str(r["data_source"]))
             cols["reward_model"].append(str(rm["ground_truth"]))

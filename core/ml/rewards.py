@@ -67,39 +67,40 @@ def reward_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_reward(name: str) -> Callable[..., float]:
-    """The registered reward ``name`` as a checked callable (returns a finite float)."""
+def get_reward(name: str, field: str = "reward.function") -> Callable[..., float]:
+    """The registered reward ``name`` as a checked callable (returns a finite float); errors name `field`."""
     fn = _REGISTRY.get(name)
     if fn is None:
         raise BlueprintError(
-            f"reward.function: unknown reward function {name!r}. Known: {', '.join(reward_names())}. "
+            f"{field}: unknown reward function {name!r}. Known: {', '.join(reward_names())}. "
             + _HOW_TO_REGISTER
         )
     return _checked(name, fn)
 
 
-def load_reward(function: str, module: Optional[str] = None) -> Callable[..., float]:
-    """Resolve the blueprint's ``reward.function`` (after importing ``reward.module`` when given)."""
+def load_reward(function: str, module: Optional[str] = None, field: str = "reward.function") -> Callable[..., float]:
+    """Resolve the blueprint's ``reward.function`` (after importing ``reward.module`` when given); `field`: the
+    blueprint field that names `function` (eval.reward), for the errors."""
     if module:
         _import(module, field="reward.module", what=f"reward.module: cannot import {module!r}")
     if not isinstance(function, str) or not function.strip():
-        raise BlueprintError(f"reward.function must name a reward function, got {function!r}. " + _HOW_TO_REGISTER)
+        raise BlueprintError(f"{field} must name a reward function, got {function!r}. " + _HOW_TO_REGISTER)
     function = function.strip()
     if ":" not in function:
-        return get_reward(function)
+        return get_reward(function, field)
     mod_name, _, attr = function.partition(":")
     if not mod_name or not attr:
         raise BlueprintError(
-            f"reward.function: {function!r} is not of the form 'package.module:function'. " + _HOW_TO_REGISTER
+            f"{field}: {function!r} is not of the form 'package.module:function'. " + _HOW_TO_REGISTER
         )
-    mod = _import(mod_name, field="reward.function", what=f"reward.function: cannot import module {mod_name!r}")
+    mod = _import(mod_name, field=field, what=f"{field}: cannot import module {mod_name!r}")
     obj: Any = mod
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise BlueprintError(f"reward.function: module {mod_name!r} has no attribute {attr!r} ({function!r}).")
+            raise BlueprintError(f"{field}: module {mod_name!r} has no attribute {attr!r} ({function!r}).")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise BlueprintError(f"reward.function: {function!r} is not callable (it is {type(obj).__name__}).")
+        raise BlueprintError(f"{field}: {function!r} is not callable (it is {type(obj).__name__}).")
     return _checked(function, obj)
 
 

@@ -46,6 +46,11 @@ def cmd_validate_blueprint(args) -> int:
     space = _space(bp)
     print(f"{args.blueprint or '<embedded defaults>'}: ok ({bp.name}, {bp.iterations} iterations, "
           f"{bp.resources.world_size} ranks on {bp.resources.device}, store {bp.storage.uri})")
+    if bp.eval.files:
+        from verlflow.core.ml.evaluate import load_held_out
+        from verlflow.core.orchestrate.preflight import eval_sources_line
+
+        print(eval_sources_line(load_held_out(bp.eval)))
     print(space.summary())
     return 0
 
@@ -89,6 +94,12 @@ def _print_summary(bp, run_id: str, results) -> None:
     print(f"{'iter':>5} {'reward_mean':>12} {'reward_std':>11} {'resp_len':>9}")
     for it, m in rows:
         print(f"{it:>5} {m['reward_mean']:>12.4f} {m['reward_std']:>11.4f} {m['response_len_mean']:>9.2f}")
+    evals = [(r.manifest["iteration"], r.manifest["metrics"]) for r in results if r.manifest["stage"] == "evaluate"]
+    if evals:
+        print(f"held-out evaluation (eval.files; iteration 0: before training)\n{'iter':>5} {'reward_mean':>12} "
+              f"{'accuracy':>9}")
+        for it, m in evals:
+            print(f"{it:>5} {m['reward_mean']:>12.4f} {m['accuracy']:>9.4f}")
     pointer = open_store(bp).get_pointer(f"runs/{run_id}/latest")
     if pointer:
         print(f"latest policy (HF folder): {pointer['hf_uri']}")

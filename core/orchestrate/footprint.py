@@ -16,6 +16,7 @@ CLI runs this before anything touches the store). Each term follows what a stage
   one being written (counted apart from the checkpoint being written: with warm workers an update's background
   commit overlaps the export).
 - rollout batches (core/ml/rollout.py save_batch): never pruned, so one per iteration.
+- evaluations (core/ml/evaluate.py): samples.parquet and the metrics, never pruned, one per evaluated policy.
 
 DCP writes each tensor shard through torch.save and each flattened optimizer field as a pickled entry, both
 listed in its .metadata: a fixed cost per item that is a third of the test kit's checkpoint and nothing at 1.5B.
@@ -174,6 +175,29 @@ def batch_bytes(bp: Blueprint) -> int:
     return tensors + 8 * SAFETENSORS_ENTRY + parquet
 
 
+def eval_bytes(bp: Blueprint) -> int:
+    """One evaluation (core/ml/evaluate.py): samples.parquet (each sample's response text, at most ~4 bytes a
+    token, and its columns) and the manifest's metrics with the shown samples. Unreadable files count no rows
+    (the preflight names them)."""
+    ev = bp.eval
+    prompts = sum(min(_parquet_rows(f), ev.max_prompts or 2**62) for f in ev.files)
+    response = ev.max_new_tokens or bp.rollout.max_new_tokens
+    return 4096 + prompts * ev.n * (response * 4 + 96) + 2048 * (1 + ev.samples_shown)
+
+
+def _parquet_rows(path: str) -> int:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows  # the footer only
+    except Exception:  # noqa: BLE001 - missing or not parquet: the preflight says so
+        return 0
+
+
+def evaluations(bp: Blueprint) -> int:
+    return sum(bp.evaluates_at(i) for i in range(bp.iterations + 1))
+
+
 def estimate(bp: Blueprint, size: ModelSize | None = None) -> Footprint:
     """The bytes a run of `bp` holds in its store at its peak, by term (`size`: the model folder's, if read)."""
     model_dir = Path(bp.model.path)
@@ -190,5 +214,6 @@ def estimate(bp: Blueprint, size: ModelSize | None = None) -> Footprint:
         Term("HF exports", exports_at_once(bp), size.export_bytes(exported) + STAGE_FILES,
              f"{exported} bytes a parameter"),
         Term("rollout batches", bp.iterations, batch_bytes(bp) + STAGE_FILES, "never pruned"),
+        Term("evaluations", evaluations(bp), eval_bytes(bp) + STAGE_FILES, "never pruned"),  # 0 without eval.files
         Term("validate report", 1, 4096 * world + STAGE_FILES),
     ))

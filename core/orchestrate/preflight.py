@@ -51,7 +51,24 @@ def rollout_problems(bp, tok, prompts) -> list[str]:
     return prompt_length_problems(tok, prompts, bp.data.max_prompt_length) + reward_problems(bp, prompts)
 
 
-def prompt_length_problems(tok, prompts, limit: int) -> list[str]:
+def eval_problems(bp, tok, prompts) -> list[str]:
+    """What the evaluate stage would refuse in eval.files' prompts: the same as the rollout, with its reward."""
+    function, field = (bp.eval.reward, "eval.reward") if bp.eval.reward else (bp.reward.function, "reward.function")
+    return (prompt_length_problems(tok, prompts, bp.data.max_prompt_length, "eval.files")
+            + reward_problems(bp, prompts, function, field))
+
+
+def eval_sources_line(held) -> str:
+    """The data sources of the held-out prompts, and the metric names they give promote.metric."""
+    from verlflow.core.ml.evaluate import source_counts
+
+    counts = source_counts(held)
+    first = next(iter(counts))
+    return (f"eval.files: {len(held)} prompts, data sources " + ", ".join(f"{s} ({n})" for s, n in counts.items())
+            + f"; promote.metric can name eval/<source>/<metric> (e.g. eval/{first}/accuracy) or eval/accuracy")
+
+
+def prompt_length_problems(tok, prompts, limit: int, files: str = "data.train_files") -> list[str]:
     from verlflow.core.ml.generate import prompt_ids
 
     # The rollout's own encoding, checked here against the limit for every prompt (the rollout stops at the first).
@@ -61,18 +78,20 @@ def prompt_length_problems(tok, prompts, limit: int) -> list[str]:
     if not over:
         return []
     longest = max(over, key=lengths.__getitem__)
-    return [f"data.max_prompt_length={limit}: {len(over)} of {len(prompts)} prompts in data.train_files are longer "
-            f"after the chat template; the longest is {lengths[longest]} tokens (dataset row {longest}). Raise "
-            f"data.max_prompt_length to {lengths[longest]} or filter the prompts over {limit} tokens out of the "
-            "data."]
+    return [f"data.max_prompt_length={limit}: {len(over)} of {len(prompts)} prompts in {files} are longer "
+            f"after the chat template; the longest is {lengths[longest]} tokens (dataset row "
+            f"{prompts.rows[longest]}). Raise data.max_prompt_length to {lengths[longest]} or filter the prompts over "
+            f"{limit} tokens out of the data."]
 
 
-def reward_problems(bp, prompts) -> list[str]:
-    """The reward called as the rollout calls it, once per data source (up to a few), on that source's first
-    prompt with its ground truth as the response."""
+def reward_problems(bp, prompts, function: str | None = None, field: str = "reward.function") -> list[str]:
+    """The reward (`function`, named by the blueprint's `field`; default reward.function) called as the rollout
+    calls it, once per data source (up to a few), on that source's first prompt with its ground truth as the
+    response."""
     from verlflow.core.ml.rewards import load_reward
 
-    reward = load_reward(bp.reward.function, bp.reward.module)
+    function = function or bp.reward.function
+    reward = load_reward(function, bp.reward.module, field=field)
     first_row: dict[str, int] = {}
     for i, source in enumerate(prompts.data_source):
         if len(first_row) == _REWARD_SAMPLES:
@@ -85,9 +104,9 @@ def reward_problems(bp, prompts) -> list[str]:
             reward(source, truth, truth, prompts.extra_info[i])
         except Exception as e:  # noqa: BLE001 - whatever it raises, the rollout would raise too
             what = str(e) if isinstance(e, VerlflowError) else f"{type(e).__name__}: {e}"
-            problems.append(f"reward.function {bp.reward.function!r}, called on dataset row {i} (data_source "
+            problems.append(f"{field} {function!r}, called on dataset row {prompts.rows[i]} (data_source "
                             f"{source!r}) with its ground truth {truth!r:.40} as the response: {what} Fix the "
-                            "function or pick another reward.function.")
+                            f"function or pick another {field}.")
     return problems
 
 

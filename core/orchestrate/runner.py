@@ -29,18 +29,25 @@ from verlflow.core.wait import wait_until
 
 log = logging.getLogger("verlflow.runner")
 
-STAGES = ("validate", "build", "rollout", "update", "checkpoint")
+STAGES = ("validate", "build", "rollout", "update", "evaluate", "checkpoint")
 
 # The blueprint sections each stage's outputs depend on. resources is absent on purpose: a checkpoint
 # reshards, so a world-size change reuses what was committed and continues.
 SECTIONS = {
-    "validate": ("model", "data", "reward", "rollout", "fsdp", "resources", "storage", "algorithm.adv_estimator",
+    "validate": ("model", "data", "reward", "rollout", "fsdp", "resources", "storage", "eval.files", "eval.prompt_key",
+                 "eval.max_prompts", "eval.reward", "algorithm.adv_estimator",
                  "algorithm.ppo_mini_batch_size", "algorithm.ppo_micro_batch_size_per_gpu"),
     # build: optimizer hyperparameters are re-applied from the blueprint on every load, so only the
     # estimator (whether a critic exists) matters here.
     "build": ("model", "fsdp", "algorithm.adv_estimator", "seed", "deterministic"),
     "rollout": ("model", "data", "reward", "rollout", "fsdp.mixed_precision", "seed"),
     "update": ("model", "data", "algorithm", "rollout", "fsdp", "seed", "deterministic"),
+    # evaluate: what its samples and scores depend on; not eval.before_train/every (which evaluations exist), nor
+    # the rollout's own sampling (the eval's replaces it).
+    "evaluate": ("model", "reward", "seed", "data.max_prompt_length", "fsdp.mixed_precision", "rollout.engine",
+                 "rollout.micro_batch_size", "rollout.max_new_tokens", "eval.files", "eval.prompt_key",
+                 "eval.max_prompts", "eval.n", "eval.temperature", "eval.top_p", "eval.max_new_tokens", "eval.reward",
+                 "eval.threshold", "eval.pass_k", "eval.samples_shown"),
     # Only what the export's bytes depend on: a changed retention or cadence field must not re-export (and so
     # reach for update checkpoints retention has pruned).
     "checkpoint": ("storage.export_dtype",),

@@ -17,10 +17,10 @@ from verlflow.core.stages.common import StageContext, stage_main
 log = logging.getLogger("verlflow.rollout")
 
 
-def _inference_copy(ctx: StageContext, meta_dir, cached, policy_dir):
+def inference_copy(ctx: StageContext, meta_dir, cached, policy_dir):
     """The policy's weights in an unsharded model of the inference dtype. A warm pool's previous copy is refilled
     in place: its static engine (compiled, CUDA graphs captured on these very tensors) is reused as the monolithic
-    stage reuses its own."""
+    stage reuses its own. The evaluate stage shares it (and the copy)."""
     bp = ctx.bp
     infer_id = (ctx.identity("build"), bp.fsdp.mixed_precision)
     model = modelcache.get("infer", infer_id) if cached is not None else None
@@ -57,7 +57,7 @@ def run(ctx: StageContext) -> dict:
     data = load_prompts(bp.data.train_files, bp.data.prompt_key)
     rows = select(len(data), state["data_cursor"], bp.data.batch_size, bp.seed, bp.data.shuffle).tolist()
     with ctx.timed("load_s"):
-        model = _inference_copy(ctx, meta_dir, cached, policy_dir)
+        model = inference_copy(ctx, meta_dir, cached, policy_dir)
     progress = log.info if ctx.is_main() else None
     with ctx.timed("generate_s"):
         mine = generate_share(model, tok, bp, data.take(rows), ctx.iteration, ctx.placement, progress)

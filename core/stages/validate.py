@@ -161,6 +161,22 @@ def check_inputs(ctx: StageContext, r: Report, tok):
     if not problems:
         r.add("rollout_inputs", True, f"prompts within data.max_prompt_length={bp.data.max_prompt_length}, "
               "the reward scores a sample")
+    if bp.eval.files:
+        check_eval_inputs(ctx, r, tok)
+
+
+def check_eval_inputs(ctx: StageContext, r: Report, tok):
+    """eval.files as the evaluate stage reads them (missing_inputs checked their columns and rows): the prompt
+    lengths and the eval's reward; the data sources found, which promote.metric can name."""
+    from verlflow.core.ml.evaluate import load_held_out
+    from verlflow.core.orchestrate.preflight import eval_problems, eval_sources_line
+
+    held = load_held_out(ctx.bp.eval)
+    problems = eval_problems(ctx.bp, tok, held.prompts)
+    for problem in problems:
+        r.add("eval_inputs", False, problem)
+    if not problems:
+        r.add("eval_inputs", True, eval_sources_line(held))
 
 
 def check_store_space(ctx: StageContext, r: Report):

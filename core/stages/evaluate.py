@@ -1,0 +1,46 @@
+"""evaluate: each rank generates its share of the held-out prompts (eval.files) on an unsharded copy of the policy,
+scores them, and rank 0 reports per data source (verlflow.core.ml.evaluate).
+
+Inputs: `build` (hf_meta/), `policy` (the build's or an update's policy/ checkpoint). Outputs: samples.parquet
+(every sample), the metrics in the manifest (`<source>/<metric>` and over all sources), and under the metrics'
+`report` key the first eval.samples_shown samples of each data source.
+"""
+
+import logging
+
+from verlflow.core.ml import model as M
+from verlflow.core.ml.evaluate import generate_share, load_held_out, metrics, save_samples, shown
+from verlflow.core.stages import modelcache
+from verlflow.core.stages.common import StageContext, stage_main
+from verlflow.core.stages.rollout import gather, inference_copy
+
+log = logging.getLogger("verlflow.evaluate")
+
+
+def run(ctx: StageContext) -> dict:
+    bp = ctx.bp
+    meta_dir = ctx.input("build") / "hf_meta"
+    # A warm pool's last update, still in memory, as the rollout takes it.
+    cached = modelcache.get("policy", ctx.identity("policy"))
+    policy_dir = ctx.input("policy") / "policy" if cached is None else None
+    tok = M.load_tokenizer(meta_dir)
+    held = load_held_out(bp.eval)
+    with ctx.timed("load_s"):
+        model = inference_copy(ctx, meta_dir, cached, policy_dir)
+    progress = log.info if ctx.is_main() else None
+    with ctx.timed("generate_s"):
+        mine = generate_share(model, tok, bp, held, ctx.iteration, ctx.placement, progress)
+    samples = gather(ctx, mine)
+    if not ctx.is_main():
+        return {}
+    save_samples(samples, ctx.out)
+    stats = metrics(samples, bp.eval)
+    log.info("evaluate[%s]: reward mean %.4f, accuracy %.4f, %d samples of %d prompts", ctx.iteration,
+             stats["reward_mean"], stats["accuracy"], stats["samples"], len(held))
+    return {**stats, "report": shown(samples, held, bp.eval.samples_shown)}
+
+
+main = stage_main(run)
+
+if __name__ == "__main__":
+    main()
