@@ -11,6 +11,7 @@ Helpers: api(server, path, body), wait_state(flow_run_id, done), manifest(bp, ru
 start_server(home, **settings) (another server, e.g. with the scheduler service on), start_serve(server, ...).
 """
 
+import json
 import os
 import signal
 import socket
@@ -162,24 +163,23 @@ class FinishedRun:
     wall_s: float
 
 
-FED_SOURCES = ("openai/gsm8k", "tiny/held")
+EVAL_SOURCES = ("openai/gsm8k", "tiny/held")
 
 
-def feed_eval(bp, run_id: str, iterations) -> None:
-    """Evaluations of the run's iterations committed under the evaluate stage's metric names (core/metrics.py),
-    for the report to show, until the evaluate stage lands: then drop this and give tiny_flow_run's blueprint
-    an `eval.files=[...]` override instead (the report reads whatever evaluate manifests the store holds)."""
-    from verlflow.core.orchestrate.runner import open_store
+def eval_files(kit: dict, folder) -> list[str]:
+    """The tiny task's held-out split as two eval files, each under its own data_source (one with a slash, as verl's
+    names have), 4 prompts each."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    store = open_store(bp)
-    for it in iterations:
-        metrics = {"accuracy": 0.25 * it, "samples": 8}
-        for src in FED_SOURCES:
-            metrics.update({f"{src}/accuracy": 0.25 * it, f"{src}/reward_mean": 0.1 * it, f"{src}/pass@1": 0.25 * it,
-                            f"{src}/response_len_mean": 6.0, f"{src}/samples": 4})
-        samples = {src: [{"prompt": "2+2?", "response": f"fed answer {it}", "reward": 0.0}] for src in FED_SOURCES}
-        store.commit(f"runs/{run_id}/{it}/evaluate", {"key": f"fed-eval-{run_id}-{it}", "metrics": metrics,
-                                                      "samples": samples}, {})
+    table = pq.read_table(kit["test_file"])
+    files = []
+    for i, src in enumerate(EVAL_SOURCES):
+        part = table.slice(4 * i, 4)
+        part = part.set_column(part.column_names.index("data_source"), "data_source", pa.array([src] * 4))
+        files.append(str(folder / f"eval{i}.parquet"))
+        pq.write_table(part, files[-1])
+    return files
 
 
 @pytest.fixture(scope="session")
@@ -189,9 +189,9 @@ def tiny_flow_run(prefect_server, tiny_kit, tmp_path_factory) -> FinishedRun:
     from tinybp import ONE_RANK, tiny_blueprint
 
     # A warm pool, as the demo runs (one job for every stage; fresh jobs are the stage and fault tests' subject).
+    evals = eval_files(tiny_kit, tmp_path_factory.mktemp("eval-files"))
     bp = tiny_blueprint(tiny_kit, tmp_path_factory.mktemp("store-inproc"), *ONE_RANK, "name=tiny-flow",
-                        "resources.warm_workers=true")
-    feed_eval(bp, "flow1", (0, 1))
+                        "resources.warm_workers=true", f"eval.files={json.dumps(evals)}")
     t0 = time.perf_counter()
     state = finetune(blueprint=bp, run_id="flow1", return_state=True)
     return FinishedRun(bp, "flow1", state.state_details.flow_run_id, state, time.perf_counter() - t0)

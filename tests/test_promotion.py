@@ -2,10 +2,10 @@
 blueprint, the `best` pointers, `verlflow promote RUN ITER` and `verlflow rollback NAME`, and validate's list of
 metric names.
 
-The metric steered here is update/step, the optimizer steps taken so far: it grows with every iteration, so with
-promote.mode min each later policy is worse by construction, and with max each is better (the rest of the pipeline
-is the real tiny run: torchrun, one rank, warm workers). The eval-based end to end test lives with the evaluate
-stage's tests.
+The nightly story runs on a real evaluation (eval/reward_mean on the tiny task's held-out split). The other gate
+tests steer update/step, the optimizer steps taken so far: it grows with every iteration, so with promote.mode min
+each later policy is worse by construction, and with max each is better (the rest of the pipeline is the real tiny
+run: torchrun, one rank, warm workers).
 """
 
 import json
@@ -33,40 +33,64 @@ def pointer(store, name: str) -> dict | None:
     return store.get_pointer(name)
 
 
-def test_a_worse_policy_moves_no_pointer_and_the_next_scheduled_run_starts_from_the_promoted_one(tiny_kit, tmp_path):
+ANTI_REWARD = """
+from verlflow.core.ml.rewards import tiny_digits
+
+
+def anti(data_source, solution_str, ground_truth, extra_info=None):
+    return 1.0 - tiny_digits(data_source, solution_str, ground_truth, extra_info)
+"""
+
+
+def test_a_night_whose_evaluation_gets_worse_moves_no_pointer_and_the_next_starts_from_the_promoted(
+        tiny_kit, tmp_path, monkeypatch):
+    """The gate on a real evaluation: night 1 learns the tiny task and is promoted by eval/reward_mean (its held-out
+    split, greedy); night 2 warm-starts from it and trains against the task (its reward is 1 - the task's, while the
+    evaluation keeps scoring the task): its evaluations get worse, so the blueprint's latest and best stay on night
+    1, and night 3 warm-starts from night 1's policy."""
     from verlflow.core.metrics import available, of_iteration
 
+    (tmp_path / "antireward.py").write_text(ANTI_REWARD)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    monkeypatch.syspath_prepend(str(tmp_path))  # the driver's validate resolves the reward too
+    eval_file = tmp_path / "held.parquet"
+    pq.write_table(pq.read_table(tiny_kit["test_file"]).slice(0, 8), eval_file)
+
     def bp(*more):
-        return tiny_blueprint(tiny_kit, tmp_path / "store", *GATED, "name=nightly", "promote.mode=min", *more)
+        return tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "resources.warm_workers=true", "name=nightly",
+                              f"eval.files={json.dumps([str(eval_file)])}", "eval.before_train=false",
+                              "eval.reward=tiny_digits", "promote.metric=eval/reward_mean", "algorithm.lr=1e-2",
+                              *more)
+
+    def evals(run_id, iterations):
+        return {i: of_iteration(store, run_id, i)["eval/reward_mean"] for i in iterations}
 
     first = bp("iterations=2")
     run_pipeline(first, "n1", **QUIET)
     store = open_store(first)
-    steps = {i: of_iteration(store, "n1", i)["update/step"] for i in (1, 2)}
-    assert steps[2] > steps[1]  # iteration 2 is worse under mode min
-    for name in ("runs/n1/latest", "blueprints/nightly/latest"):
-        assert (pointer(store, name)["iteration"], pointer(store, name)["run_id"]) == (1, "n1")
-    for name in ("runs/n1/best", "blueprints/nightly/best"):
-        best = pointer(store, name)
-        assert (best["run_id"], best["iteration"], best["metric"], best["value"]) == ("n1", 1, "update/step", steps[1])
-    assert [(e["by"], e["iteration"]) for e in pointer(store, "runs/n1/latest")["history"]] == [("gate", 1)]
-    # the names the run recorded are among those validate offers for promote.metric
+    night1 = evals("n1", (1, 2))
+    top = 2 if night1[2] > night1[1] else 1  # strictly better moves the pointer (min_delta 0)
+    for name in ("runs/n1/latest", "blueprints/nightly/latest", "runs/n1/best", "blueprints/nightly/best"):
+        assert (pointer(store, name)["run_id"], pointer(store, name)["iteration"]) == ("n1", top), name
+    best = pointer(store, "blueprints/nightly/best")
+    assert (best["metric"], best["value"]) == ("eval/reward_mean", night1[top])
+    assert [e["by"] for e in pointer(store, "blueprints/nightly/latest")["history"]] == ["gate"] * top
+    # the names the run recorded (eval's included) are among those validate offers for promote.metric
     assert set(of_iteration(store, "n1", 2)) <= set(available(first))
 
-    # the next night takes twice the optimizer steps per iteration (smaller mini-batches): worse under mode min
-    second = bp("iterations=1", "schedule.init_from=previous", "algorithm.ppo_mini_batch_size=1")
+    second = bp("iterations=2", "schedule.init_from=previous", "reward.function=antireward:anti")
     run_pipeline(second, "n2", **QUIET)
-    warm2 = store.read_manifest("runs/n2/init/build")["inputs"]["warm_start"]["stage"]
-    assert warm2 == "runs/n1/1/update"
-    assert of_iteration(store, "n2", 1)["update/step"] > steps[1]
-    assert pointer(store, "runs/n2/latest")["iteration"] == 1  # the run's own best: its only policy
-    assert pointer(store, "blueprints/nightly/latest")["run_id"] == "n1"  # the bad night moved nothing
-    assert pointer(store, "blueprints/nightly/best")["run_id"] == "n1"
+    assert store.read_manifest("runs/n2/init/build")["inputs"]["warm_start"]["stage"] == f"runs/n1/{top}/update"
+    night2 = evals("n2", (1, 2))
+    assert max(night2.values()) < night1[top], (night1, night2)  # trained against the task: worse held out
+    for name in ("blueprints/nightly/latest", "blueprints/nightly/best"):
+        assert (pointer(store, name)["run_id"], pointer(store, name)["iteration"]) == ("n1", top), name
+    assert pointer(store, "runs/n2/latest")["run_id"] == "n2"  # the run's own pointer follows its own best
 
     third = bp("iterations=1", "schedule.init_from=previous")  # its build is all this needs: where it starts from
     (build,) = [s for s in plan(third, "n3", warm_start_source(third, "n3")) if s.stage == "build"]
     run_stage(RunContext(third, "n3", **QUIET), "build", "init", build.inputs)
-    assert store.read_manifest("runs/n3/init/build")["inputs"]["warm_start"]["stage"] == "runs/n1/1/update"
+    assert store.read_manifest("runs/n3/init/build")["inputs"]["warm_start"]["stage"] == f"runs/n1/{top}/update"
 
 
 def test_mode_max_promotes_every_better_policy(tiny_kit, tmp_path):

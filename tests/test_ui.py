@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prefect_server import FED_SOURCES
+from prefect_server import EVAL_SOURCES
 from sysdeps import unavailable
 from tinybp import ONE_RANK, tiny_blueprint
 
@@ -129,7 +129,7 @@ def test_flow_run_artifacts_metrics_and_eval_tables_and_figure(prefect_server, t
         (f"{prefect_server.ui}/v2/artifacts/artifact/{plot['id']}", "curves-plot.png", None)], tmp_path)
     for col in ("iteration", "data_source", "accuracy", "reward_mean", "pass@1", "response_len_mean"):
         assert f">{col}<" in dom, col
-    for src in FED_SOURCES:  # a row per data source
+    for src in EVAL_SOURCES:  # a row per data source
         assert f">{src}<" in dom, src
     assert 'src="data:image/png;base64,' in plot_dom
     width = round(figures.PANEL_INCHES[0] * 2 * figures.DPI)  # two panels a row: the matplotlib figure's pixels

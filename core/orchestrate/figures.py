@@ -159,13 +159,12 @@ def png(fig: Figure) -> bytes:
 
 
 def eval_samples(store: ArtifactStore, run_id: str, iteration: int) -> dict[str, list[dict]]:
-    """SAMPLES HOOK: the sample responses an evaluation kept (eval.samples_shown per data source). Assumed to be the
-    evaluate manifest's `samples`, {source: [{"prompt", "response", "reward"}]}; align it with the evaluate stage
-    when it lands. Nothing kept: {}."""
+    """The sample responses an evaluation kept (eval.samples_shown per data source): its manifest's
+    metrics.report, {source: [{"prompt", "response", "ground_truth", "reward", "correct", ...}]}; none: {}."""
     from verlflow.core.store.artifacts import stage_key
 
     manifest = store.read_manifest(stage_key(run_id, iteration, "evaluate")) or {}
-    samples = manifest.get("samples")
+    samples = manifest.get("metrics", {}).get("report")
     return samples if isinstance(samples, dict) else {}
 
 
