@@ -391,7 +391,8 @@ def test_reward_registered_by_module_validates(case_dir: Path, capsys):
 def test_example_tiny_blueprint_validates(tiny_kit, tmp_path):
     p = subprocess.run(
         [VERLFLOW, "validate-blueprint", str(REPO / "blueprints/tiny-cpu.yaml"), f"model.path={tiny_kit['model_dir']}",
-         f"data.train_files=[{tiny_kit['train_file']}]", f"storage.uri={tmp_path / 'store'}"],
+         f"data.train_files=[{tiny_kit['train_file']}]", f"eval.files=[{tiny_kit['test_file']}]",
+         f"storage.uri={tmp_path / 'store'}"],
         capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     iterations = yaml.safe_load((REPO / "blueprints/tiny-cpu.yaml").read_text())["iterations"]
