@@ -10,19 +10,15 @@ import logging
 
 from verlflow.core.ml import model as M
 from verlflow.core.ml.evaluate import generate_share, load_held_out, metrics, save_samples, shown
-from verlflow.core.stages import modelcache
 from verlflow.core.stages.common import StageContext, stage_main
-from verlflow.core.stages.rollout import gather, inference_copy
+from verlflow.core.stages.rollout import gather, inference_copy, policy_inputs
 
 log = logging.getLogger("verlflow.evaluate")
 
 
 def run(ctx: StageContext) -> dict:
     bp = ctx.bp
-    meta_dir = ctx.input("build") / "hf_meta"
-    # A warm pool's last update, still in memory, as the rollout takes it.
-    cached = modelcache.get("policy", ctx.identity("policy"))
-    policy_dir = ctx.input("policy") / "policy" if cached is None else None
+    meta_dir, cached, policy_dir = policy_inputs(ctx)  # as the rollout takes them
     tok = M.load_tokenizer(meta_dir)
     held = load_held_out(bp.eval)
     with ctx.timed("load_s"):

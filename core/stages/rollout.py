@@ -46,12 +46,18 @@ def gather(ctx: StageContext, mine: list[dict]) -> list[dict]:
     return [s for p in parts for s in p]
 
 
-def run(ctx: StageContext) -> dict:
-    bp = ctx.bp
+def policy_inputs(ctx: StageContext):
+    """The build's hf_meta folder, and the policy: a warm pool's last update still in memory (its files may still be
+    being written in the background), else its checkpoint folder. input() is collective: every rank calls this."""
     meta_dir = ctx.input("build") / "hf_meta"
-    # A warm pool's last update, still in memory (its files may still be being written in the background).
     cached = modelcache.get("policy", ctx.identity("policy"))
     policy_dir = ctx.input("policy") / "policy" if cached is None else None
+    return meta_dir, cached, policy_dir
+
+
+def run(ctx: StageContext) -> dict:
+    bp = ctx.bp
+    meta_dir, cached, policy_dir = policy_inputs(ctx)
     tok = M.load_tokenizer(meta_dir)
     state = checkpoint.read_state(policy_dir) if cached is None else cached[2]
     data = load_prompts(bp.data.train_files, bp.data.prompt_key)
