@@ -220,7 +220,8 @@ def test_not_utf8_and_missing_file(tmp_path):
 # Inputs (no torch import) and the schema.
 
 def test_missing_inputs_of_the_kit_blueprint_is_empty(tiny_kit, tmp_path):
-    bp = load_blueprint(TINY, [f"model.path={tiny_kit['model_dir']}", f"data.train_files=[{tiny_kit['train_file']}]"])
+    bp = load_blueprint(TINY, [f"model.path={tiny_kit['model_dir']}", f"data.train_files=[{tiny_kit['train_file']}]",
+                               f"eval.files=[{tiny_kit['test_file']}]"])
     assert missing_inputs(bp) == []
     bp = load_blueprint(GPU, [f"model.path={tiny_kit['model_dir']}", f"data.train_files=[{tiny_kit['train_file']}]",
                               f"storage.uri={tmp_path}"])
