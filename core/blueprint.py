@@ -14,9 +14,11 @@ from typing import Annotated, Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
+from verlflow.core import algos
 from verlflow.core.errors import BlueprintError
 
-ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "gae")
+ADV_ESTIMATORS = tuple(algos.ADV_ESTIMATORS)
+POLICY_LOSSES = tuple(algos.POLICY_LOSSES)
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 
@@ -69,6 +71,16 @@ class DataSpec(Section):
                           "false: file order.")
 
 
+class OverlongBufferSpec(Section):
+    model_config = ConfigDict(title="overlong_buffer")
+
+    enable: bool = Field(False, description="Penalise responses that run into the last `len` tokens of "
+                         "rollout.max_new_tokens: reward + min(0, -(length - (max_new_tokens - len)) / len x "
+                         "penalty_factor), as verl's DAPO reward manager.")
+    len: int = Field(4, ge=1, description="Tokens before rollout.max_new_tokens where the penalty starts.")
+    penalty_factor: float = Field(1.0, ge=0.0, description="Penalty at rollout.max_new_tokens (linear from 0).")
+
+
 class RewardSpec(Section):
     model_config = ConfigDict(title="reward")
 
@@ -78,15 +90,32 @@ class RewardSpec(Section):
         "tiny_digits, exact_match, a name registered by reward.module, or 'package.module:function'.",
     )
     module: Optional[str] = Field(None, description="Module imported first; it may call @register_reward('name').")
+    overlong_buffer: OverlongBufferSpec = Field(
+        OverlongBufferSpec(), description="DAPO's soft overlong punishment (verl's reward_model.overlong_buffer).")
+
+
+class FilterGroupsSpec(Section):
+    model_config = ConfigDict(title="filter_groups")
+
+    enable: bool = Field(False, description="Drop groups whose samples all got the same reward (no advantage, "
+                         "no gradient) and sample more prompts until the batch holds data.batch_size informative "
+                         "groups.")
+    metric: Literal["score"] = Field("score", description="What must differ within a group: the reward.")
+    max_num_gen_batches: int = Field(
+        10, ge=1, description="Sampling rounds (of data.batch_size prompts each) per iteration at most; if they do "
+        "not find enough informative groups, the batch is filled with uniform ones (counted in the rollout's "
+        "metrics) rather than failing the run.")
 
 
 class AlgorithmSpec(Section):
     model_config = ConfigDict(title="algorithm")
 
-    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "gae"] = Field(
-        "grpo", description="verl core_algos advantage estimator; gae trains a critic (PPO)."
-    )
-    policy_loss: Literal["vanilla"] = Field("vanilla", description="verl core_algos policy loss (PPO clip).")
+    adv_estimator: Literal[ADV_ESTIMATORS] = Field(
+        "grpo", description="verl core_algos advantage estimator: " + "; ".join(
+            f"{k}: {v}" for k, v in algos.ADV_ESTIMATORS.items()) + ".")
+    policy_loss: Literal[POLICY_LOSSES] = Field(
+        "vanilla", description="verl core_algos policy loss: " + "; ".join(
+            f"{k}: {v}" for k, v in algos.POLICY_LOSSES.items()) + ".")
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
         Field("token-mean", description="How token losses become one number (verl agg_loss): mean over all tokens, "
               "or per sequence first (sum or mean of its tokens), then mean over sequences.")
@@ -140,6 +169,64 @@ class AlgorithmSpec(Section):
     critic_lr: float = Field(1e-5, gt=0.0, description="AdamW learning rate of the critic (adv_estimator gae).")
     cliprange_value: float = Field(0.5, gt=0.0, description="Value clip of the critic loss (adv_estimator gae).")
     vf_coef: float = Field(0.5, gt=0.0, description="Weight of the critic's value loss (adv_estimator gae).")
+    # -- the policy losses' own knobs (verl's ActorConfig.policy_loss defaults) --------------------------------
+    clip_cov_ratio: float = Field(0.0002, gt=0.0, le=1.0, description="policy_loss clip_cov: fraction of tokens "
+                                  "(by advantage-logp covariance) whose gradient is cut.")
+    clip_cov_lb: float = Field(1.0, description="policy_loss clip_cov: lower covariance bound of the tokens cut.")
+    clip_cov_ub: float = Field(5.0, description="policy_loss clip_cov: upper covariance bound of the tokens cut.")
+    kl_cov_ratio: float = Field(0.0002, gt=0.0, le=1.0, description="policy_loss kl_cov: fraction of tokens "
+                                "(largest covariance) given a KL penalty.")
+    ppo_kl_coef: float = Field(0.1, ge=0.0, description="policy_loss kl_cov: weight of that KL penalty.")
+    dro_beta: Optional[float] = Field(None, gt=0.0, description="policy_loss dro: weight of the quadratic log-ratio "
+                                      "penalty (required with dro).")
+    tau_pos: float = Field(1.0, gt=0.0, description="policy_loss sapo: gate temperature for positive advantages.")
+    tau_neg: float = Field(1.05, gt=0.0, description="policy_loss sapo: gate temperature for negative advantages.")
+    bypass_loss_type: Literal["ppo_clip", "reinforce"] = Field(
+        "ppo_clip", description="policy_loss bypass_mode: PPO clip on the rollout ratio, or REINFORCE with "
+        "importance weights.")
+    rollout_is: Optional[Literal["token", "sequence"]] = Field(
+        "sequence", description="policy_loss bypass_mode: importance weights per token or per sequence (none: off).")
+    rollout_is_threshold: float = Field(2.0, gt=0.0, description="policy_loss bypass_mode: importance weights are "
+                                        "truncated at this value.")
+    gdpo_reward_weights: Optional[list[float]] = Field(
+        None, description="adv_estimator gdpo: weight of each reward component in reward.combine's order "
+        "(none: all 1).")
+    # -- the learning-rate schedule (verl's optim semantics; the position is the optimizer step count, which the
+    # policy checkpoint holds, so a rerun or a world-size change continues it) ------------------------------------
+    lr_scheduler_type: Literal["constant", "cosine"] = Field(
+        "constant", description="After the warm-up: constant, or cosine down to min_lr_ratio x lr at the last step.")
+    lr_warmup_steps: int = Field(-1, ge=-1, description="Optimizer steps of linear warm-up from 0 (-1: "
+                                 "lr_warmup_steps_ratio x the run's steps).")
+    lr_warmup_steps_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Warm-up as a fraction of the run's "
+                                         "optimizer steps (with lr_warmup_steps -1).")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="cosine: the floor, as a fraction of lr.")
+    num_cycles: float = Field(0.5, gt=0.0, description="cosine: waves over the run (0.5: one half-cosine down).")
+    filter_groups: FilterGroupsSpec = Field(FilterGroupsSpec(), description="DAPO's dynamic sampling.")
+
+    @property
+    def greedy_baseline(self) -> bool:
+        """The rollout samples a greedy response per prompt as the estimator's baseline (remax); part of the
+        rollout's key."""
+        return self.adv_estimator in algos.GREEDY_BASELINE
+
+    @model_validator(mode="after")
+    def _loss_has_its_inputs(self):
+        if self.adv_estimator == "gdpo":
+            raise ValueError("algorithm.adv_estimator=gdpo normalises each reward component on its own, but this "
+                             "blueprint's reward has no reward components to give it; use grpo")
+        if self.policy_loss == "dro" and self.dro_beta is None:
+            raise ValueError("algorithm.policy_loss=dro needs algorithm.dro_beta (the weight of its quadratic "
+                             "log-ratio penalty), e.g. 0.1")
+        if self.policy_loss == "bypass_mode" and self.old_logprobs != "rollout":
+            raise ValueError("algorithm.policy_loss=bypass_mode uses the rollout's log-probs as the old ones: set "
+                             "algorithm.old_logprobs=rollout")
+        if self.adv_estimator in algos.SUM_PI_SQUARED:
+            if self.old_logprobs != "recompute" or self.use_fused_kernels:
+                raise ValueError(
+                    f"algorithm.adv_estimator={self.adv_estimator} needs each token's sum of squared probabilities, "
+                    "which the update's old log-prob pass computes from the full logits: set "
+                    "algorithm.old_logprobs=recompute and algorithm.use_fused_kernels=false")
+        return self
 
 
 class RolloutSpec(Section):
@@ -461,8 +548,13 @@ class Blueprint(Section):
             )
         if (d.batch_size * r.n) % world:
             problems.append(f"data.batch_size x rollout.n = {d.batch_size * r.n} must divide across {world} ranks")
-        if a.adv_estimator == "grpo" and r.n < 2:
-            problems.append("algorithm.adv_estimator=grpo needs rollout.n >= 2 (it compares samples of a prompt)")
+        ob = self.reward.overlong_buffer
+        if ob.enable and ob.len > r.max_new_tokens:
+            problems.append(f"reward.overlong_buffer.len = {ob.len} must be at most rollout.max_new_tokens = "
+                            f"{r.max_new_tokens} (the penalty starts len tokens before the limit)")
+        if a.adv_estimator in algos.GROUP_ESTIMATORS and r.n < 2:
+            problems.append(f"algorithm.adv_estimator={a.adv_estimator} needs rollout.n >= 2 (it compares samples "
+                            "of a prompt)")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -493,6 +585,11 @@ class Blueprint(Section):
                              f"{st.export_every} is not a multiple of eval.every={ev.every}: set eval.every to "
                              f"{st.export_every} or a divisor of it")
         return self
+
+    def optimizer_steps(self) -> int:
+        """Policy optimizer steps of the whole run: the length the learning-rate schedule spans."""
+        a = self.algorithm
+        return self.iterations * a.ppo_epochs * (self.data.batch_size // a.ppo_mini_batch_size)
 
     # -- the schedule: which iterations export and evaluate (the plan and the validators read it here) ----------
     def exports_at(self, iteration: int) -> bool:

@@ -36,7 +36,10 @@ def of_iteration(store: ArtifactStore, run_id: str, iteration: int) -> dict[str,
 # (verlflow.core.stages.update.run, kl_in_reward from verlflow.core.ml.ppo.advantages), the evaluate stage's per
 # data source and over all of them (its pass@K for each eval.pass_k).
 ROLLOUT_KEYS = ("reward_mean", "reward_std", "reward_max", "response_len_mean", "samples", "tokens", "tokens_per_s",
-                "sampling_s", "engine_setup_s", "data_cursor")  # data_cursor: the rollout stage adds it
+                "sampling_s", "engine_setup_s", "data_cursor", "prompts_consumed")  # the rollout stage adds the last two
+# verlflow.core.stages.collect: DAPO's dynamic sampling and remax's greedy baseline, when configured
+FILTER_GROUPS_KEYS = ("rounds", "prompts_sampled", "informative_groups", "uniform_groups", "filled_with_uniform",
+                      "samples_sampled")
 UPDATE_KEYS = ("step", "pg_loss", "kl_loss", "entropy", "pg_clipfrac", "grad_norm", "tokens_per_s")
 EVAL_KEYS = ("reward_mean", "accuracy", "response_len_mean", "samples")
 
@@ -58,6 +61,12 @@ def eval_sources(files: list[str]) -> list[str]:
 def available(bp) -> list[str]:
     """Every metric name the blueprint's configured stages record: what promote.metric may name."""
     names = [f"rollout/{k}" for k in ROLLOUT_KEYS] + [f"update/{k}" for k in UPDATE_KEYS]
+    if bp.algorithm.filter_groups.enable:
+        names += [f"rollout/filter_groups/{k}" for k in FILTER_GROUPS_KEYS]
+    if bp.algorithm.greedy_baseline:
+        names.append("rollout/remax/baseline_reward_mean")
+    if bp.reward.overlong_buffer.enable:
+        names += ["rollout/overlong/penalised_frac", "rollout/overlong/penalty_mean"]
     if bp.algorithm.use_kl_in_reward:
         names.append("update/kl_in_reward")
     if bp.eval.files:

@@ -25,6 +25,7 @@ import pytest
 import yaml
 from safetensors.numpy import save_file
 
+from verlflow.core.blueprint import ADV_ESTIMATORS
 from verlflow.core.ml import rewards
 from verlflow.core.orchestrate.cli import main, parser
 from s3server import FAKE_SECRET
@@ -184,10 +185,10 @@ CASES = [
     C("n-zero", BP, ["bp.yaml:14", "rollout.n", "greater than or equal to 1", "(got 0)"], replace=[("n: 4", "n: 0")]),
     C("clip-ratio-c-not-above-1", ["@BP@", "algorithm.clip_ratio_c=1.0"], ["algorithm.clip_ratio_c", "greater than 1"]),
     C("unknown-estimator", BP,
-      ["bp.yaml:10", "algorithm.adv_estimator", "'grpo', 'rloo', 'reinforce_plus_plus' or 'gae'", "'gpro'"],
+      ["bp.yaml:10", "algorithm.adv_estimator", "'grpo', 'grpo_vectorized'", "'remax'", "or 'gae'", "'gpro'"],
       replace=[("adv_estimator: grpo", "adv_estimator: gpro")], sub=True),
-    C("unknown-policy-loss", ["@BP@", "algorithm.policy_loss=clip_cov"], ["algorithm.policy_loss", "'vanilla'",
-                                                                          "'clip_cov'"]),
+    C("unknown-policy-loss", ["@BP@", "algorithm.policy_loss=clip_cov2"], ["algorithm.policy_loss", "'vanilla'",
+                                                                           "'clip_cov'", "'clip_cov2'"]),
     C("unknown-kl-type", ["@BP@", "algorithm.kl_loss_type=k9"], ["algorithm.kl_loss_type", "'low_var_kl'", "'k9'"]),
     C("unknown-kl-penalty", ["@BP@", "algorithm.kl_penalty=big"], ["algorithm.kl_penalty", "'low_var_kl'"]),
     C("fsdp-version-3", ["@BP@", "fsdp.version=3"], ["fsdp.version", "Input should be 1 or 2", "(got 3)"]),
@@ -418,7 +419,7 @@ def test_schema_prints_json_schema():
     schema = json.loads(p.stdout)
     defs = schema["$defs"]
     adv = defs["AlgorithmSpec"]["properties"]["adv_estimator"]
-    assert adv["enum"] == ["grpo", "rloo", "reinforce_plus_plus", "gae"]
+    assert adv["enum"] == list(ADV_ESTIMATORS) and "remax" in adv["enum"]
     assert "description" in adv and "critic" in adv["description"]
     assert defs["RolloutSpec"]["properties"]["n"]["description"]
     assert set(schema["properties"]) >= {"model", "data", "reward", "algorithm", "rollout", "fsdp", "resources",

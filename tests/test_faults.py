@@ -94,7 +94,7 @@ def ref(reference, tmp_path_factory) -> Ref:
     rekey(bp, "ref")  # validate's key holds the resources: 1 rank here
     promote_clone(bp, "ref", 1)
     results = [store.read_manifest(stage_key("ref", it, stage)) for it, stage in ALL]
-    assert [m["stage"] for m in results] == list(STAGES)
+    assert [m["stage"] for m in results] == [s for s in STAGES if s != "evaluate"]  # the reference has no eval
     return Ref(reference.kit, root, bp, results)
 
 
@@ -729,7 +729,7 @@ def test_stage_timeout_is_killed_classified_and_retried(prefect_server, ref, tmp
 
     import verlflow.tasks.stages as ts
 
-    limit_s = 25
+    limit_s = 45  # the retry must import and export within it on a loaded 2-core machine (first imports compile)
     ref.clone("slow", UP_TO_UPDATE)
     bp = ref.variant(name="faults-timeout", resources__stage_timeout_s=limit_s)
     assert bp.resources.retries == 1

@@ -86,7 +86,8 @@ def test_pipeline_flow_run_with_artifacts(prefect_server, tiny_flow_run):
     run = tiny_flow_run
     assert run.state.is_completed(), run.state.message
     names = task_runs(prefect_server, run.flow_run_id)
-    assert set(names) == {"validate[init]", "build[init]", "rollout[1]", "update[1]", "checkpoint[1]"}
+    assert set(names) == {"validate[init]", "build[init]", "evaluate[0]", "rollout[1]", "update[1]", "evaluate[1]",
+                          "checkpoint[1]"}
     assert all(r["state_type"] == "COMPLETED" for r in names.values())
     arts = api(prefect_server, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [str(run.flow_run_id)]}}})
     by_key = {a["key"]: a for a in arts if a["key"]}

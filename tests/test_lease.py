@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from verlflow.core.store.artifacts import ArtifactStore
@@ -185,7 +186,12 @@ def test_a_second_verlflow_rerun_of_a_running_run_is_refused(tiny_kit, tmp_path)
         assert f"run busy is being run by pid {first.pid} on host {socket.gethostname()}" in ls.stdout, ls.stderr
     finally:
         first.send_signal(signal.SIGINT)
-        out, err = first.communicate(timeout=120)
+        try:
+            out, err = first.communicate(timeout=120)
+        except subprocess.TimeoutExpired:  # leave no runner behind for the other tests, then fail
+            for p in [*psutil.Process(first.pid).children(recursive=True), psutil.Process(first.pid)]:
+                p.kill()
+            raise
     assert first.returncode == 130, out + err
     assert not (store / "leases" / "busy.json").exists()
 

@@ -63,7 +63,7 @@ def models(tiny_kit, tmp_path_factory):
     store = tmp_path_factory.mktemp("store")
     out = {}
     for packed in (False, True):
-        bp = tiny_blueprint(tiny_kit, store, algorithm__use_remove_padding=packed, rollout__temperature=0.7,
+        bp = tiny_blueprint(tiny_kit, store, algorithm__use_remove_padding=packed, rollout__temperature=0.7, algorithm__lr=1e-3,
                             resources__nproc_per_node=1)
         out[packed] = (bp, M.build_module(tiny_kit["model_dir"], bp, packed=packed).eval())
     return out
@@ -98,7 +98,7 @@ def test_packed_ppo_steps_equal_padded(models):
         m = copy.deepcopy(model)
         b = ragged_batch(m.config.vocab_size, n=16, seed=1)
         b["group"] = torch.arange(16) // bp.rollout.n
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        opt = torch.optim.AdamW(m.parameters(), lr=bp.algorithm.lr)  # the update sets it each step
         at = Placement(0, 1, "cpu")
         old = ppo.score_all(m, b, bp, at)
         ref = old + 0.01 * b["response_mask"]

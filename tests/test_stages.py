@@ -127,8 +127,10 @@ def test_rollout_old_logprobs_give_the_recomputed_update(reference, tmp_path):
     assert results["rollout"].skipped and not results["update"].skipped  # the reference's batch, a new update
     got, want = full_weights(root, "eq/1/update", rb), full_weights(reference.root, "eq/1/update", reference.bp)
     moved = full_weights(reference.root, "eq/init/build", reference.bp)
-    for k in want:  # Adam moves a weight by ~lr = 3e-3 a step (tiny gradients too): agreed to 1/300 of a step
-        torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=0)
+    # Adam moves a weight by ~lr = 3e-3 a step, whatever its gradient's size: where a gradient is ~0, fp32 rounding of
+    # the old log-probs (rollout logits vs the FSDP forward) tips its step. Agreed to 1/100 of a step.
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=3e-5, rtol=0)
     assert any(not torch.equal(want[k], moved[k]) for k in want)  # the update did move the weights
     new, old = results["update"].manifest["metrics"], reference.results[3].manifest["metrics"]
     assert len(new["mini_batches"]) == len(old["mini_batches"]) == 2

@@ -4,6 +4,7 @@ Every rank holds the whole (small) batch tensors: log-probs are computed for the
 advantages and mini-batch token counts are the same on every rank without extra collectives.
 """
 
+import inspect
 import logging
 import math
 import os
@@ -14,9 +15,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from verlflow.core import algos
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.errors import NonFiniteError
-from verlflow.core.ml import packing
+from verlflow.core.ml import packing, schedule
 from verlflow.core.ml.placement import Placement
 from verlflow.core.testing import faults
 
@@ -74,7 +76,12 @@ class Rows:
         return cls(batch, sequences(batch), batch["prompts"].shape[1], batch["responses"].shape[1])
 
 
-def _forward(model, rows: Rows, idx, device, temperature: float, critic: bool = False):
+def _sum_pi_squared(logits: torch.Tensor) -> torch.Tensor:
+    """Per token, sum over the vocabulary of p^2 (verl's optimal-token-baseline estimators read it)."""
+    return torch.softmax(logits, dim=-1).square().sum(-1)
+
+
+def _forward(model, rows: Rows, idx, device, temperature: float, critic: bool = False, pi2: bool = False):
     from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
     P, R = rows.P, rows.R
@@ -88,10 +95,10 @@ def _forward(model, rows: Rows, idx, device, temperature: float, critic: bool = 
     logits = model(**inputs, use_cache=False, logits_to_keep=R + 1).logits[:, :-1].float()
     logits = logits / (temperature if temperature > 0 else 1.0)
     labels = inputs["input_ids"][:, P:P + R]
-    return logprobs_from_logits(logits, labels), entropy_from_logits(logits)
+    return logprobs_from_logits(logits, labels), _sum_pi_squared(logits) if pi2 else entropy_from_logits(logits)
 
 
-def _forward_packed(model, rows: Rows, idx, device, temperature: float, critic: bool = False):
+def _forward_packed(model, rows: Rows, idx, device, temperature: float, critic: bool = False, pi2: bool = False):
     """_forward over one padding-free row; returns the same [len(idx), R] layout (zeros on response padding)."""
     from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
@@ -107,8 +114,9 @@ def _forward_packed(model, rows: Rows, idx, device, temperature: float, critic: 
     logits = model(**pk.model_kwargs(), use_cache=False, logits_to_keep=pk.logit_idx).logits[0].float()
     logits = logits / (temperature if temperature > 0 else 1.0)
     # [1, K, V]: verl's fp32 log-prob loops over the leading dimension, which must not be the K tokens.
-    logp, ent = logprobs_from_logits(logits[None], pk.labels[None])[0], entropy_from_logits(logits)
-    return pk.unpack(logp, len(idx), R), pk.unpack(ent, len(idx), R)
+    logp = logprobs_from_logits(logits[None], pk.labels[None])[0]
+    second = _sum_pi_squared(logits) if pi2 else entropy_from_logits(logits)
+    return pk.unpack(logp, len(idx), R), pk.unpack(second, len(idx), R)
 
 
 def _fused(model) -> bool:
@@ -133,40 +141,51 @@ def micro_batches(bp: Blueprint, batch: dict, ids, at: Placement, *, forward_onl
     return packing.plan(ids, {i: int(sizes[i]) for i in ids}, at.world, at.rank, budget, field)
 
 
-def _micro_forward(model, rows: Rows, idx, bp: Blueprint, device, critic: bool = False):
+def _micro_forward(model, rows: Rows, idx, bp: Blueprint, device, critic: bool = False, pi2: bool = False):
     t = 1.0 if critic else bp.rollout.temperature
     if bp.algorithm.use_remove_padding:
-        return _forward_packed(model, rows, idx, device, t, critic)
-    return _forward(model, rows, idx, device, t, critic)
+        return _forward_packed(model, rows, idx, device, t, critic, pi2)
+    return _forward(model, rows, idx, device, t, critic, pi2)
 
 
 @torch.no_grad()
-def score_all(model, batch: dict, bp: Blueprint, at: Placement, critic: bool = False) -> torch.Tensor:
-    """Per-token log-probs (or values) of every sample: each rank does its slice, then all ranks share."""
+def score_all(model, batch: dict, bp: Blueprint, at: Placement, critic: bool = False, pi2: bool = False):
+    """Per-token log-probs (or values) of every sample: each rank does its slice, then all ranks share. With `pi2`,
+    also each token's sum of squared probabilities (same forward): a pair of [N, R] tensors."""
     model.eval()
     rows = Rows.of(batch)
     N = len(batch["responses"])
     micro = micro_batches(bp, batch, range(N), at, forward_only=True)
+    parts = 2 if pi2 else 1
     if bp.algorithm.use_remove_padding:  # token-balanced: rows are not a contiguous slice, so sum disjoint rows
-        full = torch.zeros(N, rows.R, device=at.device)
+        full = torch.zeros(parts, N, rows.R, device=at.device)
         for idx in micro:
-            full[idx] = _micro_forward(model, rows, idx, bp, at.device, critic)[0]
+            out = _micro_forward(model, rows, idx, bp, at.device, critic, pi2)
+            for k in range(parts):
+                full[k, idx] = out[k]
         if at.world > 1:
             dist.all_reduce(full)
-        return full.cpu()
-    local = torch.cat([_micro_forward(model, rows, idx, bp, at.device, critic)[0] for idx in micro]).to(at.device)
-    if at.world == 1:
-        return local.cpu()
-    full = [torch.empty_like(local) for _ in range(at.world)]
-    dist.all_gather(full, local)
-    return torch.cat(full).cpu()
+    else:
+        outs = [_micro_forward(model, rows, idx, bp, at.device, critic, pi2) for idx in micro]
+        local = torch.stack([torch.cat([o[k] for o in outs]) for k in range(parts)]).to(at.device)
+        if at.world > 1:
+            gathered = [torch.empty_like(local) for _ in range(at.world)]
+            dist.all_gather(gathered, local)
+            local = torch.cat(gathered, dim=1)
+        full = local
+    full = full.cpu()
+    return (full[0], full[1]) if pi2 else full[0]
 
 
 def old_logprobs(policy, batch: dict, bp: Blueprint, at: Placement) -> torch.Tensor:
     """The PPO ratio's old log-probs: the rollout's own (algorithm.old_logprobs=rollout: the sampling logits' fp32
     log-probs; the policy the rollout sampled from is the one the update starts from) or a forward pass of the
-    policy."""
+    policy. The optimal-token-baseline estimators also take each token's sum of squared probabilities from that
+    pass: it lands in batch["sum_pi_squared"]."""
     if bp.algorithm.old_logprobs == "recompute":
+        if bp.algorithm.adv_estimator in algos.SUM_PI_SQUARED:
+            logp, batch["sum_pi_squared"] = score_all(policy, batch, bp, at, pi2=True)
+            return logp
         return score_all(policy, batch, bp, at)
     if "rollout_logp" not in batch:
         raise ValueError("algorithm.old_logprobs=rollout: the rollout batch has no rollout_logp (an older verlflow "
@@ -192,13 +211,23 @@ def advantages(bp: Blueprint, batch: dict, old_logp, ref_logp, values=None) -> t
     fn = core_algos.get_adv_estimator_fn(a.adv_estimator)
     cfg = AlgoConfig(gamma=a.gamma, lam=a.lam, adv_estimator=a.adv_estimator,
                      norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo)
-    if a.adv_estimator == "gae":
-        adv, ret = fn(token_level_rewards=rewards, values=values, response_mask=mask, gamma=a.gamma, lam=a.lam)
-    else:
-        index = batch["group"].numpy()
-        adv, ret = fn(token_level_rewards=rewards, response_mask=mask, index=index, config=cfg,
-                      norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo)
+    offered = {"token_level_rewards": rewards, "response_mask": mask, "index": batch["group"].numpy(),
+               "config": cfg, "norm_adv_by_std_in_grpo": a.norm_adv_by_std_in_grpo, "gamma": a.gamma, "lam": a.lam,
+               "values": values, "old_log_probs": old_logp, "sum_pi_squared": batch.get("sum_pi_squared"),
+               "reward_baselines": batch.get("reward_baselines")}
+    adv, ret = fn(**_accepted(fn, offered))
     return adv, ret, metrics
+
+
+def _accepted(fn, offered: dict) -> dict:
+    """The arguments of `offered` that verl's estimator names (nothing reaches its **kwargs)."""
+    params = inspect.signature(fn).parameters
+    named = {k: v for k, v in offered.items() if k in params and v is not None}
+    missing = [k for k, p in params.items() if p.default is inspect.Parameter.empty
+               and p.kind is not inspect.Parameter.VAR_KEYWORD and named.get(k) is None]
+    if missing:  # the blueprint validators refuse these combinations; reaching here is a verlflow bug
+        raise RuntimeError(f"verl's {fn.__name__} needs {missing}, which this batch lacks")
+    return named
 
 
 def prepare(bp: Blueprint, batch: dict, old_logp, ref_logp, values=None, *, iteration: int
@@ -210,14 +239,22 @@ def prepare(bp: Blueprint, batch: dict, old_logp, ref_logp, values=None, *, iter
 
 
 def actor_config(bp: Blueprint):
+    """verl's ActorConfig as its policy losses read it: clip ranges, aggregation, and each loss's own knobs."""
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
     from verl.workers.config import ActorConfig
+    from verl.workers.config.actor import PolicyLossConfig
 
     a = bp.algorithm
+    correction = RolloutCorrectionConfig(rollout_is=a.rollout_is, rollout_is_threshold=a.rollout_is_threshold,
+                                         bypass_mode=a.policy_loss == "bypass_mode", loss_type=a.bypass_loss_type)
+    loss = PolicyLossConfig(loss_mode=a.policy_loss, clip_cov_ratio=a.clip_cov_ratio, clip_cov_lb=a.clip_cov_lb,
+                            clip_cov_ub=a.clip_cov_ub, kl_cov_ratio=a.kl_cov_ratio, ppo_kl_coef=a.ppo_kl_coef,
+                            dro_beta=a.dro_beta, rollout_correction=correction)
     return ActorConfig(strategy="fsdp", rollout_n=bp.rollout.n, ppo_mini_batch_size=a.ppo_mini_batch_size,
                        ppo_micro_batch_size_per_gpu=a.ppo_micro_batch_size_per_gpu, ppo_epochs=a.ppo_epochs,
                        clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
                        clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode, use_dynamic_bsz=False,
-                       ppo_max_token_len_per_gpu=1 << 30)
+                       ppo_max_token_len_per_gpu=1 << 30, policy_loss=loss, tau_pos=a.tau_pos, tau_neg=a.tau_neg)
 
 
 def _grad_sync(model, bp: Blueprint, world: int, *, last: bool) -> None:
@@ -282,15 +319,17 @@ class _Update:
                 f"update[{self.data.iteration}]: policy grad norm is {grad_norm.item()} at epoch {epoch}, mini-batch "
                 f"{index} (pg_loss={float(acc['pg_loss'])}); nothing was committed. Lower algorithm.lr or check rewards."
             )
+        lr = schedule.set_lr(policy.optimizer, self.bp.algorithm.lr, self.bp, models.step)
         policy.optimizer.step()
         models.step += 1
         faults.kill_point("update", self.at.rank)  # test hook: VERLFLOW_FAULT=kill_rank<N>_in_update
         if models.critic is not None:
+            schedule.set_lr(models.critic.optimizer, self.bp.algorithm.critic_lr, self.bp, models.step - 1)
             acc.update(self._critic_step(models.critic, micro, info))
         row = self._mean_over_ranks(acc)
         dt = time.perf_counter() - t0
         row.update(epoch=epoch, mini_batch=index, step=models.step, grad_norm=round(float(grad_norm), 6),
-                   lr=policy.optimizer.param_groups[0]["lr"],
+                   lr=lr,
                    tokens_per_s=round(info["batch_num_tokens"] / max(dt, 1e-9), 1))
         if not math.isfinite(row["pg_loss"]):
             raise NonFiniteError(f"update[{self.data.iteration}]: loss is {row['pg_loss']}; nothing was committed.")
@@ -329,8 +368,9 @@ class _Update:
         ent_loss = core_algos.agg_loss(ent, m, a.loss_agg_mode, **info)
         if a.entropy_coeff:
             loss = loss - a.entropy_coeff * ent_loss
+        # Not every verl loss reports a clip fraction or a KL (gpg, dro...): 0 then.
         terms = {"pg_loss": pg_loss.detach(), "entropy": ent_loss.detach(),
-                 "pg_clipfrac": pg_metrics["actor/pg_clipfrac"], "ppo_kl": pg_metrics["actor/ppo_kl"]}
+                 "pg_clipfrac": pg_metrics.get("actor/pg_clipfrac", 0.0), "ppo_kl": pg_metrics.get("actor/ppo_kl", 0.0)}
         if a.use_kl_loss:
             kld = core_algos.kl_penalty(logp, d.ref_logp[idx].to(dev), a.kl_loss_type)
             kl_loss = core_algos.agg_loss(kld, m, a.loss_agg_mode, **info)

@@ -104,6 +104,13 @@ def load_reward(function: str, module: Optional[str] = None, field: str = "rewar
     return _checked(function, obj)
 
 
+def overlong_penalty(response_len: int, max_len: int, buffer_len: int, factor: float) -> float:
+    """DAPO's soft overlong punishment (verl's DAPORewardManager): 0 up to max_len - buffer_len tokens, then
+    falling linearly to -factor at max_len."""
+    exceed = response_len - (max_len - buffer_len)
+    return min(-exceed / buffer_len * factor, 0.0)
+
+
 # ---------------------------------------------------------------------------------------------------
 def _ident(fn: Any) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"

@@ -18,17 +18,20 @@ from verlflow.core.blueprint import Blueprint
 from verlflow.core.ml.data import Prompts
 from verlflow.core.ml.generate import encode_prompts, left_pad, sample
 from verlflow.core.ml.placement import Placement
-from verlflow.core.ml.rewards import load_reward
+from verlflow.core.ml.rewards import load_reward, overlong_penalty
 
 
-def sample_seed(bp: Blueprint, iteration: int) -> int:
-    return int(hashlib.sha256(f"{bp.seed}/{iteration}".encode()).hexdigest()[:12], 16)
+def sample_seed(bp: Blueprint, iteration: int, attempt: int = 0) -> int:
+    """The seed of an iteration's sampling round `attempt` (dynamic sampling takes several; round 0's is the one
+    every iteration had before there were rounds)."""
+    tag = f"{bp.seed}/{iteration}" + (f"/{attempt}" if attempt else "")
+    return int(hashlib.sha256(tag.encode()).hexdigest()[:12], 16)
 
 
 def generate_share(model, tok, bp: Blueprint, prompts: Prompts, iteration: int, at: Placement,
-                   progress=None) -> list[dict]:
+                   progress=None, attempt: int = 0) -> list[dict]:
     """Samples j = p * n + k of the iteration's `prompts` (prompt p, sample k) that fall to this rank, with
-    rewards."""
+    rewards; `attempt` is the sampling round."""
     n = bp.rollout.n
     mine = range(len(prompts) * n)[at.share(len(prompts) * n)]
     p_idx = [j // n for j in mine]
@@ -40,27 +43,36 @@ def generate_share(model, tok, bp: Blueprint, prompts: Prompts, iteration: int, 
     timings = {"setup_s": 0.0}  # the engine's own set-up (build, compile, graph capture), filled by the sampler
     logprobs: list[list[float]] = []  # always taken (cheap): algorithm.old_logprobs=rollout reads them
     t0 = time.perf_counter()
-    responses = sampler(model, tok, enc, bp.rollout, at.device, sample_seed(bp, iteration) + mine.start, progress,
+    responses = sampler(model, tok, enc, bp.rollout, at.device, sample_seed(bp, iteration, attempt) + mine.start, progress,
                         timings=timings, logprobs=logprobs)
     if len(logprobs) != len(responses):  # a sampler that could not take them (HF generate with top_p/top_k)
         logprobs = [None] * len(responses)
     setup_s = timings["setup_s"]
     gen_s = time.perf_counter() - t0 - setup_s  # generation only: tokens_per_s must not pay for the set-up
     reward = load_reward(bp.reward.function, bp.reward.module)
+    ob = bp.reward.overlong_buffer
     out = []
     for j, p, ids, resp, logp in zip(mine, p_idx, enc, responses, logprobs):
         text = tok.decode(resp, skip_special_tokens=True)
         score = float(reward(prompts.data_source[p], text, prompts.ground_truth[p], prompts.extra_info[p]))
         if not math.isfinite(score):
             raise ValueError(f"reward.function={bp.reward.function} returned {score} for sample {j}")
+        penalty = 0.0
+        if ob.enable:  # before any group filter: DAPO's dynamic sampling sees the shaped reward
+            penalty = overlong_penalty(len(resp), bp.rollout.max_new_tokens, ob.len, ob.penalty_factor)
+            score += penalty
         out.append({"sample": j, "group": p, "row": prompts.rows[p], "prompt_ids": ids, "response_ids": resp,
                     "logprobs": logp,
                     "response": text, "ground_truth": prompts.ground_truth[p], "score": score, "gen_s": gen_s,
+                    "overlong_penalty": penalty,
                     "setup_s": setup_s})
     return out
 
 
-def save_batch(samples: list[dict], folder: Path, pad_id: int, max_new_tokens: int) -> dict:
+def save_batch(samples: list[dict], folder: Path, pad_id: int, max_new_tokens: int,
+               prompts_consumed: int | None = None) -> dict:
+    """batch.safetensors and samples.parquet of `samples`, and their statistics; `prompts_consumed` (how far the
+    data cursor moves, when sampling rounds took more prompts than the batch holds) is kept in the batch."""
     samples = sorted(samples, key=lambda s: s["sample"])
     prompts, prompt_mask = left_pad([s["prompt_ids"] for s in samples], pad_id)
     responses = torch.full((len(samples), max_new_tokens), pad_id, dtype=torch.long)
@@ -79,6 +91,10 @@ def save_batch(samples: list[dict], folder: Path, pad_id: int, max_new_tokens: i
     }
     if all(s["logprobs"] is not None for s in samples):
         tensors["rollout_logp"] = rollout_logp
+    if all("reward_baseline" in s for s in samples):  # remax
+        tensors["reward_baselines"] = torch.tensor([s["reward_baseline"] for s in samples], dtype=torch.float32)
+    if prompts_consumed is not None:
+        tensors["prompts_consumed"] = torch.tensor([prompts_consumed], dtype=torch.long)
     save_file(tensors, str(folder / "batch.safetensors"))
     pq.write_table(pa.table({k: [s[k] for s in samples] for k in ("sample", "group", "row", "response",
                                                                  "ground_truth", "score")}),
@@ -92,7 +108,17 @@ def save_batch(samples: list[dict], folder: Path, pad_id: int, max_new_tokens: i
         "samples": len(samples), "tokens": int(lens.sum().item()),
         "tokens_per_s": round(lens.sum().item() / max(gen_s, 1e-9), 1), "sampling_s": round(gen_s, 4),
         "engine_setup_s": round(max(s.get("setup_s", 0.0) for s in samples), 4),
+        **_overlong_stats(samples),
     }
+
+
+def _overlong_stats(samples: list[dict]) -> dict:
+    """reward.overlong_buffer's effect: the share of samples it penalised and the mean penalty (0 when off)."""
+    penalties = [s.get("overlong_penalty", 0.0) for s in samples]
+    if not any(penalties):
+        return {}
+    return {"overlong/penalised_frac": round(sum(p < 0 for p in penalties) / len(penalties), 6),
+            "overlong/penalty_mean": round(sum(penalties) / len(penalties), 6)}
 
 
 def load_batch(folder: Path) -> dict[str, torch.Tensor]:

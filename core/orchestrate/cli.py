@@ -1,10 +1,13 @@
 """`verlflow` command line. Errors a user can fix print as one paragraph and exit non-zero."""
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -122,18 +125,43 @@ def cmd_run(args) -> int:
         print(f"[verlflow] {space.summary()}", flush=True)
         return _run_flow(bp, args.run_id, args.from_step)
     store = open_store(bp)
-    with run_lease(store, run_id):
+    with run_lease(store, run_id), _ctrl_c_cancels() as cancel:
         print(f"[verlflow] {space.summary()}", flush=True)  # once the run is ours: a refused one prints nothing
         logs = _StageLogs(store, run_id, steps)
         try:
-            results = run_pipeline(bp, run_id, on_line=logs, on_step=logs.step_done, force_from=args.from_step)
+            results = run_pipeline(bp, run_id, on_line=logs, on_step=logs.step_done, force_from=args.from_step,
+                                   cancel=cancel)
         except VerlflowError as e:
             e.log_file = logs.path
+            if cancel.is_set():
+                raise KeyboardInterrupt from e  # the job is gone; exit 130 as for any Ctrl-C
             raise
         finally:
             logs.close()
     _print_summary(bp, run_id, results)
     return 0
+
+
+@contextlib.contextmanager
+def _ctrl_c_cancels():
+    """Ctrl-C (SIGINT) sets the run's cancel event instead of raising wherever the main thread happens to be (inside
+    a logging handler's lock, a store write): the launcher then stops the job's whole tree and the run ends as
+    cancelled. A second Ctrl-C raises at once."""
+    cancel = threading.Event()
+
+    def on_sigint(signum, frame):
+        if cancel.is_set():
+            raise KeyboardInterrupt
+        cancel.set()
+
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield cancel
+        return
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield cancel
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class _StageLogs:

@@ -35,12 +35,13 @@ STAGES = ("validate", "build", "rollout", "update", "evaluate", "checkpoint")
 # reshards, so a world-size change reuses what was committed and continues.
 SECTIONS = {
     "validate": ("model", "data", "reward", "rollout", "fsdp", "resources", "storage", "eval.files", "eval.prompt_key",
-                 "eval.max_prompts", "eval.reward", "algorithm.adv_estimator",
+                 "eval.max_prompts", "eval.reward", "algorithm.adv_estimator", "algorithm.policy_loss",
                  "algorithm.ppo_mini_batch_size", "algorithm.ppo_micro_batch_size_per_gpu"),
     # build: optimizer hyperparameters are re-applied from the blueprint on every load, so only the
     # estimator (whether a critic exists) matters here.
     "build": ("model", "fsdp", "algorithm.adv_estimator", "seed", "deterministic"),
-    "rollout": ("model", "data", "reward", "rollout", "fsdp.mixed_precision", "seed"),
+    "rollout": ("model", "data", "reward", "rollout", "fsdp.mixed_precision", "seed", "algorithm.filter_groups",
+                "algorithm.greedy_baseline"),
     "update": ("model", "data", "algorithm", "rollout", "fsdp", "seed", "deterministic"),
     # evaluate: what its samples and scores depend on; not eval.before_train/every (which evaluations exist), nor
     # the rollout's own sampling (the eval's replaces it).

@@ -11,7 +11,8 @@ import logging
 from verlflow.core.ml import model as M
 from verlflow.core.ml.evaluate import generate_share, load_held_out, metrics, save_samples, shown
 from verlflow.core.stages.common import StageContext, stage_main
-from verlflow.core.stages.rollout import gather, inference_copy, policy_inputs
+from verlflow.core.stages.collect import gather
+from verlflow.core.stages.rollout import inference_copy, policy_inputs
 
 log = logging.getLogger("verlflow.evaluate")
 

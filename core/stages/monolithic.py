@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 
 from verlflow.core.ml import checkpoint, export, model as M, ppo
-from verlflow.core.ml.data import load_prompts, select
+from verlflow.core.ml.data import load_prompts
 from verlflow.core.ml.optim import apply_hparams
-from verlflow.core.ml.rollout import generate_share, load_batch, save_batch
+from verlflow.core.ml.rollout import load_batch, save_batch
 from verlflow.core.stages.common import StageContext, stage_main
-from verlflow.core.stages.rollout import gather
+from verlflow.core.stages.collect import collect
 from verlflow.core.stages.update import load_trainee, sharded
 
 log = logging.getLogger("verlflow.monolithic")
@@ -27,14 +27,15 @@ def _trainee(ctx: StageContext, build, role: str) -> ppo.Trainee:
     return trainee
 
 
-def _as_batch(ctx: StageContext, samples: list[dict], tok, it: int) -> tuple[dict, dict]:
+def _as_batch(ctx: StageContext, got, tok, it: int) -> tuple[dict, dict]:
     """The samples through the same file format as the staged path (so both see identical tensors), and their
     statistics."""
     batch_dir = ctx.out / "batches" / str(it)
     stats = [None]
     if ctx.is_main():
         batch_dir.mkdir(parents=True, exist_ok=True)
-        stats[0] = save_batch(samples, batch_dir, tok.pad_token_id, ctx.bp.rollout.max_new_tokens)
+        stats[0] = save_batch(got.samples, batch_dir, tok.pad_token_id, ctx.bp.rollout.max_new_tokens,
+                              got.prompts_consumed)
     dist.broadcast_object_list(stats)
     return load_batch(batch_dir), stats[0]
 
@@ -77,14 +78,13 @@ def run(ctx: StageContext) -> dict:
 
     per_iter = []
     for it in range(1, bp.iterations + 1):
-        rows = select(len(data), state["data_cursor"], bp.data.batch_size, bp.seed, bp.data.shuffle).tolist()
         with ctx.timed("rollout_s"):
             infer.load_state_dict(checkpoint.full_state_dict(policy.model))
-            samples = gather(ctx, generate_share(infer, tok, bp, data.take(rows), it, ctx.placement))
-        batch, stats = _as_batch(ctx, samples, tok, it)
+            got = collect(ctx, infer, tok, data, state["data_cursor"], it)
+        batch, stats = _as_batch(ctx, got, tok, it)
         with ctx.timed("update_s"):
             history = _update(ctx, ref, models, batch, it)
-        state = {**state, "step": models.step, "data_cursor": state["data_cursor"] + bp.data.batch_size,
+        state = {**state, "step": models.step, "data_cursor": state["data_cursor"] + got.prompts_consumed,
                  "iteration": it}
         per_iter.append({"iteration": it, "reward_mean": stats["reward_mean"], "pg_loss": history[-1]["pg_loss"],
                          "rollout_s": round(ctx.timings["rollout_s"] - sum(p["rollout_s"] for p in per_iter), 4),

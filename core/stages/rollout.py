@@ -6,12 +6,12 @@ Inputs: `build` (hf_meta/), `policy` (policy/ checkpoint). Outputs: batch.safete
 import logging
 
 import torch
-import torch.distributed as dist
 
 from verlflow.core.ml import checkpoint, model as M
-from verlflow.core.ml.data import load_prompts, select
-from verlflow.core.ml.rollout import generate_share, save_batch
+from verlflow.core.ml.data import load_prompts
+from verlflow.core.ml.rollout import save_batch
 from verlflow.core.stages import modelcache
+from verlflow.core.stages.collect import collect
 from verlflow.core.stages.common import StageContext, stage_main
 
 log = logging.getLogger("verlflow.rollout")
@@ -36,16 +36,6 @@ def inference_copy(ctx: StageContext, meta_dir, cached, policy_dir):
     return model
 
 
-def gather(ctx: StageContext, mine: list[dict]) -> list[dict]:
-    """Every rank's samples, on every rank: one collective after generation, none during it (ranks that finish
-    early simply wait here)."""
-    if ctx.world == 1:
-        return mine
-    parts = [None] * ctx.world
-    dist.all_gather_object(parts, mine)
-    return [s for p in parts for s in p]
-
-
 def policy_inputs(ctx: StageContext):
     """The build's hf_meta folder, and the policy: a warm pool's last update still in memory (its files may still be
     being written in the background), else its checkpoint folder. input() is collective: every rank calls this."""
@@ -61,17 +51,15 @@ def run(ctx: StageContext) -> dict:
     tok = M.load_tokenizer(meta_dir)
     state = checkpoint.read_state(policy_dir) if cached is None else cached[2]
     data = load_prompts(bp.data.train_files, bp.data.prompt_key)
-    rows = select(len(data), state["data_cursor"], bp.data.batch_size, bp.seed, bp.data.shuffle).tolist()
     with ctx.timed("load_s"):
         model = inference_copy(ctx, meta_dir, cached, policy_dir)
     progress = log.info if ctx.is_main() else None
     with ctx.timed("generate_s"):
-        mine = generate_share(model, tok, bp, data.take(rows), ctx.iteration, ctx.placement, progress)
-    samples = gather(ctx, mine)
+        got = collect(ctx, model, tok, data, state["data_cursor"], ctx.iteration, progress)
     if not ctx.is_main():
         return {}
-    stats = save_batch(samples, ctx.out, tok.pad_token_id, bp.rollout.max_new_tokens)
-    stats["data_cursor"] = state["data_cursor"]
+    stats = save_batch(got.samples, ctx.out, tok.pad_token_id, bp.rollout.max_new_tokens, got.prompts_consumed)
+    stats.update(got.metrics, data_cursor=state["data_cursor"], prompts_consumed=got.prompts_consumed)
     # generate_s is the whole phase; tokens_per_s counts sampling_s only, without the engine's set-up
     ctx.timings.update(sampling_s=stats.pop("sampling_s"), engine_setup_s=stats.pop("engine_setup_s"))
     log.info("rollout[%s]: reward mean %.4f std %.4f, %d samples, %.0f tok/s", ctx.iteration, stats["reward_mean"],

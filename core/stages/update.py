@@ -109,7 +109,8 @@ def run(ctx: StageContext) -> dict:
     data, adv_metrics = ppo.prepare(bp, batch, old_logp, ref_logp, values, iteration=it)
     with ctx.timed("train_s"):
         history = ppo.train(bp, models, data, at, progress=log.info if ctx.is_main() else None)
-    new_state = {**state, "step": models.step, "data_cursor": state["data_cursor"] + bp.data.batch_size,
+    consumed = int(batch["prompts_consumed"][0]) if "prompts_consumed" in batch else bp.data.batch_size
+    new_state = {**state, "step": models.step, "data_cursor": state["data_cursor"] + consumed,
                  "iteration": it}
     with ctx.timed("save_s"):
         _save(ctx, models, new_state)

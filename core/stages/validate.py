@@ -187,9 +187,25 @@ def check_store_space(ctx: StageContext, r: Report):
     r.add("store_space", space.fits, space.problem() or space.summary())
 
 
+def check_algorithm(ctx: StageContext, r: Report):
+    """The estimator and the loss by verl's own registries (the blueprint's enums are verlflow's table of them)."""
+    from verl.trainer.ppo import core_algos
+
+    from verlflow.core.algos import registry_drift
+
+    a = ctx.bp.algorithm
+    core_algos.get_adv_estimator_fn(a.adv_estimator)  # raises with verl's list if verl lacks it
+    core_algos.get_policy_loss_fn(a.policy_loss)
+    drift = registry_drift()
+    r.add("algorithm", True, f"adv_estimator {a.adv_estimator}, policy_loss {a.policy_loss} (verl registries)")
+    if drift:
+        r.add("algorithm_registry", False, "; ".join(drift), fatal=False)
+
+
 def run(ctx: StageContext) -> dict:
     r = Report()
     check_versions(r)
+    r.guard("algorithm", lambda: check_algorithm(ctx, r))
     check_devices(ctx, r)
     r.guard("all_reduce", lambda: check_allreduce(ctx, r))
     r.guard("fsdp_shard", lambda: check_fsdp_sharding(ctx, r))

@@ -1,0 +1,86 @@
+"""One iteration's samples, on every rank: sampling rounds, DAPO's group filter, remax's greedy baseline.
+
+Runs in every rank of the rollout (and monolithic) job. Each round samples `data.batch_size` prompts and gathers
+the samples on every rank, so the decisions below (keep a group, sample another round) are taken from the same
+gathered scores everywhere: no rank can leave the loop while another waits in the next round's gather.
+"""
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from verlflow.core.ml.data import Prompts, select
+from verlflow.core.ml.rollout import generate_share
+from verlflow.core.stages.common import StageContext
+
+
+def gather(ctx: StageContext, mine: list[dict]) -> list[dict]:
+    """Every rank's samples, on every rank: one collective after generation, none during it (ranks that finish
+    early simply wait here)."""
+    if ctx.world == 1:
+        return mine
+    parts = [None] * ctx.world
+    dist.all_gather_object(parts, mine)
+    return [s for p in parts for s in p]
+
+
+@dataclass
+class Collected:
+    samples: list[dict]
+    prompts_consumed: int  # how far the data cursor moves: every round's prompts count, kept or not
+    metrics: dict = field(default_factory=dict)
+
+
+def _groups(samples: list[dict]) -> list[list[dict]]:
+    by: dict[int, list[dict]] = {}
+    for s in sorted(samples, key=lambda s: s["sample"]):
+        by.setdefault(s["group"], []).append(s)
+    return [by[g] for g in sorted(by)]
+
+
+def _renumber(groups: list[list[dict]], n: int) -> list[dict]:
+    """Groups -> samples numbered as one batch: group p, sample p * n + k (the layout save_batch expects)."""
+    return [{**s, "group": p, "sample": p * n + k} for p, g in enumerate(groups) for k, s in enumerate(g)]
+
+
+def collect(ctx: StageContext, model, tok, data: Prompts, cursor: int, iteration: int, progress=None) -> Collected:
+    """Iteration `iteration`'s samples of `data` from prompt `cursor` on."""
+    bp, it = ctx.bp, iteration
+    B, n, fg = bp.data.batch_size, bp.rollout.n, bp.algorithm.filter_groups
+    rounds = fg.max_num_gen_batches if fg.enable else 1
+    informative: list[list[dict]] = []
+    uniform: list[list[dict]] = []
+    sampled = 0
+    for r in range(rounds):
+        rows = select(len(data), cursor + r * B, B, bp.seed, bp.data.shuffle).tolist()
+        samples = gather(ctx, generate_share(model, tok, bp, data.take(rows), it, ctx.placement, progress, attempt=r))
+        sampled += len(samples)
+        if not fg.enable:
+            return _with_baseline(ctx, it, model, tok, data, Collected(samples, B))
+        for g in _groups(samples):
+            (informative if len({s["score"] for s in g}) > 1 else uniform).append(g)
+        if len(informative) >= B:
+            break
+    chosen = informative[:B]
+    filled = B - len(chosen)  # rounds ran out: uniform groups (zero advantage) keep the batch's shape
+    chosen += uniform[:filled]
+    metrics = {"filter_groups/rounds": r + 1, "filter_groups/prompts_sampled": (r + 1) * B,
+               "filter_groups/informative_groups": len(informative),
+               "filter_groups/uniform_groups": len(uniform), "filter_groups/filled_with_uniform": filled,
+               "filter_groups/samples_sampled": sampled}
+    return _with_baseline(ctx, it, model, tok, data, Collected(_renumber(chosen, n), (r + 1) * B, metrics))
+
+
+def _with_baseline(ctx: StageContext, it: int, model, tok, data: Prompts, got: Collected) -> Collected:
+    """remax: each prompt's greedy response, scored; its reward is the baseline of the prompt's samples."""
+    bp = ctx.bp
+    if not bp.algorithm.greedy_baseline:
+        return got
+    groups = _groups(got.samples)
+    prompts = data.take([g[0]["row"] for g in groups])
+    greedy_bp = bp.model_copy(update={"rollout": bp.rollout.model_copy(update={"n": 1, "temperature": 0.0})})
+    greedy = gather(ctx, generate_share(model, tok, greedy_bp, prompts, it, ctx.placement))
+    baseline = {s["group"]: s["score"] for s in greedy}  # group p of `prompts` is group p of the batch
+    samples = [{**s, "reward_baseline": baseline[p]} for p, g in enumerate(groups) for s in g]
+    got.metrics["remax/baseline_reward_mean"] = round(sum(baseline.values()) / len(baseline), 6)
+    return Collected(samples, got.prompts_consumed, got.metrics)
