@@ -81,6 +81,32 @@ class OverlongBufferSpec(Section):
     penalty_factor: float = Field(1.0, ge=0.0, description="Penalty at rollout.max_new_tokens (linear from 0).")
 
 
+class RewardModelSpec(Section):
+    model_config = ConfigDict(title="reward_model")
+
+    path: str = Field("", description="HF folder of a *ForSequenceClassification model with one label, scored on "
+                      "the prompt (chat template) + response in the rollout stage. A local folder.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Its compute dtype.")
+    micro_batch_size: int = Field(16, ge=1, description="Samples per forward pass of the reward model.")
+    max_length: int = Field(2048, ge=8, description="Tokens of prompt + response it reads at most (truncated).")
+
+    @model_validator(mode="after")
+    def _local(self):
+        if not self.path:
+            raise ValueError("reward.model.path is required with reward.model: the reward model's HF folder")
+        if "://" in self.path:
+            raise ValueError(f"reward.model.path={self.path}: the reward model must be a local folder (copy it to "
+                             "the machines that run the rollout)")
+        return self
+
+
+class RewardCombineSpec(Section):
+    model_config = ConfigDict(title="combine")
+
+    function: float = Field(1.0, ge=0.0, description="Weight of reward.function's score (0: not computed).")
+    model: float = Field(1.0, ge=0.0, description="Weight of reward.model's score.")
+
+
 class RewardSpec(Section):
     model_config = ConfigDict(title="reward")
 
@@ -90,8 +116,30 @@ class RewardSpec(Section):
         "tiny_digits, exact_match, a name registered by reward.module, or 'package.module:function'.",
     )
     module: Optional[str] = Field(None, description="Module imported first; it may call @register_reward('name').")
+    batched: bool = Field(False, description="reward.function takes lists (data_sources, solution_strs, "
+                          "ground_truths, extra_infos) and returns a list of scores: one call per "
+                          "rollout.micro_batch_size samples instead of one per sample.")
+    model: Optional[RewardModelSpec] = Field(None, description="A reward model scored beside (or instead of) "
+                                             "reward.function.")
+    combine: RewardCombineSpec = Field(RewardCombineSpec(), description="The sample's reward: combine.function x "
+                                       "the function's score + combine.model x the reward model's.")
     overlong_buffer: OverlongBufferSpec = Field(
         OverlongBufferSpec(), description="DAPO's soft overlong punishment (verl's reward_model.overlong_buffer).")
+
+    @model_validator(mode="after")
+    def _something_scores(self):
+        if self.combine.function == 0 and (self.model is None or self.combine.model == 0):
+            raise ValueError("reward.combine gives weight 0 to everything: keep reward.combine.function > 0, or set "
+                             "reward.model with reward.combine.model > 0")
+        return self
+
+    @property
+    def uses_function(self) -> bool:
+        return self.combine.function > 0
+
+    @property
+    def uses_model(self) -> bool:
+        return self.model is not None and self.combine.model > 0
 
 
 class FilterGroupsSpec(Section):
@@ -760,6 +808,8 @@ def resolve_paths(bp: Blueprint, base: Path | str) -> Blueprint:
     bp.data.train_files = [fix(p) for p in bp.data.train_files]
     bp.eval.files = [fix(p) for p in bp.eval.files]
     bp.storage.uri = fix(bp.storage.uri)
+    if bp.reward.model is not None:
+        bp.reward.model.path = fix(bp.reward.model.path)
     return bp
 
 
@@ -858,7 +908,7 @@ def missing_inputs(bp: Blueprint) -> list[str]:
     from verlflow.core.errors import VerlflowError
     from verlflow.core.metrics import unknown_metric_problem
     from verlflow.core.ml.data import load_prompts, missing_file_problems
-    from verlflow.core.ml.modeldir import model_dir_problems
+    from verlflow.core.ml.modeldir import model_dir_problems, reward_model_problems
     from verlflow.core.ml.rewards import load_reward
     from verlflow.core.orchestrate import preflight
     from verlflow.core.store.artifacts import carries_credentials
@@ -878,6 +928,8 @@ def missing_inputs(bp: Blueprint) -> list[str]:
         load_reward(bp.reward.function, bp.reward.module)
     except VerlflowError as e:
         problems.append(str(e))
+    if bp.reward.model is not None:
+        problems += reward_model_problems(bp.reward.model.path)
     if unknown := unknown_metric_problem(bp):
         problems.append(unknown)
     problems += [p for p in _eval_problems(bp) if p not in problems]  # a reward.module error once

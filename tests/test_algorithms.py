@@ -295,3 +295,75 @@ def test_overlong_penalty_equals_verls_dapo_reward_manager():
     assert ours[:max_len - buf] == [base] * (max_len - buf) and ours[-1] == pytest.approx(base - factor)
     with pytest.raises(BlueprintError, match=r"reward.overlong_buffer.len = 20 must be at most rollout.max_new"):
         load_blueprint(None, ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=20"])
+
+
+@pytest.fixture
+def reward_parts(tiny_kit, tmp_path, monkeypatch):
+    """A tiny random-init Qwen2ForSequenceClassification folder (one label) with the kit's tokenizer, and a batched
+    reward module that scores tiny_digits and records the size of every call."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    cfg = AutoConfig.from_pretrained(tiny_kit["model_dir"], num_labels=1)
+    cfg.architectures = ["Qwen2ForSequenceClassification"]
+    torch.manual_seed(3)
+    rm = AutoModelForSequenceClassification.from_config(cfg)
+    rm_dir = tmp_path / "rm"
+    rm.save_pretrained(rm_dir)
+    AutoTokenizer.from_pretrained(tiny_kit["model_dir"]).save_pretrained(rm_dir)
+    calls = tmp_path / "calls.txt"
+    (tmp_path / "batchreward.py").write_text(
+        "from verlflow.core.ml.rewards import tiny_digits\n"
+        "def score(data_sources, solution_strs, ground_truths, extra_info=None):\n"
+        f"    open({str(calls)!r}, 'a').write(f'{{len(solution_strs)}}\\n')\n"
+        "    return [tiny_digits(d, s, g) for d, s, g in zip(data_sources, solution_strs, ground_truths)]\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return rm_dir, calls
+
+
+def test_a_reward_model_adds_to_a_batched_rule_reward_deterministically(tiny_kit, tmp_path, reward_parts):
+    """reward.model (a random-init sequence classifier) + 0.5 x ... : each sample's score is the batched rule reward
+    plus half the model's score of that prompt + response read alone (no padding), and a second run scores the same."""
+    import pyarrow.parquet as pq
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from verlflow.core.ml.data import load_prompts
+    from verlflow.core.ml.rewards import tiny_digits
+
+    rm_dir, calls = reward_parts
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", "reward.function=batchreward:score", "reward.batched=true",
+                        f"reward.model.path={rm_dir}", "reward.combine.model=0.5", "rollout.micro_batch_size=3",
+                        "resources.nproc_per_node=1")
+    _rollout(bp, "rm1")
+    build = "runs/rm1/init/build"  # a second rollout of the same policy, as another run
+    run_stage(RunContext(bp, "rm2", **QUIET), "rollout", 1, {"build": build, "policy": build})
+    root = tmp_path / "store" / "runs"
+    one, two = (pq.read_table(root / f"{r}/1/rollout/samples.parquet").to_pylist() for r in ("rm1", "rm2"))
+    assert [s["score"] for s in one] == [s["score"] for s in two]  # deterministic
+    assert calls.read_text().split() == ["3", "3", "3", "3", "3", "1"] * 2  # 16 samples, 3 at a time, per run
+
+    tok = AutoTokenizer.from_pretrained(rm_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    prompts = load_prompts(bp.data.train_files, bp.data.prompt_key)
+    by_row = dict(zip(prompts.rows, prompts.messages))
+    for s in one:
+        text = tok.apply_chat_template(by_row[s["row"]] + [{"role": "assistant", "content": s["response"]}],
+                                       tokenize=False)
+        with torch.no_grad():
+            learned = float(model(**tok(text, return_tensors="pt", add_special_tokens=False)).logits[0, 0])
+        want = tiny_digits("", s["response"], s["ground_truth"]) + 0.5 * learned
+        assert s["score"] == pytest.approx(want, abs=1e-5), (s, want)
+
+
+def test_bad_reward_model_and_weights_are_refused_naming_the_field(tiny_kit, tmp_path):
+    (tmp_path / "notrm").mkdir()
+    (tmp_path / "notrm/config.json").write_text('{"architectures": ["Qwen2ForCausalLM"]}')
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", f"reward.model.path={tmp_path / 'notrm'}")
+    from verlflow.core.blueprint import missing_inputs
+
+    problems = " ".join(missing_inputs(bp))
+    assert "reward.model.path" in problems and "Qwen2ForCausalLM with 2 labels" in problems, problems
+    with pytest.raises(BlueprintError, match=r"reward.combine gives weight 0 to everything"):
+        tiny_blueprint(tiny_kit, tmp_path, "reward.combine.function=0")
+    with pytest.raises(BlueprintError, match=r"reward.model.path=s3://b/rm: the reward model must be a local"):
+        tiny_blueprint(tiny_kit, tmp_path, "reward.model.path=s3://b/rm")

@@ -26,6 +26,7 @@ def test_update_benchmark_smoke_two_ranks(tmp_path):
         assert r["real_tokens"] < r["padded_tokens"]  # the batch is ragged, as RL batches are
 
 
+@pytest.mark.slow  # 5 min on 2 cores; the e2e smoke below runs the same warm-pool path through the pipeline
 def test_boundaries_benchmark_smoke(tmp_path):
     out = tmp_path / "b.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/boundaries.py"), "--smoke", "--json", str(out)],

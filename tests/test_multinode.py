@@ -98,6 +98,7 @@ def _probe_job(tmp_path, store, bp, ckpt, name):
     return str(tmp_path / f"{name}.json"), tmp_path / f"{name}.safetensors"
 
 
+@pytest.mark.slow  # 4 min; world-size changes (test_stages) and a two-node pipeline stay in `make test`
 def test_checkpoints_reshard_between_two_nodes_and_one(two_node_run, tiny_kit, tmp_path):
     from safetensors.torch import load_file
 

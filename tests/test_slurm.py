@@ -224,6 +224,7 @@ def test_stage_runs_across_two_nodes(slurm_cluster, tiny_kit, tmp_path, shared):
     assert not list((shared / "scratch").iterdir())
 
 
+@pytest.mark.slow  # 6 min; a stage across two Slurm nodes, cancel and timeout stay in `make test`
 def test_whole_pipeline_with_backend_slurm(slurm_cluster, tiny_kit, tmp_path, shared):
     """The tiny pipeline end to end on Slurm (2 nodes x 1), then the same on local (1 node x 2): the same
     world size, so the difference per stage is Slurm's overhead. Checkpoint is a 1-node job."""

@@ -104,6 +104,25 @@ def load_reward(function: str, module: Optional[str] = None, field: str = "rewar
     return _checked(function, obj)
 
 
+def score_all(function: str, module: Optional[str], batched: bool, data_sources: list, solutions: list[str],
+              ground_truths: list, extra_infos: list, micro_batch: int) -> list[float]:
+    """reward.function's score of each sample: one call per sample, or (reward.batched) one call per `micro_batch`
+    samples with lists, returning a list of numbers as long as its inputs."""
+    fn = load_reward(function, module)
+    if not batched:
+        return [fn(d, s, g, e) for d, s, g, e in zip(data_sources, solutions, ground_truths, extra_infos)]
+    raw, out = fn.wrapped, []
+    for i in range(0, len(solutions), micro_batch):
+        part = slice(i, i + micro_batch)
+        got = raw(data_sources[part], solutions[part], ground_truths[part], extra_info=extra_infos[part])
+        n = len(solutions[part])
+        if not isinstance(got, (list, tuple)) or len(got) != n:
+            raise BlueprintError(f"reward.function {function!r} with reward.batched=true must return a list of {n} "
+                                 f"scores for {n} samples, got {type(got).__name__} {got!r:.80}")
+        out += [to_score(function, v) for v in got]
+    return out
+
+
 def overlong_penalty(response_len: int, max_len: int, buffer_len: int, factor: float) -> float:
     """DAPO's soft overlong punishment (verl's DAPORewardManager): 0 up to max_len - buffer_len tokens, then
     falling linearly to -factor at max_len."""

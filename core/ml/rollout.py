@@ -18,7 +18,8 @@ from verlflow.core.blueprint import Blueprint
 from verlflow.core.ml.data import Prompts
 from verlflow.core.ml.generate import encode_prompts, left_pad, sample
 from verlflow.core.ml.placement import Placement
-from verlflow.core.ml.rewards import load_reward, overlong_penalty
+from verlflow.core.ml import rewardmodel
+from verlflow.core.ml.rewards import overlong_penalty, score_all
 
 
 def sample_seed(bp: Blueprint, iteration: int, attempt: int = 0) -> int:
@@ -49,14 +50,11 @@ def generate_share(model, tok, bp: Blueprint, prompts: Prompts, iteration: int, 
         logprobs = [None] * len(responses)
     setup_s = timings["setup_s"]
     gen_s = time.perf_counter() - t0 - setup_s  # generation only: tokens_per_s must not pay for the set-up
-    reward = load_reward(bp.reward.function, bp.reward.module)
+    texts = [tok.decode(resp, skip_special_tokens=True) for resp in responses]
+    scores = _scores(bp, prompts, p_idx, texts, at)
     ob = bp.reward.overlong_buffer
     out = []
-    for j, p, ids, resp, logp in zip(mine, p_idx, enc, responses, logprobs):
-        text = tok.decode(resp, skip_special_tokens=True)
-        score = float(reward(prompts.data_source[p], text, prompts.ground_truth[p], prompts.extra_info[p]))
-        if not math.isfinite(score):
-            raise ValueError(f"reward.function={bp.reward.function} returned {score} for sample {j}")
+    for j, p, ids, resp, logp, text, score in zip(mine, p_idx, enc, responses, logprobs, texts, scores):
         penalty = 0.0
         if ob.enable:  # before any group filter: DAPO's dynamic sampling sees the shaped reward
             penalty = overlong_penalty(len(resp), bp.rollout.max_new_tokens, ob.len, ob.penalty_factor)
@@ -67,6 +65,25 @@ def generate_share(model, tok, bp: Blueprint, prompts: Prompts, iteration: int, 
                     "overlong_penalty": penalty,
                     "setup_s": setup_s})
     return out
+
+
+def _scores(bp: Blueprint, prompts: Prompts, p_idx: list[int], texts: list[str], at: Placement) -> list[float]:
+    """Each sample's reward: combine.function x reward.function + combine.model x reward.model."""
+    r = bp.reward
+    total = [0.0] * len(texts)
+    if r.uses_function:
+        rule = score_all(r.function, r.module, r.batched, [prompts.data_source[p] for p in p_idx], texts,
+                         [prompts.ground_truth[p] for p in p_idx], [prompts.extra_info[p] for p in p_idx],
+                         bp.rollout.micro_batch_size)
+        total = [t + r.combine.function * v for t, v in zip(total, rule)]
+    if r.uses_model:
+        learned = rewardmodel.score(r.model, [prompts.messages[p] for p in p_idx], texts, at.device)
+        total = [t + r.combine.model * v for t, v in zip(total, learned)]
+    for j, v in enumerate(total):
+        if not math.isfinite(v):
+            raise ValueError(f"reward: sample {j} scored {v} (reward.function={r.function}, reward.model="
+                             f"{r.model.path if r.model else None})")
+    return total
 
 
 def save_batch(samples: list[dict], folder: Path, pad_id: int, max_new_tokens: int,
