@@ -189,3 +189,20 @@ def test_sigkill_of_the_launching_process_takes_the_tree_down(tmp_path):
         caller.send_signal(signal.SIGKILL)
         caller.wait()
     _assert_tree_gone(pids, within=5.0)
+
+
+def test_a_stage_worker_loads_models_without_sklearn_and_can_still_import_it():
+    """MLflow installs scikit-learn, which transformers' generation package imports when present (4-8 s a rank on 2
+    cores): a stage worker hides it for that import only; a reward function may still import it."""
+    code = ("import sys\n"
+            "import verlflow.core.stages.common\n"
+            "from verlflow.core.orchestrate.launcher import worker_guard\n"
+            "worker_guard()\n"
+            "from transformers import AutoModelForCausalLM\n"
+            "import transformers.generation.utils\n"
+            "print('loaded', 'sklearn' in sys.modules, 'pandas' in sys.modules)\n"
+            "import sklearn\n"
+            "print('importable', sklearn.__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "loaded False False" in out.stdout and "importable sklearn" in out.stdout, out.stdout

@@ -83,16 +83,34 @@ def build_command(spec: LaunchSpec) -> list[str]:
     return cmd + ["-m", spec.module, *spec.args]
 
 
+def _transformers_without_sklearn() -> None:
+    """transformers' generation package imports scikit-learn whenever it is installed (`roc_curve`, for assisted
+    decoding, which no stage uses); MLflow installs it, and with scipy and pandas it cost every rank of every stage
+    job 4-8 s of imports on 2 cores. Import that module once with sklearn hidden (find_spec takes None in
+    sys.modules for absent), then unhide it: a user's reward function may import sklearn."""
+    if "transformers.generation.candidate_generator" in sys.modules or "sklearn" in sys.modules:
+        return
+    sys.modules["sklearn"] = None
+    try:
+        import transformers.generation.candidate_generator  # noqa: F401
+    except ImportError:  # a rank without transformers (a probe) has nothing to speed up
+        pass
+    finally:
+        sys.modules.pop("sklearn", None)
+
+
 def worker_guard() -> None:
     """Call first thing in a stage worker: it dies with torchrun (which starts it in its own session),
     and its stderr joins its stdout, so one rank's lines keep their order (torchrun tails each file
     in its own thread)."""
     if not under_torchrun():
         die_with_parent()  # run by hand: dies with its shell
-        return
-    os.dup2(1, 2)
-    faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
-    die_with_parent(is_torchrun)  # torchrun may have died already: then our parent is init or a subreaper
+    else:
+        os.dup2(1, 2)
+        faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
+        die_with_parent(is_torchrun)  # torchrun may have died already: then our parent is init or a subreaper
+    if "verlflow.core.stages" in sys.modules:  # a stage worker (not a probe): it will load models
+        _transformers_without_sklearn()
 
 
 def run_and_exit(entry: Callable[[], None]) -> None:
