@@ -42,6 +42,17 @@ class Section(BaseModel):
                               json_schema_extra=_readable_optionals)
 
 
+class LoraSpec(Section):
+    model_config = ConfigDict(title="lora")
+
+    rank: int = Field(8, ge=1, description="LoRA rank r of every adapter (the low-rank update B @ A).")
+    alpha: float = Field(16.0, gt=0.0, description="LoRA alpha: the update is scaled by alpha / rank.")
+    target_modules: list[str] = Field(
+        ["all-linear"], min_length=1, description="Linear layers that get adapters, by name suffix (q_proj, v_proj, "
+        "...), or all-linear (every linear layer of the decoder, not the output head).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input while training.")
+
+
 class ModelSpec(Section):
     model_config = ConfigDict(title="model")
 
@@ -54,6 +65,9 @@ class ModelSpec(Section):
     trust_remote_code: bool = Field(
         False, description="Run Python code shipped in the model folder (custom architectures); only for models "
         "you trust.")
+    lora: Optional[LoraSpec] = Field(
+        None, description="Train LoRA adapters (PEFT) instead of every weight: the optimizer and the update's "
+        "checkpoints hold the adapters only, the reference is the base model with adapters off.")
 
 
 class DataSpec(Section):
@@ -476,6 +490,9 @@ class StorageSpec(Section):
     export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype of the HF exports; auto: the model folder's own (config.json torch_dtype), "
         "e.g. bf16 for a bf16 model trained with fp32 master weights.")
+    export_lora: Literal["merged", "adapter"] = Field(
+        "merged", description="model.lora: the HF export is the base with the adapters merged in (a plain model "
+        "folder), or the PEFT adapter folder alone (adapter_config.json + adapter_model.safetensors).")
 
 
 class EvalSpec(Section):
@@ -902,6 +919,22 @@ def json_schema() -> dict:
     return Blueprint.model_json_schema()
 
 
+def _lora_problems(bp: Blueprint) -> list[str]:
+    """model.lora.target_modules against the model folder's linear layers (its safetensors headers)."""
+    from pathlib import Path
+
+    from verlflow.core.orchestrate.footprint import ModelSize
+
+    size = ModelSize.of(Path(bp.model.path))
+    if not size.linears:  # pickled weights only: validate's PEFT injection checks them
+        return []
+    unmatched = size.unmatched_targets(bp.model.lora)
+    if not unmatched:
+        return []
+    return [f"model.lora.target_modules: {', '.join(unmatched)} names no linear layer of {bp.model.path} (its linear "
+            f"layers: {', '.join(size.linear_names())}; or all-linear)"]
+
+
 def missing_inputs(bp: Blueprint) -> list[str]:
     """Files, URIs and names the blueprint refers to that are not usable, each with the fix (cheap: no torch
     or verl import; the datasets are read with pyarrow, the reward function is resolved)."""
@@ -930,6 +963,8 @@ def missing_inputs(bp: Blueprint) -> list[str]:
         problems.append(str(e))
     if bp.reward.model is not None:
         problems += reward_model_problems(bp.reward.model.path)
+    if bp.model.lora is not None and not model_dir_problems(bp.model.path):
+        problems += _lora_problems(bp)
     if unknown := unknown_metric_problem(bp):
         problems.append(unknown)
     problems += [p for p in _eval_problems(bp) if p not in problems]  # a reward.module error once

@@ -1,6 +1,8 @@
 """Training checkpoints with torch.distributed.checkpoint: sharded, and loadable at any world size.
 
-A checkpoint folder holds `model/` (DCP: model [+ optimizer]) and `state.json` (step, data cursor, lineage).
+A checkpoint folder holds `dcp/` (DCP: model [+ optimizer]) and `state.json` (step, data cursor, lineage). Of a
+LoRA policy (verlflow.core.ml.lora) it holds the adapters and their optimizer only, and state.json's `lora` says so
+(rank, alpha, scaling): loads take the base weights from another, plain checkpoint (the build's `ref/`).
 """
 
 import json
@@ -21,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from verlflow.core.errors import InputError
-from verlflow.core.ml import dcpio
+from verlflow.core.ml import dcpio, lora
 
 log = logging.getLogger("verlflow.checkpoint")
 
@@ -30,16 +32,26 @@ log = logging.getLogger("verlflow.checkpoint")
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+def _options(model: nn.Module, **kw) -> StateDictOptions:
+    """FLAT; an adapted model's trainable part only (its frozen base lives in another checkpoint)."""
+    if lora.is_adapted(model):
+        kw.update(ignore_frozen_params=True, strict=False)
+    return StateDictOptions(flatten_optimizer_state_dict=True, **kw)
+
+
 def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict,
          background=None) -> None:
     """Every rank writes its shards; rank 0 writes state.json. With `background` (a warm pool's
     verlflow.core.stages.committer.Committer) the state is copied to CPU memory here and written by the stage's background
     commit, before the manifest."""
+    options = _options(model)
     if optimizer is not None:
-        msd, osd = get_state_dict(model, optimizer, options=FLAT)
+        msd, osd = get_state_dict(model, optimizer, options=options)
         sd = {"model": msd, "optim": osd}
     else:
-        sd = {"model": get_model_state_dict(model)}
+        sd = {"model": get_model_state_dict(model, options=options)}
+    if lora.is_adapted(model):
+        state = {**state, "lora": lora.describe(model)}
     if dist.get_rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
@@ -69,19 +81,25 @@ def _check_same_model(folder: Path, target: dict) -> None:
         )
 
 
-def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
-    """Reshards on load: the saving world size does not matter."""
-    _check_same_model(folder, get_model_state_dict(model))
+def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         base: Path | None = None) -> dict:
+    """Reshards on load: the saving world size does not matter. An adapted model takes its base weights from the
+    plain checkpoint `base` first (None: they are already in place), then its adapters from `folder`."""
+    if base is not None and lora.is_adapted(model):
+        _load_base(base, model)
+    options = _options(model)
+    _check_same_model(folder, get_model_state_dict(model, options=options))
     try:
         if optimizer is not None:
-            msd, osd = get_state_dict(model, optimizer, options=FLAT)
+            msd, osd = get_state_dict(model, optimizer, options=options)
             sd = {"model": msd, "optim": osd}
             dcpio.load(sd, str(folder / "dcp"))
-            set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=FLAT)
+            set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                           options=options)
         else:
-            sd = {"model": get_model_state_dict(model)}
+            sd = {"model": get_model_state_dict(model, options=options)}
             dcpio.load(sd, str(folder / "dcp"))
-            set_model_state_dict(model, sd["model"])
+            set_model_state_dict(model, sd["model"], options=options)
     except (RuntimeError, KeyError, ValueError, CheckpointException) as e:
         log.error("loading %s failed: %s", folder, e)  # the whole per-rank report; the error below is one line
         raise InputError(
@@ -91,12 +109,29 @@ def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
     return read_state(folder)
 
 
+def _load_base(folder: Path, model: nn.Module) -> None:
+    """An adapted model's base weights from a plain checkpoint of the same model: names mapped, adapters untouched."""
+    sd = {k: v for k, v in get_model_state_dict(model).items() if not lora.is_adapter_key(k)}
+    base = {lora.base_name(k): v for k, v in sd.items()}
+    _check_same_model(folder, base)
+    dcpio.load({"model": base}, str(folder / "dcp"))
+    set_model_state_dict(model, {k: base[lora.base_name(k)] for k in sd}, options=StateDictOptions(strict=False))
+
+
 def read_state(folder: Path) -> dict:
     return json.loads((folder / "state.json").read_text())
 
 
-def load_full(folder: Path, model: nn.Module) -> None:
-    """Fill an unsharded (non-FSDP) model from a DCP checkpoint without a process group."""
+def load_full(folder: Path, model: nn.Module, *, base: Path | None = None) -> None:
+    """Fill an unsharded (non-FSDP) model from a DCP checkpoint without a process group. A LoRA policy's checkpoint
+    (adapters only) needs the plain checkpoint of its base in `base`; the model gets the merged weights."""
+    adapters = read_state(folder).get("lora") if (folder / "state.json").is_file() else None
+    if adapters is not None:
+        if base is None:
+            raise InputError(f"checkpoint {folder} holds LoRA adapters only; its base model's checkpoint is needed")
+        load_full(base, model)
+        lora.merge_into(model, read_tensors(folder), adapters["scaling"])
+        return
     sd = {"model": model.state_dict()}
     _check_same_model(folder, sd["model"])
     try:
@@ -106,6 +141,26 @@ def load_full(folder: Path, model: nn.Module) -> None:
     model.load_state_dict(sd["model"])
 
 
+def read_tensors(folder: Path) -> dict:
+    """Every model tensor of a checkpoint, whole, without a process group (a LoRA policy's adapters)."""
+    meta = dcp.FileSystemReader(str(folder / "dcp")).read_metadata().state_dict_metadata
+    sd = {k[len("model."):]: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+          for k, v in meta.items() if k.startswith("model.") and hasattr(v, "size")}
+    dcpio.load({"model": sd}, str(folder / "dcp"), no_dist=True)
+    return sd
+
+
 def full_state_dict(model: nn.Module) -> dict:
-    """The whole model on every rank, on CPU (for the inference copy and HF export)."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    """The whole model on every rank, on its device (for the inference copy and HF export): of an adapted model, the
+    plain model's names with the adapters merged in."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    if not lora.is_adapted(model):
+        return full
+    base, adapters = lora.split(full)
+    return lora.merge(base, adapters, lora.describe(model)["scaling"])
+
+
+def full_adapters(model: nn.Module) -> dict:
+    """An adapted model's adapters, whole, on every rank (collective): the PEFT adapter export."""
+    return {k: v for k, v in get_model_state_dict(model, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=False, ignore_frozen_params=True)).items() if lora.is_adapter_key(k)}

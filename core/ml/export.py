@@ -30,10 +30,11 @@ def export_dtype(bp, model_dir: str | Path) -> str:
     return name
 
 
-def export_model(meta_dir: Path, bp, dtype: str, *, full: dict | None = None, policy_dir: Path | None = None):
+def export_model(meta_dir: Path, bp, dtype: str, *, full: dict | None = None, policy_dir: Path | None = None,
+                 base_dir: Path | None = None):
     """An unsharded CPU model in `dtype` holding the policy's weights, from a full state dict (`full`) or from the
-    DCP checkpoint in `policy_dir` (both cast on the copy into it). A copy of its own: training may go on changing
-    the source while it is written."""
+    DCP checkpoint in `policy_dir` (both cast on the copy into it; LoRA adapters merged into the base in
+    `base_dir`). A copy of its own: training may go on changing the source while it is written."""
     import torch
 
     from verlflow.core.ml import checkpoint, model as M
@@ -47,7 +48,7 @@ def export_model(meta_dir: Path, bp, dtype: str, *, full: dict | None = None, po
             # (H200, 1.5B: the copy into the export took ~10 s of each steady iteration). Same rounding either way.
             model.load_state_dict({k: v.to(M.DTYPES[dtype]) for k, v in full.items()})
         else:
-            checkpoint.load_full(policy_dir, model)
+            checkpoint.load_full(policy_dir, model, base=base_dir)
     return model
 
 
@@ -62,3 +63,26 @@ def write_export(model, meta_dir: Path, out: Path, dtype: str) -> None:
     # Both names: transformers 5 reads `dtype`, older readers (transformers 4, vLLM) `torch_dtype`.
     config.update(dtype=dtype, torch_dtype=dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+class AdapterExport:
+    """storage.export_lora=adapter: the PEFT adapter folder of a LoRA policy (plus the tokenizer files), from the
+    adapters in memory or the policy's DCP checkpoint."""
+
+    def __init__(self, bp, dtype: str, *, adapters: dict | None = None, policy_dir: Path | None = None):
+        from verlflow.core.ml import checkpoint, model as M
+
+        self.bp, self.dtype = bp, M.DTYPES[dtype]
+        # A copy of its own on the CPU: training may go on changing the source while it is written.
+        src = adapters if adapters is not None else checkpoint.read_tensors(policy_dir)
+        self.adapters = {k: v.detach().to("cpu", self.dtype, copy=True) for k, v in src.items()}
+
+    def write(self, meta_dir: Path, out: Path) -> None:
+        """The adapter folder and the build's tokenizer files (PEFT's folders usually carry them; no config.json:
+        the base model's own stays where model.path names it)."""
+        from verlflow.core.ml import lora
+
+        lora.save_adapter(self.adapters, self.bp.model.lora, self.bp.model.path, out, self.dtype)
+        for f in Path(meta_dir).iterdir():
+            if f.is_file() and f.name not in ("config.json", "generation_config.json"):
+                shutil.copy2(f, out / f.name)

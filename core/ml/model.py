@@ -44,9 +44,10 @@ def decoder_layer_class(model: nn.Module, name: str | None = None) -> type:
 
 
 def build_module(model_dir: str | Path, bp: Blueprint, *, critic: bool = False, meta: bool = False,
-                 packed: bool = False) -> nn.Module:
+                 packed: bool = False, adapters: bool = False) -> nn.Module:
     """The HF model with the weights in `model_dir`; empty (meta) when `meta`, random when the folder has only a
-    config (both to be filled by a checkpoint load). `packed`: attention over padding-free rows (core/ml/packing.py)."""
+    config (both to be filled by a checkpoint load). `packed`: attention over padding-free rows (core/ml/packing.py).
+    `adapters`: the policy being trained, with model.lora's adapters injected when the blueprint has them."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     cls = AutoModelForTokenClassification if critic else AutoModelForCausalLM
@@ -75,6 +76,10 @@ def build_module(model_dir: str | Path, bp: Blueprint, *, critic: bool = False, 
     else:
         model = cls.from_pretrained(str(model_dir), **kw)
     model.config.use_cache = False
+    if adapters and bp.model.lora is not None and not critic:
+        from verlflow.core.ml import lora
+
+        lora.inject(model, bp.model.lora, meta=meta)
     return model
 
 

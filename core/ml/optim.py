@@ -15,7 +15,7 @@ def apply_hparams(opt: torch.optim.Optimizer, bp: Blueprint, *, critic: bool = F
 
 def make_optimizer(model: torch.nn.Module, bp: Blueprint, *, critic: bool = False) -> torch.optim.Optimizer:
     a = bp.algorithm
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]  # model.lora: the adapters only
     # One fused kernel per step on CUDA instead of a for-each op chain over every (DTensor) shard; the state
     # dict is the same, so checkpoints move between fused and not (CPU keeps the reference implementation).
     fused = bool(params) and all(p.is_cuda for p in params)

@@ -11,6 +11,8 @@ CLI runs this before anything touches the store). Each term follows what a stage
   the best by storage.keep_best_metric and the one `latest` names (older than those when exports are further
   apart); the newest is written before an older one is pruned, so one more at the peak.
 - the reference: the build's ref/ (model only, model.dtype) and hf_meta/, never pruned (every update reads them).
+- model.lora: a training checkpoint holds the adapters and their AdamW state only (the base is the reference's);
+  storage.export_lora=adapter exports the adapters alone.
 - HF exports (core/stages/checkpoint.py): save_pretrained in storage.export_dtype (auto: the model folder's
   config dtype) plus the folder's other files (config, tokenizer). Kept: storage.keep_last, the best, and the
   one being written (counted apart from the checkpoint being written: with warm workers an update's background
@@ -81,6 +83,7 @@ class ModelSize:
     tied: bool  # the headers hold no lm_head: the model shares the input embedding
     hidden: int
     meta_bytes: int  # the folder's other files (config, tokenizer): hf_meta/ and every export copy them
+    linears: tuple = ()  # (module name, out, in) of every 2-D weight but the embeddings and the output layer
 
     @classmethod
     def of(cls, model_dir: Path) -> "ModelSize":
@@ -89,12 +92,16 @@ class ModelSize:
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
         numel = tensors = 0
         names: set[str] = set()
+        linears = []
         for f in sorted(model_dir.glob("*.safetensors")):
             with safe_open(str(f), framework="numpy") as st:  # the header only
                 for name in st.keys():
-                    numel += _prod(st.get_slice(name).get_shape())
+                    shape = st.get_slice(name).get_shape()
+                    numel += _prod(shape)
                     tensors += 1
                     names.add(name)
+                    if len(shape) == 2 and name.endswith(".weight") and "embed" not in name and name != "lm_head.weight":
+                        linears.append((name[: -len(".weight")], shape[0], shape[1]))
         if not tensors:  # pickled *.bin weights only: their size over the config's dtype, no header to read
             itemsize = ITEMSIZE.get(str(config.get("dtype") or config.get("torch_dtype")), 4)
             numel = sum(f.stat().st_size for f in model_dir.glob("*.bin")) // itemsize
@@ -103,7 +110,21 @@ class ModelSize:
         meta = sum(p.stat().st_size for p in model_dir.iterdir()
                    if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES))
         return cls(numel, tensors, _config_int(config, "vocab_size") * hidden, "lm_head.weight" not in names, hidden,
-                   meta)
+                   meta, tuple(linears))
+
+    def adapters(self, spec) -> "ModelSize":
+        """model.lora's adapters: per targeted linear layer A (rank x in) and B (out x rank), matched as PEFT
+        matches target_modules (the module's name or its last parts)."""
+        hit = [(o, i) for name, o, i in self.linears if any(_targets(name, t) for t in spec.target_modules)]
+        return ModelSize(sum(spec.rank * (o + i) for o, i in hit), 2 * len(hit), 0, False, self.hidden, 0)
+
+    def unmatched_targets(self, spec) -> list[str]:
+        """model.lora.target_modules entries that name no linear layer of this model."""
+        return [t for t in spec.target_modules if not any(_targets(name, t) for name, _, _ in self.linears)]
+
+    def linear_names(self) -> list[str]:
+        return sorted({name.rsplit(".", 1)[-1] for name, _, _ in self.linears})
+
 
     def dcp_bytes(self, itemsize: int, world: int, *, optimizer: bool) -> int:
         """A DCP checkpoint of the causal LM at `world` ranks. Its model state lists a tied head under both names
@@ -125,6 +146,11 @@ class ModelSize:
     def export_bytes(self, itemsize: int) -> int:
         """save_pretrained's safetensors (a tied head once) plus the copied meta files."""
         return self.numel * itemsize + self.tensors * SAFETENSORS_ENTRY + self.meta_bytes
+
+
+def _targets(module: str, target: str) -> bool:
+    """PEFT's match of a target_modules entry: the module's whole name or its last parts."""
+    return target == "all-linear" or module == target or module.endswith("." + target)
 
 
 def _config_int(config: dict, key: str) -> int:
@@ -203,16 +229,19 @@ def estimate(bp: Blueprint, size: ModelSize | None = None) -> Footprint:
     model_dir = Path(bp.model.path)
     size = size or ModelSize.of(model_dir)
     itemsize, world = ITEMSIZE[bp.model.dtype], bp.resources.world_size
-    policy = size.dcp_bytes(itemsize, world, optimizer=True)
+    adapters = size.adapters(bp.model.lora) if bp.model.lora is not None else None
+    policy = (adapters or size).dcp_bytes(itemsize, world, optimizer=True)
     critic = size.critic().dcp_bytes(itemsize, world, optimizer=True) if bp.algorithm.adv_estimator == "gae" else 0
     reference = size.dcp_bytes(itemsize, world, optimizer=False)
-    trained = f"policy{' + critic' if critic else ''} + AdamW, {bp.model.dtype}"
+    trained = f"{'LoRA adapters' if adapters else 'policy'}{' + critic' if critic else ''} + AdamW, {bp.model.dtype}"
     exported = export_itemsize(bp, model_dir)
+    adapter_export = adapters is not None and bp.storage.export_lora == "adapter"
+    export = adapters.export_bytes(exported) + size.meta_bytes if adapter_export else size.export_bytes(exported)
     return Footprint((
         Term("training checkpoints", checkpoints_at_once(bp), policy + critic + 2 * STAGE_FILES, trained),
         Term("reference", 1, reference + size.meta_bytes + STAGE_FILES, f"{bp.model.dtype}, with hf_meta"),
-        Term("HF exports", exports_at_once(bp), size.export_bytes(exported) + STAGE_FILES,
-             f"{exported} bytes a parameter"),
+        Term("HF exports", exports_at_once(bp), export + STAGE_FILES,
+             f"{'adapter folders, ' if adapter_export else ''}{exported} bytes a parameter"),
         Term("rollout batches", bp.iterations, batch_bytes(bp) + STAGE_FILES, "never pruned"),
         Term("evaluations", evaluations(bp), eval_bytes(bp) + STAGE_FILES, "never pruned"),  # 0 without eval.files
         Term("validate report", 1, 4096 * world + STAGE_FILES),

@@ -58,6 +58,14 @@ SECTIONS = {
 SINGLE_PROCESS = {"checkpoint"}  # an export needs no process group beyond one rank
 
 
+def key_sections(stage: str, bp: Blueprint) -> tuple[str, ...]:
+    """SECTIONS, and storage.export_lora for a LoRA run's export (merged model or adapter folder): a full fine-tune
+    has nothing to choose there, so the field must not re-export it."""
+    if stage == "checkpoint" and bp.model.lora is not None:
+        return SECTIONS[stage] + ("storage.export_lora",)
+    return SECTIONS[stage]
+
+
 def code_version(stage: str) -> str:
     """The code this stage's outputs depend on (verlflow.core.store.keys): its worker's maths, not the CLI, backends or store."""
     return _code_version()[stage]
@@ -80,7 +88,7 @@ def open_store(bp: Blueprint) -> ArtifactStore:
 
 
 def compute_key(stage: str, bp: Blueprint, iteration, input_keys: dict[str, str], extra: dict | None = None) -> str:
-    payload = {"stage": stage, "iteration": iteration, "sections": bp.section_hash(*SECTIONS[stage]),
+    payload = {"stage": stage, "iteration": iteration, "sections": bp.section_hash(*key_sections(stage, bp)),
                "inputs": dict(sorted(input_keys.items())), "code": code_version(stage), "extra": extra or {}}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 

@@ -1,7 +1,8 @@
 """build: HF folder -> FSDP policy (+ critic for gae) -> initial DCP checkpoint and frozen reference policy.
 
 Outputs: `hf_meta/` (config + tokenizer, what later stages build the model from), `policy/` (model + optimizer
-+ state.json), `ref/` (model only), `critic/` for PPO.
++ state.json; with model.lora the adapters + their optimizer), `ref/` (model only; with model.lora the base every
+later LoRA load starts from), `critic/` for PPO.
 """
 
 import json
@@ -48,8 +49,9 @@ def run(ctx: StageContext) -> dict:
         with ctx.timed(f"{role}_load_s"):
             # FSDP2: ranks > 0 start from meta and receive rank 0's weights through the load below.
             meta = bp.fsdp.version == 2 and ctx.rank > 0
-            module = M.build_module(src, bp, critic=critic, meta=meta)
+            module = M.build_module(src, bp, critic=critic, meta=meta, adapters=role == "policy")
             full = None if meta else module.state_dict()
+            trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)  # model.lora: the adapters
         with ctx.timed(f"{role}_wrap_s"):
             model, rep = M.wrap_fsdp(module, bp, ctx.device)
             if bp.fsdp.version == 2:
@@ -57,12 +59,16 @@ def run(ctx: StageContext) -> dict:
         problems = M.check_shards(rep, bp)
         if problems:
             raise RuntimeError(f"{role}: " + "; ".join(problems))
+        if role != "ref":
+            metrics[f"{role}_trainable_params"] = trainable
         balances = [None] * ctx.world
         dist.all_gather_object(balances, round(rep.balance, 4))
         metrics.update({f"{role}_fsdp_units": rep.units, f"{role}_params": rep.total_numel,
                         f"{role}_shard_balance": balances})
         state = {"step": 0, "data_cursor": 0, "role": role, "warm_start": warm}
-        if warm_policy and role != "critic":  # warm start: the previous policy is both the new policy and ref
+        # Warm start: the previous policy is both the new policy and ref; with LoRA the previous adapters are the
+        # new policy's (on the model folder's weights) and the reference stays the base model.
+        if warm_policy and (role == "policy" or role == "ref" and bp.model.lora is None):
             checkpoint.load(warm_policy, model)
             state["data_cursor"] = checkpoint.read_state(warm_policy).get("data_cursor", 0)
         opt = make_optimizer(model, bp, critic=critic) if role != "ref" else None

@@ -1,7 +1,8 @@
 """checkpoint: export the iteration's policy as an HF safetensors folder, then promote it and apply retention.
 
 Inputs: `build` (hf_meta/), `update` (policy/), `rollout` (its metrics rank the checkpoint). Output: hf/, in
-storage.export_dtype (verlflow.core.ml.export). The pipeline plans it every storage.export_every iterations and at
+storage.export_dtype (verlflow.core.ml.export); with model.lora the merged model or, with
+storage.export_lora=adapter, the PEFT adapter folder. The pipeline plans it every storage.export_every iterations and at
 the last. Promotion happens after this stage's manifest is committed: `latest` never points at a half-written
 export. In a warm pool with resources.async_checkpoint the stage only makes the export's CPU copy; the pool's
 committer writes it (overlapping the next rollout) before the commit.
@@ -19,16 +20,24 @@ log = logging.getLogger("verlflow.checkpoint")
 
 
 def run(ctx: StageContext) -> dict:
-    meta_dir = ctx.input("build") / "hf_meta"  # on every rank: input() is collective in a multi-rank job
+    build = ctx.input("build")  # on every rank: input() is collective in a multi-rank job
+    meta_dir = build / "hf_meta"
     # A warm pool's update, still in memory: exported from there while its files are written in the background.
     cached = modelcache.get("policy", ctx.identity("update"))
     policy_dir = ctx.input("update") / "policy" if cached is None else None
-    full = checkpoint.full_state_dict(cached[0]) if cached is not None else None  # collective: every rank
+    adapter_only = ctx.bp.model.lora is not None and ctx.bp.storage.export_lora == "adapter"
+    full = None
+    if cached is not None:  # collective: every rank
+        full = checkpoint.full_adapters(cached[0]) if adapter_only else checkpoint.full_state_dict(cached[0])
     if not ctx.is_main():  # one rank exports (this stage gets several only in a warm pool)
         return {}
     dtype = export.export_dtype(ctx.bp, meta_dir)
     with ctx.timed("export_copy_s"):
-        model = export.export_model(meta_dir, ctx.bp, dtype, full=full, policy_dir=policy_dir)
+        if adapter_only:
+            model = export.AdapterExport(ctx.bp, dtype, adapters=full, policy_dir=policy_dir)
+        else:
+            model = export.export_model(meta_dir, ctx.bp, dtype, full=full, policy_dir=policy_dir,
+                                        base_dir=build / "ref")
     del full
     background = ctx.background()
     if background is None:
@@ -44,7 +53,10 @@ def run(ctx: StageContext) -> dict:
 def _write(ctx: StageContext, model, meta_dir, dtype: str) -> None:
     faults.kill_point("export", ctx.rank)  # test hook: a crash while the export is written
     with ctx.timed("export_s"):
-        export.write_export(model, meta_dir, ctx.out / "hf", dtype)
+        if isinstance(model, export.AdapterExport):
+            model.write(meta_dir, ctx.out / "hf")
+        else:
+            export.write_export(model, meta_dir, ctx.out / "hf", dtype)
 
 
 def after_commit(ctx: StageContext, manifest: dict) -> None:

@@ -19,11 +19,11 @@ log = logging.getLogger("verlflow.evaluate")
 
 def run(ctx: StageContext) -> dict:
     bp = ctx.bp
-    meta_dir, cached, policy_dir = policy_inputs(ctx)  # as the rollout takes them
-    tok = M.load_tokenizer(meta_dir)
+    src = policy_inputs(ctx)  # as the rollout takes them
+    tok = M.load_tokenizer(src.meta_dir)
     held = load_held_out(bp.eval)
     with ctx.timed("load_s"):
-        model = inference_copy(ctx, meta_dir, cached, policy_dir)
+        model = inference_copy(ctx, src)
     progress = log.info if ctx.is_main() else None
     with ctx.timed("generate_s"):
         mine = generate_share(model, tok, bp, held, ctx.iteration, ctx.placement, progress)

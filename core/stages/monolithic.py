@@ -22,7 +22,7 @@ log = logging.getLogger("verlflow.monolithic")
 
 def _trainee(ctx: StageContext, build, role: str) -> ppo.Trainee:
     """A role's FSDP model and optimizer from the build stage's checkpoint, with the blueprint's hyperparameters."""
-    trainee = load_trainee(ctx, build / "hf_meta", build, role)
+    trainee = load_trainee(ctx, build / "hf_meta", build, role, base=build / "ref")
     apply_hparams(trainee.optimizer, ctx.bp, critic=role == "critic")
     return trainee
 

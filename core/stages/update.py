@@ -5,7 +5,7 @@ Inputs: `build` (hf_meta/, ref/), `policy` (policy/ [+ critic/]), `rollout` (bat
 
 import logging
 
-from verlflow.core.ml import checkpoint, model as M, ppo
+from verlflow.core.ml import checkpoint, lora, model as M, ppo
 from verlflow.core.ml.optim import apply_hparams, make_optimizer
 from verlflow.core.ml.rollout import load_batch
 from verlflow.core.stages import modelcache
@@ -14,10 +14,11 @@ from verlflow.core.stages.common import StageContext, retention_pass, stage_main
 log = logging.getLogger("verlflow.update")
 
 
-def sharded(ctx: StageContext, meta_dir, critic: bool = False):
-    """An FSDP model whose weights come from a checkpoint load (meta init where FSDP2 allows)."""
+def sharded(ctx: StageContext, meta_dir, critic: bool = False, adapters: bool = False):
+    """An FSDP model whose weights come from a checkpoint load (meta init where FSDP2 allows); `adapters`: the
+    policy, with model.lora's adapters when the blueprint has them."""
     module = M.build_module(meta_dir, ctx.bp, critic=critic, meta=ctx.bp.fsdp.version == 2,
-                            packed=ctx.bp.algorithm.use_remove_padding)
+                            packed=ctx.bp.algorithm.use_remove_padding, adapters=adapters)
     model, rep = M.wrap_fsdp(module, ctx.bp, ctx.device)
     problems = M.check_shards(rep, ctx.bp)
     if problems:
@@ -25,12 +26,13 @@ def sharded(ctx: StageContext, meta_dir, critic: bool = False):
     return model
 
 
-def load_trainee(ctx: StageContext, meta_dir, prev, role: str) -> ppo.Trainee:
-    """A role's FSDP model and optimizer from the previous checkpoint."""
+def load_trainee(ctx: StageContext, meta_dir, prev, role: str, base) -> ppo.Trainee:
+    """A role's FSDP model and optimizer from the previous checkpoint; a LoRA policy's base weights from `base` (the
+    build's plain reference checkpoint)."""
     critic = role == "critic"
-    model = sharded(ctx, meta_dir, critic=critic)
+    model = sharded(ctx, meta_dir, critic=critic, adapters=role == "policy")
     opt = make_optimizer(model, ctx.bp, critic=critic)
-    checkpoint.load(prev / role, model, opt)
+    checkpoint.load(prev / role, model, opt, base=base)
     return ppo.Trainee(model, opt)
 
 
@@ -40,6 +42,9 @@ def _ref_logp(ctx: StageContext, build, batch: dict, policy, policy_logp) -> tup
     scored by it: the build wrote its policy and its reference from the same weights (the model folder, or the
     warm start), so their log-probs are one (`policy_logp` when the policy was scored, else scored now), and a warm
     pool keeps a copy of the policy's weights as the reference for later updates instead of reading it back."""
+    if ctx.bp.model.lora is not None:  # the base model is the policy with its adapters off: no second copy
+        with lora.disabled(policy):
+            return ppo.score_all(policy, batch, ctx.bp, ctx.placement), "base"
     key = ctx.identity("build")
     ref = modelcache.get("ref", key)
     if ref is not None:
@@ -75,12 +80,13 @@ def _models(ctx: StageContext, meta_dir) -> tuple[ppo.Models, dict]:
         policy, state = ppo.Trainee(*cached[:2]), cached[2]
     else:
         prev = ctx.input("policy")
-        policy, state = load_trainee(ctx, meta_dir, prev, "policy"), checkpoint.read_state(prev / "policy")
+        policy = load_trainee(ctx, meta_dir, prev, "policy", base=ctx.input("build") / "ref")
+        state = checkpoint.read_state(prev / "policy")
     apply_hparams(policy.optimizer, bp)
     critic = None
     if bp.algorithm.adv_estimator == "gae":
         critic = modelcache.get("critic", ctx.identity("policy")) or load_trainee(
-            ctx, meta_dir, ctx.input("policy"), "critic")
+            ctx, meta_dir, ctx.input("policy"), "critic", base=None)
         apply_hparams(critic.optimizer, bp, critic=True)
     return ppo.Models(policy, critic, step=state["step"]), state
 

@@ -107,18 +107,24 @@ def check_model(ctx: StageContext, r: Report):
 
 def check_layers(ctx: StageContext, r: Report):
     bp = ctx.bp
-    meta = M.build_module(bp.model.path, bp, meta=True)
+    meta = M.build_module(bp.model.path, bp, meta=True, adapters=True)  # model.lora: its targets must exist
     cls = M.decoder_layer_class(meta, bp.fsdp.wrap_class)
     layers = sum(1 for m in meta.modules() if isinstance(m, cls))
     r.add("decoder_layer", layers > 0, f"{cls.__name__} x {layers}")
-    check_memory(ctx, r, sum(p.numel() for p in meta.parameters()), meta.config)
+    trainable = sum(p.numel() for p in meta.parameters() if p.requires_grad)
+    if bp.model.lora is not None:
+        r.add("lora", True, f"{trainable:,} adapter parameters")
+    check_memory(ctx, r, sum(p.numel() for p in meta.parameters()), trainable, meta.config)
 
 
-def check_memory(ctx: StageContext, r: Report, n_params: int, config):
+def check_memory(ctx: StageContext, r: Report, n_params: int, n_trainable: int, config):
     bp, world = ctx.bp, ctx.bp.resources.world_size
     bytes_p = M.DTYPES[bp.model.dtype].itemsize
-    # policy (params + fp32 grads + Adam moments) and ref, sharded; activations of one micro-batch unsharded.
-    state = n_params * (bytes_p + 4 + 8) / world + n_params * bytes_p / world
+    # policy (params; fp32 grads + Adam moments of the trainable ones) and ref, sharded; activations of one
+    # micro-batch unsharded. model.lora: the reference is the policy with adapters off, no second copy.
+    state = n_params * bytes_p / world + n_trainable * (4 + 8) / world
+    if bp.model.lora is None:
+        state += n_params * bytes_p / world
     if bp.algorithm.adv_estimator == "gae":
         state *= 2
     seq = bp.data.max_prompt_length + bp.rollout.max_new_tokens
