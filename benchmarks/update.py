@@ -70,6 +70,11 @@ CONFIGS = {  # name -> blueprint overrides on top of BASE (the baseline is BASE 
                    "fsdp.defer_grad_sync": True},
     "best_ac": {"algorithm.use_remove_padding": True, "fsdp.compile": True},
 }
+# model.lora on the fastest full fine-tune settings: fp32 base like it, and a bf16 base (what LoRA users run)
+LORA = {"model.lora": {"rank": 16, "alpha": 32}}
+CONFIGS["lora_fused_32k"] = {**CONFIGS["fused_32k"], **LORA}
+CONFIGS["lora_bf16_fused_32k"] = {**CONFIGS["fused_32k"], **LORA, "model.dtype": "bfloat16"}
+CONFIGS["lora"] = {**LORA}
 T0 = time.perf_counter()
 
 
@@ -141,7 +146,8 @@ def run_config(name: str, args, mdir: Path, at: Placement) -> dict:
         over.update({"model.dtype": "float32", "fsdp.mixed_precision": "fp32", "algorithm.ppo_micro_batch_size_per_gpu": 2})
         if not os.environ.get("VERLFLOW_BENCH_CPU_COMPILE"):  # inductor on 2 CPU cores is slow; the GPU run measures it
             over.pop("fsdp.compile", None)
-    bp = load_blueprint(None, [f"{k}={json.dumps(v) if isinstance(v, (list, bool)) else v}" for k, v in over.items()])
+    bp = load_blueprint(None, [f"{k}={json.dumps(v) if isinstance(v, (list, bool, dict)) else v}"
+                               for k, v in over.items()])
     torch._dynamo.reset()
     torch.manual_seed(0)
     if dev.type == "cuda":
@@ -149,14 +155,16 @@ def run_config(name: str, args, mdir: Path, at: Placement) -> dict:
         torch.cuda.reset_peak_memory_stats(dev)
     t = time.perf_counter()
     with torch.device(dev):
-        module = M.build_module(mdir, bp, packed=bp.algorithm.use_remove_padding)
+        module = M.build_module(mdir, bp, packed=bp.algorithm.use_remove_padding, adapters=True)
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)  # model.lora: the adapters
     model, rep = M.wrap_fsdp(module, bp, dev)
     # The stages' optimizer (fused AdamW on CUDA), or the for-each implementation the previous session measured.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True) if foreach else make_optimizer(model, bp)
     setup_s = time.perf_counter() - t
     cfg = M.unwrap_config(model)
     n = args.samples_per_gpu * world
-    out = {"config": name, "world": world, "setup_s": round(setup_s, 1)}
+    out = {"config": name, "world": world, "setup_s": round(setup_s, 1),
+           "trainable_params": trainable}
 
     def one(seed: int, steps: int) -> tuple[float, float, dict]:
         batch = make_batch(n * steps, args.prompt, args.response, cfg.vocab_size, args.full, seed)

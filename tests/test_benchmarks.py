@@ -11,15 +11,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_update_benchmark_smoke_two_ranks(tmp_path):
-    """torchrun, 2 ranks (gloo): the baseline and the packed/deferred-sync paths of verlflow.core.ml.ppo on a ragged batch."""
+    """torchrun, 2 ranks (gloo): the baseline and the packed/deferred-sync paths of verlflow.core.ml.ppo on a ragged batch, and LoRA."""
     out = tmp_path / "u.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "benchmarks/update.py"),
-           "--smoke", "--configs", "baseline,packed_no_ac,best_defer,fused_32k_keep", "--json", str(out)]
+           "--smoke", "--configs", "baseline,packed_no_ac,best_defer,fused_32k_keep,lora", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| config | world | train MFU | ratio vs baseline |" in proc.stdout
     rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"baseline", "packed_no_ac", "best_defer", "fused_32k_keep"}
+    assert set(rows) == {"baseline", "packed_no_ac", "best_defer", "fused_32k_keep", "lora"}
+    assert rows["lora"]["trainable_params"] < rows["baseline"]["trainable_params"] / 2  # adapters only
     for r in rows.values():
         assert "error" not in r, r
         assert r["world"] == 2 and r["train_flops_per_s_per_gpu"] > 0 and r["tokens_per_s_per_gpu"] > 0

@@ -233,7 +233,7 @@ def test_generate_share_dispatches_on_engine(monkeypatch):
     monkeypatch.setattr(verlflow.core.ml.fastgen, "sample", lambda *a, **k: called.append("static") or [])
     monkeypatch.setattr(verlflow.core.ml.rollout, "sample", lambda *a, **k: called.append("hf") or [])
     monkeypatch.setattr(verlflow.core.ml.rollout, "encode_prompts", lambda *a, **k: [])
-    monkeypatch.setattr(verlflow.core.ml.rollout, "load_reward", lambda *a, **k: None)
+    monkeypatch.setattr(verlflow.core.ml.rollout, "_scores", lambda *a, **k: [])
 
     class BP:
         class rollout:
@@ -244,6 +244,9 @@ def test_generate_share_dispatches_on_engine(monkeypatch):
 
         class reward:
             function, module = "x", None
+
+            class overlong_buffer:
+                enable = False
 
         seed = 0
 

@@ -729,7 +729,7 @@ def test_stage_timeout_is_killed_classified_and_retried(prefect_server, ref, tmp
 
     import verlflow.tasks.stages as ts
 
-    limit_s = 45  # the retry must import and export within it on a loaded 2-core machine (first imports compile)
+    limit_s = 60  # the retry must import and export within it on a loaded 2-core machine (first imports compile)
     ref.clone("slow", UP_TO_UPDATE)
     bp = ref.variant(name="faults-timeout", resources__stage_timeout_s=limit_s)
     assert bp.resources.retries == 1

@@ -8,10 +8,12 @@ import pytest
 import torch
 from tinybp import tiny_blueprint
 
+from verlflow.core.blueprint import load_blueprint
 from verlflow.core.orchestrate.pipeline import run_pipeline
 from verlflow.core.orchestrate.runner import RunContext, run_stage
 
 QUIET = dict(on_line=lambda line: None)
+REPO = Path(__file__).resolve().parent.parent
 # The kit's 2-layer model learns the task mostly through its output layer: adapters on every linear layer and the
 # head (a full fine-tune moves them all).
 EVERY_LINEAR_AND_HEAD = ('model.lora.target_modules=["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj",'
@@ -80,8 +82,8 @@ def _tensor_bytes(dcp_dir: Path, prefix: str) -> int:
 
 
 def test_adapter_checkpoints_merged_and_adapter_exports_and_a_world_size_change(tiny_kit, tmp_path):
-    """Two iterations on 2 ranks in a warm pool (rollout and export from memory and from files), then a third at
-    1 rank from the 2-rank adapter checkpoint, exporting PEFT adapter folders."""
+    """blueprints/tiny-lora.yaml (smaller): two iterations on 2 ranks in a warm pool (rollout and export from memory
+    and from files), then a third at 1 rank from the 2-rank adapter checkpoint, exporting PEFT adapter folders."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -89,7 +91,11 @@ def test_adapter_checkpoints_merged_and_adapter_exports_and_a_world_size_change(
     from verlflow.core.orchestrate.footprint import estimate
 
     store = tmp_path / "store"
-    bp = tiny_blueprint(tiny_kit, store, "model.lora.rank=4", iterations=2, resources__warm_workers=True)
+    example = [f"model.path={tiny_kit['model_dir']}", f"data.train_files=[{tiny_kit['train_file']}]",
+               f"storage.uri={store}", "eval.files=[]", "promote.metric=null", "tracking.backends=[]",
+               "model.lora.rank=4", "data.batch_size=4", "rollout.max_new_tokens=8", "algorithm.ppo_mini_batch_size=2",
+               "algorithm.ppo_micro_batch_size_per_gpu=4"]
+    bp = load_blueprint(REPO / "blueprints/tiny-lora.yaml", example + ["iterations=2"])
     results = run_pipeline(bp, "r", **QUIET)
     build, update = results[1].manifest["metrics"], results[6].manifest["metrics"]
     trainable = build["policy_trainable_params"]
@@ -108,8 +114,8 @@ def test_adapter_checkpoints_merged_and_adapter_exports_and_a_world_size_change(
     merged = load_file(str(store / "runs/r/2/checkpoint/hf/model.safetensors"))
     assert AutoModelForCausalLM.from_pretrained(store / "runs/r/2/checkpoint/hf").config.vocab_size == tiny_kit["vocab_size"]
 
-    again = tiny_blueprint(tiny_kit, store, "model.lora.rank=4", iterations=3, resources__nproc_per_node=1,
-                           resources__warm_workers=True, storage__export_lora="adapter")
+    again = load_blueprint(REPO / "blueprints/tiny-lora.yaml", example + [
+        "iterations=3", "resources.nproc_per_node=1", "storage.export_lora=adapter"])
     results = run_pipeline(again, "r", **QUIET)
     ran = [r.manifest["stage"] + str(r.manifest["iteration"]) for r in results if not r.skipped]
     assert ran == ["validate" + "init", "checkpoint1", "checkpoint2", "rollout3", "update3", "checkpoint3"]

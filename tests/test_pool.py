@@ -69,7 +69,7 @@ def test_a_crash_during_a_background_commit_commits_nothing_after_it(tiny_kit, t
     keep the stages' order. The rerun resumes at the update and lands every commit, in order."""
     bp = tiny_blueprint(tiny_kit, tmp_path, resources__warm_workers=True, iterations=2)
     assert bp.resources.async_checkpoint  # the default
-    scratch_before = set(Path(tempfile.gettempdir()).glob("verlflow-update-*"))
+    scratch = _own_temp_folder(tmp_path, monkeypatch)
     monkeypatch.setenv("VERLFLOW_FAULT", "kill_rank1_in_commit")
     monkeypatch.setenv("VERLFLOW_FAULT_ONCE", str(tmp_path / "fired"))
     lines = []
@@ -81,7 +81,7 @@ def test_a_crash_during_a_background_commit_commits_nothing_after_it(tiny_kit, t
                        for p in (tmp_path / "runs/a").rglob("manifest.json"))
     assert committed == ["1/rollout", "init/build", "init/validate"], committed
     assert not list(tmp_path.rglob("latest*"))  # nothing promoted
-    assert not [p for p in Path(tempfile.gettempdir()).glob("verlflow-update-*") if p not in scratch_before]
+    assert not list(scratch.glob("verlflow-update-*"))
     assert _no_children()
 
     pending = {}
@@ -100,14 +100,24 @@ def test_a_crash_during_a_background_commit_commits_nothing_after_it(tiny_kit, t
     assert _no_children()
 
 
-def test_background_commits_upload_to_s3(tiny_kit, s3_bucket, tmp_path):
+def _own_temp_folder(tmp_path, monkeypatch) -> Path:
+    """The driver's temp folder, where run_stage makes each stage's scratch folder: this test's own, so another
+    test's pipeline running beside it (the other xdist worker) cannot leave one there."""
+    folder = tmp_path / "temp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
+def test_background_commits_upload_to_s3(tiny_kit, s3_bucket, tmp_path, monkeypatch):
     """A remote store: the background commit uploads the update from the job's scratch folder, which the pool
     removes after the commit; the next stages wait for it where they read it; every artifact verifies on
     download and a rerun reuses all of them."""
     from verlflow.core.orchestrate.runner import open_store
 
     bp = tiny_blueprint(tiny_kit, f"{s3_bucket.uri}/vf", resources__warm_workers=True, iterations=2)
-    scratch = lambda: set(Path(tempfile.gettempdir()).glob("verlflow-update-*"))  # noqa: E731
+    folder = _own_temp_folder(tmp_path, monkeypatch)
+    scratch = lambda: set(folder.glob("verlflow-update-*"))  # noqa: E731
     before, pending = scratch(), {}
     results = run_pipeline(bp, "s", on_line=lambda line: None,
                            on_step=lambda step, res: pending.__setitem__(step.name, res.pending))

@@ -83,7 +83,7 @@ class ModelSize:
     tied: bool  # the headers hold no lm_head: the model shares the input embedding
     hidden: int
     meta_bytes: int  # the folder's other files (config, tokenizer): hf_meta/ and every export copy them
-    linears: tuple = ()  # (module name, out, in) of every 2-D weight but the embeddings and the output layer
+    linears: tuple = ()  # (module name, out, in) of every 2-D weight but the input embedding
 
     @classmethod
     def of(cls, model_dir: Path) -> "ModelSize":
@@ -100,13 +100,15 @@ class ModelSize:
                     numel += _prod(shape)
                     tensors += 1
                     names.add(name)
-                    if len(shape) == 2 and name.endswith(".weight") and "embed" not in name and name != "lm_head.weight":
+                    if len(shape) == 2 and name.endswith(".weight") and "embed" not in name:
                         linears.append((name[: -len(".weight")], shape[0], shape[1]))
         if not tensors:  # pickled *.bin weights only: their size over the config's dtype, no header to read
             itemsize = ITEMSIZE.get(str(config.get("dtype") or config.get("torch_dtype")), 4)
             numel = sum(f.stat().st_size for f in model_dir.glob("*.bin")) // itemsize
             names.add("lm_head.weight")  # unknown: count no shared head
         hidden = _config_int(config, "hidden_size")
+        if linears and "lm_head.weight" not in names:  # a tied head is a Linear module all the same
+            linears.append(("lm_head", _config_int(config, "vocab_size"), hidden))
         meta = sum(p.stat().st_size for p in model_dir.iterdir()
                    if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES))
         return cls(numel, tensors, _config_int(config, "vocab_size") * hidden, "lm_head.weight" not in names, hidden,
@@ -150,7 +152,9 @@ class ModelSize:
 
 def _targets(module: str, target: str) -> bool:
     """PEFT's match of a target_modules entry: the module's whole name or its last parts."""
-    return target == "all-linear" or module == target or module.endswith("." + target)
+    if target == "all-linear":  # PEFT leaves the output layer out
+        return module != "lm_head"
+    return module == target or module.endswith("." + target)
 
 
 def _config_int(config: dict, key: str) -> int:
