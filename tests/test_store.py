@@ -145,6 +145,30 @@ def test_deleted_file_is_detected(store, tmp_path):
         store.materialize(STAGE, tmp_path / "cache")
 
 
+def test_a_reader_racing_retention_skips_what_was_pruned_under_it(store, tmp_path, monkeypatch):
+    """Retention commits the pruned manifest, then deletes the files; a stage that read the manifest just before
+    (another stage of a warm pool reading the build's hf_meta/ while its policy/ goes) finds files missing. Those
+    retention pruned are skipped; any other missing file is still damage."""
+    write_stage(store, tmp_path)
+    stale = store.read_manifest(STAGE)
+    reads = []
+
+    def read_once_stale(key):  # the first read happens before the prune, later ones after it
+        reads.append(key)
+        return stale if len(reads) == 1 else ArtifactStore.read_manifest(store, key)
+
+    store.mark_pruned(STAGE, ("sub/",))
+    store.rm(f"{STAGE}/sub/stats.json")
+    monkeypatch.setattr(store, "read_manifest", read_once_stale)
+    folder = store.materialize(STAGE, tmp_path / "cache")
+    assert (folder / "batch.bin").is_file() and not (folder / "sub/stats.json").exists()
+
+    reads.clear()
+    store.rm(f"{STAGE}/batch.bin")  # not pruned: damage
+    with pytest.raises(ChecksumError, match=r"batch\.bin is listed in the manifest but missing"):
+        store.materialize(STAGE, tmp_path / "cache2")
+
+
 def test_corrupt_cache_file_is_redownloaded(s3_bucket, tmp_path):
     store = ArtifactStore(s3_bucket.uri)
     write_stage(store, tmp_path)

@@ -700,10 +700,19 @@ class ArtifactStore:
                         raise
                     actual = None
             if actual is None:
+                if self._pruned_since(stage_key, rel):
+                    continue
                 raise ChecksumError(f"{self.uri(key)} is listed in the manifest but missing; rerun the stage with "
                                     f"`verlflow rerun --from {stage_key.rsplit('/', 1)[-1]}`.")
             self._check(stage_key, rel, expected, actual)
         return folder
+
+    def _pruned_since(self, stage_key: str, rel: str) -> bool:
+        """Retention pruned `rel` after this reader read the manifest (it commits the pruned manifest, then deletes
+        the files): no stage still to run needs a pruned file (core/store/retention.py), so the reader goes on
+        without it. A file missing for any other reason is damage."""
+        manifest = self._committed(stage_key)
+        return rel in manifest.get("pruned_files", []) and rel not in manifest["files"]
 
     # ---------- integrity of committed stages (verlflow verify, verlflow ls)
     def sizes(self, prefix: str) -> dict[str, int]:
