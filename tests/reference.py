@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from kits import built_once
-from tinybp import tiny_blueprint
+from tinybp import FRESH_JOBS, tiny_blueprint
 
 # The stages whose keys hash storage.uri (validate also the resources): in another store they must be re-keyed.
 STORE_KEYED = ("validate", "checkpoint")
@@ -71,7 +71,8 @@ def rekey(bp, run_id: str) -> None:
 
 def _reference_bp(kit: dict, root: Path):
     # Tests start stages from any of its checkpoints, the build's initial policy too: retention keeps all three.
-    return tiny_blueprint(kit, root, iterations=2, storage__keep_last_checkpoints=3)
+    # Fresh jobs: test_stages compares this run with a warm pool's, and test_faults clones it for job faults.
+    return tiny_blueprint(kit, root, FRESH_JOBS, iterations=2, storage__keep_last_checkpoints=3)
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,7 @@ import psutil
 import pytest
 import torch
 from reference import clone_stages, promote_clone, rekey
-from tinybp import prompt_rows, tiny_blueprint
+from tinybp import FRESH_JOBS, prompt_rows, tiny_blueprint
 
 from verlflow.core.errors import ChecksumError, StoreError
 from verlflow.core.ml import checkpoint, model as M
@@ -77,7 +77,8 @@ class Ref:
 
     def variant(self, **overrides):
         """The reference blueprint with changes. Keys do not depend on `name`, so cloned stages are reused."""
-        return tiny_blueprint(self.kit, self.root, **{"resources__nproc_per_node": 1, "name": "faults", **overrides})
+        return tiny_blueprint(self.kit, self.root, FRESH_JOBS,
+                              **{"resources__nproc_per_node": 1, "name": "faults", **overrides})
 
     def clone(self, dst: str, steps) -> None:
         clone_stages(self.store, "ref", dst, steps)
@@ -88,7 +89,8 @@ def ref(reference, tmp_path_factory) -> Ref:
     """The session's reference run (tests/reference.py), its first iteration cloned as run `ref` of blueprint
     `faults` and promoted, in a copy of its store: the scenarios add runs and move pointers there."""
     _, root = reference.copy(tmp_path_factory.mktemp("faults"))
-    bp = tiny_blueprint(reference.kit, root, resources__nproc_per_node=1, name="faults")
+    # This file's faults happen to a stage's own torchrun job (test_pool has the warm pool's).
+    bp = tiny_blueprint(reference.kit, root, FRESH_JOBS, resources__nproc_per_node=1, name="faults")
     store = ArtifactStore(root)
     clone_stages(store, reference.run_id, "ref", ALL)
     rekey(bp, "ref")  # validate's key holds the resources: 1 rank here

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 from reference import copy_store
-from tinybp import ONE_RANK, tiny_blueprint
+from tinybp import FRESH_JOBS, ONE_RANK, tiny_blueprint
 from prefect_server import api, manifest, wait_state, write_blueprint
 
 from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
@@ -232,7 +232,8 @@ def backfill(server, deployment_id, start: dt.datetime, end: dt.datetime) -> dic
 @pytest.fixture(scope="module")
 def sched(prefect_server, tiny_kit, tmp_path_factory):
     d = tmp_path_factory.mktemp("sched")
-    bp = tiny_blueprint(tiny_kit, d / "store", *ONE_RANK, "name=sched", "schedule.init_from=previous")
+    bp = tiny_blueprint(tiny_kit, d / "store", *ONE_RANK, FRESH_JOBS, "name=sched",
+                        "schedule.init_from=previous")  # Cancel kills a stage's own job
     return {"bp": bp, "file": write_blueprint(bp, d / "sched.yaml"), "now": dt.datetime.now(dt.timezone.utc)}
 
 

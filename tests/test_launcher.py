@@ -112,7 +112,9 @@ def test_nonfinite_is_not_retryable():
 
 def test_timeout_kills_the_whole_tree(tmp_path):
     with pytest.raises(StageFailure) as info:
-        launch(_spec("hang", tmp_path, timeout_s=6), on_line=lambda line: None, grace_s=2)
+        # 20 s: both ranks must have started (imported torch, written their pids) before the timeout; under CI's
+        # load that took more than 6 s
+        launch(_spec("hang", tmp_path, timeout_s=20), on_line=lambda line: None, grace_s=2)
     assert info.value.kind is FailureKind.TIMEOUT and info.value.retryable
     _assert_tree_gone(_wait_for_pids(tmp_path, timeout=0))
 

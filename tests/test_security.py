@@ -73,7 +73,7 @@ def test_secret_from_the_environment_never_leaks(prefect_server, s3_bucket, tiny
     where: dict[str, bytes] = {}
     time.sleep(3)  # the API log handler sends in batches
     logs = _all_pages(prefect_server, "/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}})
-    assert len(logs) > 50 and any(x["message"].startswith("[rank0]") for x in logs), len(logs)
+    assert len(logs) > 30 and any(x["message"].startswith("[rank0]") for x in logs), len(logs)
     where["prefect logs"] = "\n".join(x["message"] for x in logs).encode()
     arts = _all_pages(prefect_server, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
     assert len(arts) >= 5 + 4  # a summary per stage, the run's table, progress, plot, link

@@ -12,7 +12,12 @@ BASE = {
     "algorithm.ppo_mini_batch_size": 2, "algorithm.ppo_micro_batch_size_per_gpu": 4, "algorithm.lr": 3e-3,
     "resources.nproc_per_node": 2, "resources.stage_timeout_s": 300, "iterations": 1,
     "tracking.backends": [],  # the tracking tests turn it on: an MLflow store per run costs seconds
+    # One torchrun job per pipeline: a fresh job per stage costs ~10 s of imports per rank (torch, DTensor's sympy,
+    # transformers), 5x the tiny pipeline's own work. Tests of a stage job's life (kills, hangs, timeouts,
+    # process trees) ask for FRESH_JOBS; backends other than one local node get it by themselves.
+    "resources.warm_workers": True,
 }
+FRESH_JOBS = "resources.warm_workers=false"
 # One rank unless ranks are the point (tests of orchestration, not of the maths).
 ONE_RANK = ("resources.nproc_per_node=1", "rollout.n=2", "rollout.max_new_tokens=4",
             "algorithm.ppo_micro_batch_size_per_gpu=2")
@@ -30,7 +35,14 @@ def tiny_overrides(kit: dict, store, *overrides: str, **fields) -> list[str]:
     base = {"model.path": kit["model_dir"], "data.train_files": [kit["train_file"]], "storage.uri": str(store),
             **BASE}
     base.update({k.replace("__", "."): v for k, v in fields.items()})
-    return [f"{k}={_yaml(v)}" for k, v in base.items()] + list(overrides)
+    out = [f"{k}={_yaml(v)}" for k, v in base.items()] + list(overrides)
+    return out + ([FRESH_JOBS] if _pool_refused(out) else [])
+
+
+def _pool_refused(overrides: list[str]) -> bool:
+    """Whether the overrides leave the run on something other than one local node (warm pools are refused there)."""
+    last = dict(o.split("=", 1) for o in overrides)
+    return last.get("resources.backend", "local") != "local" or int(last.get("resources.nnodes", 1)) > 1
 
 
 def _yaml(v) -> str:
