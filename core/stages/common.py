@@ -163,8 +163,17 @@ def _seed(bp: Blueprint, iteration, rank: int) -> None:
     random.seed(s)
     np.random.seed(s % 2**32)
     torch.manual_seed(s)
-    # Set either way: a warm pool's next job must not inherit the last one's setting.
-    torch.use_deterministic_algorithms(bp.deterministic, warn_only=True)
+    _set_deterministic(bp.deterministic)
+
+
+def _set_deterministic(mode: bool) -> None:
+    """Set either way: a warm pool's next job must not inherit the last one's setting. torch's setter also imports
+    torch._inductor (and with it dynamo: ~2 s a rank on a busy core) to set inductor's flag, which is False until
+    then: we pay that only to turn it on, or to turn it off where inductor is already loaded."""
+    if mode or "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(mode, warn_only=True)
+    else:
+        torch._C._set_deterministic_algorithms(False, warn_only=True)
 
 
 def _commit(ctx: StageContext, metrics: dict, t_start: float, group=None) -> dict | None:
