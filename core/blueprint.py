@@ -8,6 +8,7 @@ import difflib
 import hashlib
 import json
 import posixpath
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -569,6 +570,82 @@ class ScheduleSpec(Section):
     )
 
 
+# ---------------------------------------------------------------------------------------------------
+# Phases: sft -> dpo -> rl -> evaluate, declared in one file. The top-level sections are the rl phase's (and the
+# defaults every phase inherits); an sft/dpo phase names its own data and optimizer.
+
+PHASE_KINDS = ("sft", "dpo", "rl", "evaluate")
+DPO_LOSSES = ("sigmoid", "ipo", "hinge")  # verlflow.core.ml.dpo.LOSSES (a test keeps them equal)
+
+
+class PhaseDataSpec(Section):
+    model_config = ConfigDict(title="phase data")
+
+    train_files: list[str] = Field(..., min_length=1, description="Parquet files: sft takes `messages` (multi-turn) "
+                                   "or `prompt` + `response`; dpo takes `prompt`, `chosen`, `rejected`.")
+    shuffle: bool = Field(True, description="Shuffle the rows every epoch (seeded by seed and the epoch).")
+
+
+class SupervisedSpec(Section):
+    """The optimizer and batching of an sft or dpo phase (the rl phase's are the top-level algorithm's)."""
+    model_config = ConfigDict(title="phase algorithm")
+
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate (constant).")
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = Field((0.9, 0.999))
+    grad_clip: float = Field(1.0, gt=0)
+    mini_batch_size: int = Field(8, ge=1, description="Rows (sft conversations, dpo pairs) per optimizer step, "
+                                 "across all ranks.")
+    micro_batch_size_per_gpu: int = Field(2, ge=1, description="Rows per forward/backward on one rank.")
+    max_length: int = Field(1024, ge=8, description="Longest row in tokens (prompt + response); a longer row is "
+                            "refused, naming it.")
+    use_remove_padding: bool = Field(False, description="Pack each micro-batch padding-free (as the rl update).")
+    beta: float = Field(0.1, gt=0, description="dpo: the KL strength of the implicit reward.")
+    loss: Literal[DPO_LOSSES] = Field("sigmoid", description="dpo: sigmoid (DPO), ipo or hinge.")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo sigmoid loss: conservative DPO's label noise.")
+
+
+class PhaseResourcesSpec(Section):
+    """What a phase changes of the top-level resources (unset: inherited)."""
+    model_config = ConfigDict(title="phase resources")
+
+    nproc_per_node: Optional[int] = Field(None, ge=1)
+    stage_timeout_s: Optional[int] = Field(None, ge=1)
+    retries: Optional[int] = Field(None, ge=0)
+
+
+class PhaseSpec(Section):
+    model_config = ConfigDict(title="phase")
+
+    kind: Literal[PHASE_KINDS] = Field(..., description="sft, dpo, rl (the top-level algorithm/rollout/data/reward) "
+                                       "or evaluate (eval.* on the previous phase's policy).")
+    name: Optional[str] = Field(None, pattern=r"^[A-Za-z][A-Za-z0-9_-]*$",
+                                description="Unique; names its steps (sft[<name>.1]). Default: the kind.")
+    data: Optional[PhaseDataSpec] = Field(None, description="sft/dpo: the phase's dataset (required there).")
+    algorithm: SupervisedSpec = Field(SupervisedSpec(), description="sft/dpo: optimizer, batching, dpo's loss.")
+    resources: PhaseResourcesSpec = Field(PhaseResourcesSpec(), description="Overrides of the top-level resources.")
+    epochs: int = Field(1, ge=1, description="sft/dpo: passes over the data, one committed step each.")
+    iterations: Optional[int] = Field(None, ge=1, description="rl: rollout/update rounds (default: the top-level "
+                                      "iterations).")
+    init_from: Optional[str] = Field(None, description="The policy this phase starts from: `model` (model.path) or "
+                                     "an earlier phase's name. Default: the previous phase (the model for the first).")
+
+    @property
+    def label(self) -> str:
+        return self.name or self.kind
+
+    @model_validator(mode="after")
+    def _fields_fit_kind(self):
+        if self.kind in ("sft", "dpo") and self.data is None:
+            raise ValueError(f"a {self.kind} phase needs data.train_files (its {self.kind} parquet files)")
+        if self.kind not in ("sft", "dpo") and self.data is not None:
+            raise ValueError(f"a {self.kind} phase takes no data (the rl phase trains on the top-level data; "
+                             "evaluate reads eval.files)")
+        if self.kind != "rl" and self.iterations is not None:
+            raise ValueError(f"iterations is for rl phases; a {self.kind} phase counts epochs")
+        return self
+
+
 class Blueprint(Section):
     model_config = ConfigDict(title="blueprint")
 
@@ -590,6 +667,9 @@ class Blueprint(Section):
     iterations: int = Field(2, ge=1, description="rollout -> update -> checkpoint rounds.")
     seed: int = Field(0, description="Seeds prompt order, sampling and initialisation.")
     deterministic: bool = Field(False, description="Deterministic kernels (slower); for exact reproducibility.")
+    phases: list[PhaseSpec] = Field([], description="Optional: phases run in order (sft, dpo, rl, evaluate), each "
+                                    "from the previous one's policy. Empty: one rl phase (validate -> build -> "
+                                    "(rollout -> update -> checkpoint) x iterations).")
 
     @model_validator(mode="after")
     def _batches_fit_world(self):
@@ -651,6 +731,71 @@ class Blueprint(Section):
                              f"{st.export_every} or a divisor of it")
         return self
 
+    @model_validator(mode="after")
+    def _phases_form_a_chain(self):
+        """Every phase starts from the model or an earlier phase; names are unique; one rl phase (the top-level
+        sections are its own); each phase's batches fit its ranks."""
+        problems, seen = [], {}
+        for i, ph in enumerate(self.phases):
+            where = f"phases[{i}]"
+            if ph.label in seen:
+                problems.append(f"{where}.name: '{ph.label}' is already phases[{seen[ph.label]}]'s name; give each "
+                                "phase a unique name")
+            src = ph.init_from
+            if src is not None and src != "model" and src not in seen:
+                later = [j for j, q in enumerate(self.phases) if q.label == src]
+                why = ("is this phase itself: a phase cannot start from its own output" if later == [i] else
+                       f"is phases[{later[0]}], which runs later: a phase starts from an earlier one" if later else
+                       "names no phase")
+                problems.append(f"{where}.init_from: '{src}' {why}; use 'model' or one of "
+                                f"{sorted(seen) or ['(no earlier phase)']}")
+            seen.setdefault(ph.label, i)
+            if ph.kind == "evaluate" and not self.eval.files:
+                problems.append(f"{where}: an evaluate phase needs eval.files (held-out prompts)")
+            world = self.resources.nnodes * (ph.resources.nproc_per_node or self.resources.nproc_per_node)
+            a = ph.algorithm
+            if ph.kind in ("sft", "dpo") and (a.mini_batch_size % world or (a.mini_batch_size // world)
+                                              % a.micro_batch_size_per_gpu):
+                problems.append(f"{where}.algorithm: mini_batch_size={a.mini_batch_size} must split into {world} "
+                                f"ranks x a multiple of micro_batch_size_per_gpu={a.micro_batch_size_per_gpu}")
+        rl = [i for i, ph in enumerate(self.phases) if ph.kind == "rl"]
+        if len(rl) > 1:
+            problems.append(f"phases[{rl[1]}]: a second rl phase (phases{rl}); one rl phase per blueprint (the top-level algorithm, rollout, data and "
+                            "reward are its settings); split the others into blueprints of their own")
+        if problems:
+            raise ValueError("\n".join(problems))
+        for i in rl:  # its batch rules again, at the phase's own ranks
+            ph = self.phases[i]
+            if ph.resources.nproc_per_node or ph.iterations:
+                try:
+                    self.phase_blueprint(i)._batches_fit_world()
+                except ValueError as e:
+                    raise ValueError(f"phases[{i}] (rl, at its resources): {e}") from None
+        return self
+
+    def phase_blueprint(self, i: int) -> "Blueprint":
+        """The blueprint a phase's steps run with: the top-level one, its resources changed by the phase's, the
+        phase alone in `phases` (so a change to another phase leaves this one's keys alone), and for sft/dpo the
+        phase's optimizer in `algorithm` (where the model, optimizer and packing code read it). The result must
+        stay a valid blueprint: a job file holds it."""
+        ph = self.phases[i]
+        update: dict[str, Any] = {"phases": [ph], "resources": self.resources.model_copy(
+            update=ph.resources.model_dump(exclude_none=True))}
+        if ph.kind == "rl" and ph.iterations:
+            update["iterations"] = ph.iterations
+        if ph.kind in ("sft", "dpo"):  # their log-probs are the model's own: no sampling temperature
+            a = ph.algorithm
+            update["rollout"] = self.rollout.model_copy(update={"temperature": 1.0})
+            update["algorithm"] = self.algorithm.model_copy(update=dict(
+                lr=a.lr, weight_decay=a.weight_decay, betas=a.betas, grad_clip=a.grad_clip, lr_scheduler_type="constant",
+                use_remove_padding=a.use_remove_padding))
+        return self.model_copy(update=update)
+
+    @property
+    def phase(self) -> "PhaseSpec | None":
+        """In a phase's blueprint (phase_blueprint): that phase."""
+        return self.phases[0] if len(self.phases) == 1 else None
+
     def optimizer_steps(self) -> int:
         """Policy optimizer steps of the whole run: the length the learning-rate schedule spans."""
         a = self.algorithm
@@ -693,6 +838,8 @@ _PER_AGENT = {"resources": ("node_rank",)}
 
 
 def _dump(v: Any) -> Any:
+    if isinstance(v, list):  # phases
+        return [_dump(x) for x in v]
     return v.model_dump(mode="json") if isinstance(v, BaseModel) else v
 
 
@@ -750,16 +897,30 @@ def _yaml_kind(value: Any) -> str:
     return kinds.get(type(value), type(value).__name__)
 
 
+def _path_in(message: str) -> tuple:
+    """`phases[1].init_from: ...` -> ("phases", 1, "init_from"): the field a cross-field message starts with."""
+    m = re.match(r"([A-Za-z_]+(?:\[\d+\])?(?:\.[A-Za-z_]+(?:\[\d+\])?)*)", message)
+    if not m:
+        return ()
+    return tuple(int(p) if p.isdigit() else p for p in re.findall(r"[A-Za-z_]+|\d+", m.group(1)))
+
+
+def _line_of(loc: tuple, lines: dict[tuple, int]) -> int | None:
+    return next((lines[loc[:i]] for i in range(len(loc), 0, -1) if loc[:i] in lines), None)
+
+
 def format_validation_error(err: ValidationError, source: str, lines: dict[tuple, int],
                             overridden: dict[tuple, str] | None = None) -> str:
     out = []
     for e in err.errors():
         loc = tuple(p for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
-        if not loc:  # a cross-field rule: its message names the fields itself
-            out.append(f"{source}: {msg}")
+        if not loc:  # a cross-field rule: its message names the fields itself (the first one gives the line)
+            for part in msg.split("\n"):  # one problem a line (a validator may join several)
+                line = _line_of(_path_in(part), lines)
+                out.append(f"{source}:{line}: {part}" if line else f"{source}: {part}")
             continue
-        field = ".".join(str(p) for p in loc)
+        field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
         line = next((lines[loc[:i]] for i in range(len(loc), -1, -1) if loc[:i] in lines), None)
         where = f"{source}:{line}" if line else source
         # A value that came from a command-line override is reported as that override, not as a file line.

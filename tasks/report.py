@@ -91,7 +91,7 @@ class RunReport:
         if step.stage == "rollout":
             self._done = {}
         self._done[step.stage] = res
-        if step.stage == _last_stage(self.bp, step.iteration):
+        if step.stage == _last_stage(step.bp or self.bp, step.iteration):  # a phased run: its rl phase's
             d = self._done
             self.iteration_done(iteration_row(step.iteration, d["rollout"], d["update"], d.get("checkpoint")))
 

@@ -126,7 +126,9 @@ def pipeline_slots(bp: Blueprint):
 
 
 def run_step_as_task(ctx: RunContext, step: Step, force: bool) -> StageResult:
-    """The flow's way to run a pipeline step (verlflow.core.orchestrate.pipeline.PipelineHooks): as its stage task."""
+    """The flow's way to run a pipeline step (verlflow.core.orchestrate.pipeline.PipelineHooks): as its stage task,
+    with its phase's blueprint."""
+    ctx = step.context(ctx)
     return stage_task(step.stage, step.iteration, ctx.bp)(step.stage, step.iteration, step.inputs, ctx.bp,
                                                           ctx.run_id, force, pools=ctx.pools)
 

@@ -9,7 +9,7 @@ flow both run it through the one loop here (`run_pipeline`), the flow with its h
 import re
 import threading
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from verlflow.core.blueprint import Blueprint
@@ -26,10 +26,15 @@ class Step:
     stage: str
     iteration: int | str
     inputs: dict[str, str] = field(default_factory=dict)
+    bp: Blueprint | None = None  # its phase's blueprint (Blueprint.phase_blueprint); None: the run's
 
     @property
     def name(self) -> str:
         return f"{self.stage}[{self.iteration}]"
+
+    def context(self, ctx: RunContext) -> RunContext:
+        """The run's context with this step's blueprint: its keys, resources and job read that one."""
+        return ctx if self.bp is None else replace(ctx, bp=self.bp)
 
 
 def warm_start_source(bp: Blueprint, run_id: str) -> str | None:
@@ -53,22 +58,70 @@ def exports_at(bp: Blueprint, iteration: int) -> bool:
 def plan(bp: Blueprint, run_id: str, warm_start: str | None = None) -> list[Step]:
     build = stage_key(run_id, "init", "build")
     steps = [Step("validate", "init"), Step("build", "init", {"warm_start": warm_start} if warm_start else {})]
+    if not bp.phases:
+        return steps + _rl_steps(bp, run_id, build)
+    return steps + _phase_steps(bp, run_id, build)
+
+
+def _rl_steps(bp: Blueprint, run_id: str, build: str, phase_bp: Blueprint | None = None) -> list[Step]:
+    """[evaluate 0] + (rollout -> update [-> evaluate] [-> checkpoint]) x iterations, from the build's policy."""
+    steps = []
     if bp.evaluates_at(0):
-        steps.append(Step("evaluate", 0, {"build": build, "policy": build}))
+        steps.append(Step("evaluate", 0, {"build": build, "policy": build}, phase_bp))
     policy = build
     for i in range(1, bp.iterations + 1):
         rollout, update = stage_key(run_id, i, "rollout"), stage_key(run_id, i, "update")
         steps += [
-            Step("rollout", i, {"build": build, "policy": policy}),
-            Step("update", i, {"build": build, "policy": policy, "rollout": rollout}),
+            Step("rollout", i, {"build": build, "policy": policy}, phase_bp),
+            Step("update", i, {"build": build, "policy": policy, "rollout": rollout}, phase_bp),
         ]
         evaluated = {}
         if bp.evaluates_at(i):  # before the checkpoint step: its promotion may be decided by this evaluation
-            steps.append(Step("evaluate", i, {"build": build, "policy": update}))
+            steps.append(Step("evaluate", i, {"build": build, "policy": update}, phase_bp))
             evaluated = {"evaluate": stage_key(run_id, i, "evaluate")}
         if exports_at(bp, i):
-            steps.append(Step("checkpoint", i, {"build": build, "update": update, "rollout": rollout, **evaluated}))
+            steps.append(Step("checkpoint", i, {"build": build, "update": update, "rollout": rollout, **evaluated},
+                              phase_bp))
         policy = update
+    return steps
+
+
+def _phase_steps(bp: Blueprint, run_id: str, build: str) -> list[Step]:
+    """Each phase from its start policy (the previous phase's, the model's, or a named phase's): sft/dpo one step
+    an epoch (`sft[<phase>.<epoch>]`), rl its own build from that policy (its reference) and its iterations,
+    evaluate one step. The last phase's policy is exported (and promoted) by a checkpoint step."""
+    steps: list[Step] = []
+    ends: dict[str, str] = {}  # phase name -> the stage holding its final policy
+    policy = build
+    for i, ph in enumerate(bp.phases):
+        pbp = bp.phase_blueprint(i)
+        start = build if ph.init_from == "model" else ends[ph.init_from] if ph.init_from else policy
+        if ph.kind == "evaluate":
+            steps.append(Step("evaluate", ph.label, {"build": build, "policy": start}, pbp))
+            ends[ph.label] = policy = start
+            continue
+        if ph.kind == "rl":
+            rl_build = build
+            if start != build:  # the rl reference is the phase's start policy, as its own build
+                steps.append(Step("build", ph.label, {"warm_start": start}, pbp))
+                rl_build = stage_key(run_id, ph.label, "build")
+            steps += _rl_steps(pbp, run_id, rl_build, pbp)
+            ends[ph.label] = policy = stage_key(run_id, pbp.iterations, "update")
+            continue
+        prev, first = start, None
+        for epoch in range(1, ph.epochs + 1):
+            label = f"{ph.label}.{epoch}"
+            inputs = {"build": build, "policy": prev}
+            if ph.kind == "dpo" and first is not None:
+                inputs["reference"] = first  # the reference log-probs its first epoch scored
+            steps.append(Step(ph.kind, label, inputs, pbp))
+            prev = stage_key(run_id, label, ph.kind)
+            first = first or prev
+        ends[ph.label] = policy = prev
+    last = bp.phases[-1]
+    if last.kind in ("sft", "dpo"):
+        steps.append(Step("checkpoint", last.label, {"build": build, "update": policy},
+                          bp.phase_blueprint(len(bp.phases) - 1)))
     return steps
 
 
@@ -76,10 +129,11 @@ def parse_from(text: str | None, steps: list[Step]) -> int | None:
     """`--from update[2]` (or `update:2`, or `build`) -> index of the first step to force."""
     if not text:
         return None
-    m = re.fullmatch(r"(\w+)(?:[\[:](\w+)\]?)?", text.strip())
+    m = re.fullmatch(r"(\w+)(?:[\[:]([\w.-]+)\]?)?", text.strip())
     names = [s.name for s in steps]
     for i, s in enumerate(steps):
-        if m and s.stage == m.group(1) and (m.group(2) is None or str(s.iteration) == m.group(2)):
+        it = str(s.iteration)  # a phase's epoch: dpo[3] is dpo[<phase>.3]
+        if m and s.stage == m.group(1) and (m.group(2) in (None, it) or it.endswith(f".{m.group(2)}")):
             return i
     why = (" (a checkpoint step exports every storage.export_every iterations and at the last)"
            if m and m.group(1) == "checkpoint" else "")
@@ -102,7 +156,7 @@ def steps_that_run(store: ArtifactStore, bp: Blueprint, run_id: str, steps: list
     for step, force in zip(steps, forced):
         inputs = {n: keys[k] if k in keys else (store.read_manifest(k) or {}).get("key")
                   for n, k in step.inputs.items()}
-        key = None if None in inputs.values() else compute_key(step.stage, bp, step.iteration, inputs)
+        key = None if None in inputs.values() else compute_key(step.stage, step.bp or bp, step.iteration, inputs)
         out = stage_key(run_id, step.iteration, step.stage)
         runs.append(force or key is None or (store.read_manifest(out) or {}).get("key") != key)
         keys[out] = key
@@ -140,7 +194,7 @@ def _resume_hint(store: ArtifactStore, run_id: str, pruned: str) -> str:
 
 
 def run_here(ctx: RunContext, step: Step, force: bool) -> StageResult:
-    return run_stage(ctx, step.stage, step.iteration, step.inputs, force=force)
+    return run_stage(step.context(ctx), step.stage, step.iteration, step.inputs, force=force)
 
 
 @dataclass(frozen=True)

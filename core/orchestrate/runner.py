@@ -52,6 +52,10 @@ SECTIONS = {
     # Only what the export's bytes depend on: a changed retention or cadence field must not re-export (and so
     # reach for update checkpoints retention has pruned).
     "checkpoint": ("storage.export_dtype",),
+    # A phase's blueprint holds only that phase (Blueprint.phase_blueprint): its data, epochs, optimizer, loss.
+    # Not the rest of the top-level algorithm: that is the rl phase's, and changing it must not rerun these.
+    "sft": ("model", "fsdp", "phases", "algorithm.use_fused_kernels", "seed", "deterministic"),
+    "dpo": ("model", "fsdp", "phases", "algorithm.use_fused_kernels", "seed", "deterministic"),
     "monolithic": ("model", "data", "reward", "algorithm", "rollout", "fsdp", "seed", "deterministic", "iterations",
                    "storage.export_dtype"),  # its HF export is written in that dtype
 }

@@ -1,6 +1,7 @@
 """checkpoint: export the iteration's policy as an HF safetensors folder, then promote it and apply retention.
 
-Inputs: `build` (hf_meta/), `update` (policy/), `rollout` (its metrics rank the checkpoint). Output: hf/, in
+Inputs: `build` (hf_meta/), `update` (policy/: an update, or the last sft/dpo step of a phased run), `rollout`
+(its metrics rank the checkpoint; none after an sft/dpo phase). Output: hf/, in
 storage.export_dtype (verlflow.core.ml.export); with model.lora the merged model or, with
 storage.export_lora=adapter, the PEFT adapter folder. The pipeline plans it every storage.export_every iterations and at
 the last. Promotion happens after this stage's manifest is committed: `latest` never points at a half-written
@@ -45,9 +46,10 @@ def run(ctx: StageContext) -> dict:
     else:
         background.add_write(lambda: _write(ctx, model, meta_dir, dtype))
     state = checkpoint.read_state(policy_dir) if cached is None else cached[2]
-    rollout = ctx.input_manifest("rollout").metrics
-    return {"step": state["step"], "data_cursor": state["data_cursor"], "reward_mean": rollout.get("reward_mean"),
-            "reward_std": rollout.get("reward_std"), "export_dtype": dtype}
+    # An sft/dpo phase's export has no rollout: its phase's own metrics instead.
+    scored = ctx.input_manifest("rollout").metrics if "rollout" in ctx.job.inputs else {}
+    return {"step": state["step"], "data_cursor": state.get("data_cursor", 0), "reward_mean": scored.get("reward_mean"),
+            "reward_std": scored.get("reward_std"), "export_dtype": dtype}
 
 
 def _write(ctx: StageContext, model, meta_dir, dtype: str) -> None:

@@ -8,6 +8,8 @@
     <out_dir>/data/train.parquet
     <out_dir>/data/test.parquet verl's RL schema: prompt (chat messages), data_source "tiny_digits", ability,
                                 reward_model {style, ground_truth}, extra_info {split, index}
+    <out_dir>/data/sft.parquet  the sft phase's columns: prompt (chat messages), response
+    <out_dir>/data/dpo.parquet  the dpo phase's (TRL's): prompt, chosen, rejected (a wrong answer)
     <out_dir>/kit.json          what was made: arch, sizes, seed, files with sha256 and size
 
 The task: "Write the digit 7 three times." -> "777" (digits 0-9, once .. six times, four phrasings). Its
@@ -126,9 +128,13 @@ def make_tiny(
     train_file, test_file = data_dir / "train.parquet", data_dir / "test.parquet"
     _write_parquet(train_file, [tiny_task(rng) for _ in range(n_train)], "train")
     _write_parquet(test_file, [tiny_task(rng) for _ in range(n_test)], "test")
+    # The supervised phases' data (blueprint phases: sft, dpo) for the same task.
+    sft_file, dpo_file = data_dir / "sft.parquet", data_dir / "dpo.parquet"
+    _write_sft(sft_file, [tiny_task(rng) for _ in range(n_train)])
+    _write_dpo(dpo_file, [tiny_task(rng) for _ in range(n_train)], rng)
 
     files = {}
-    written = [q for q in model_dir.rglob("*") if q.is_file()] + [train_file, test_file]
+    written = [q for q in model_dir.rglob("*") if q.is_file()] + [train_file, test_file, sft_file, dpo_file]
     for p in sorted(written):
         files[p.relative_to(out).as_posix()] = {"sha256": _sha256(p), "size": p.stat().st_size}
     kit: dict[str, Any] = {
@@ -151,6 +157,8 @@ def make_tiny(
         "model": "model",
         "train": "data/train.parquet",
         "test": "data/test.parquet",
+        "sft": "data/sft.parquet",
+        "dpo": "data/dpo.parquet",
         "files": files,
     }
     kit_file = out / "kit.json"
@@ -160,6 +168,8 @@ def make_tiny(
         "model_dir": str(model_dir),
         "train_file": str(train_file),
         "test_file": str(test_file),
+        "sft_file": str(sft_file),
+        "dpo_file": str(dpo_file),
         "kit_file": str(kit_file),
     }
 
@@ -284,6 +294,29 @@ def _write_parquet(path: Path, pairs: list[tuple[str, str]], split: str) -> None
         schema=parquet_schema(),
     )
     pq.write_table(table, str(path))
+
+
+def _write_sft(path: Path, pairs: list[tuple[str, str]]) -> None:
+    """verl's SFT columns: a chat prompt and the response that answers it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": [[{"role": "user", "content": p}] for p, _ in pairs],
+                             "response": [gt for _, gt in pairs]}), str(path))
+
+
+def _write_dpo(path: Path, pairs: list[tuple[str, str]], rng: random.Random) -> None:
+    """Preference pairs (TRL's columns): the right answer over one a digit or a repetition off."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def wrong(gt: str) -> str:
+        d, k = int(gt[0]), len(gt)
+        return str((d + 1) % 10) * k if rng.random() < 0.5 or k == 1 else gt[:-1]
+
+    pq.write_table(pa.table({"prompt": [[{"role": "user", "content": p}] for p, _ in pairs],
+                             "chosen": [gt for _, gt in pairs], "rejected": [wrong(gt) for _, gt in pairs]}),
+                   str(path))
 
 
 def parquet_schema():
