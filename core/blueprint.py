@@ -581,7 +581,7 @@ DPO_LOSSES = ("sigmoid", "ipo", "hinge")  # verlflow.core.ml.dpo.LOSSES (a test 
 class PhaseDataSpec(Section):
     model_config = ConfigDict(title="phase data")
 
-    train_files: list[str] = Field(..., min_length=1, description="Parquet files: sft takes `messages` (multi-turn) "
+    train_files: list[str] = Field([], description="Parquet files: sft takes `messages` (multi-turn) "
                                    "or `prompt` + `response`; dpo takes `prompt`, `chosen`, `rejected`.")
     shuffle: bool = Field(True, description="Shuffle the rows every epoch (seeded by seed and the epoch).")
 
@@ -591,9 +591,9 @@ class SupervisedSpec(Section):
     model_config = ConfigDict(title="phase algorithm")
 
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate (constant).")
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = Field((0.9, 0.999))
-    grad_clip: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip per optimizer step.")
     mini_batch_size: int = Field(8, ge=1, description="Rows (sft conversations, dpo pairs) per optimizer step, "
                                  "across all ranks.")
     micro_batch_size_per_gpu: int = Field(2, ge=1, description="Rows per forward/backward on one rank.")
@@ -609,15 +609,15 @@ class PhaseResourcesSpec(Section):
     """What a phase changes of the top-level resources (unset: inherited)."""
     model_config = ConfigDict(title="phase resources")
 
-    nproc_per_node: Optional[int] = Field(None, ge=1)
-    stage_timeout_s: Optional[int] = Field(None, ge=1)
-    retries: Optional[int] = Field(None, ge=0)
+    nproc_per_node: Optional[int] = Field(None, ge=1, description="Ranks per node for this phase's steps.")
+    stage_timeout_s: Optional[int] = Field(None, ge=1, description="Seconds one of this phase's steps may run.")
+    retries: Optional[int] = Field(None, ge=0, description="Retries of this phase's retryable failures.")
 
 
 class PhaseSpec(Section):
     model_config = ConfigDict(title="phase")
 
-    kind: Literal[PHASE_KINDS] = Field(..., description="sft, dpo, rl (the top-level algorithm/rollout/data/reward) "
+    kind: Literal[PHASE_KINDS] = Field("rl", description="sft, dpo, rl (the top-level algorithm/rollout/data/reward) "
                                        "or evaluate (eval.* on the previous phase's policy).")
     name: Optional[str] = Field(None, pattern=r"^[A-Za-z][A-Za-z0-9_-]*$",
                                 description="Unique; names its steps (sft[<name>.1]). Default: the kind.")
@@ -636,7 +636,7 @@ class PhaseSpec(Section):
 
     @model_validator(mode="after")
     def _fields_fit_kind(self):
-        if self.kind in ("sft", "dpo") and self.data is None:
+        if self.kind in ("sft", "dpo") and (self.data is None or not self.data.train_files):
             raise ValueError(f"a {self.kind} phase needs data.train_files (its {self.kind} parquet files)")
         if self.kind not in ("sft", "dpo") and self.data is not None:
             raise ValueError(f"a {self.kind} phase takes no data (the rl phase trains on the top-level data; "
@@ -917,7 +917,9 @@ def format_validation_error(err: ValidationError, source: str, lines: dict[tuple
         msg = e["msg"].removeprefix("Value error, ")
         if not loc:  # a cross-field rule: its message names the fields itself (the first one gives the line)
             for part in msg.split("\n"):  # one problem a line (a validator may join several)
-                line = _line_of(_path_in(part), lines)
+                # a phase's problem names its field first (phases[1].init_from): that line; other rules weigh
+                # several fields, where one line would mislead
+                line = _line_of(_path_in(part), lines) if part.startswith("phases[") else None
                 out.append(f"{source}:{line}: {part}" if line else f"{source}: {part}")
             continue
         field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")

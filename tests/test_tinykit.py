@@ -144,7 +144,8 @@ def test_deterministic_for_a_seed(tmp_path, kits):
     assert a["files"] == b["files"]  # byte-identical: data, weights, tokenizer, config
     c = make_tiny(tmp_path / "c", "qwen2", seed=1)
     changed = {k for k in a["files"] if a["files"][k] != c["files"][k]}
-    assert changed == {"data/train.parquet", "data/test.parquet", "model/model.safetensors"}
+    assert changed == {"data/train.parquet", "data/test.parquet", "data/sft.parquet", "data/dpo.parquet",
+                       "model/model.safetensors"}
     # remaking into the same folder replaces it (same files, nothing stale)
     again = make_tiny(tmp_path / "a", "qwen2", seed=0)
     assert again["files"] == a["files"]
