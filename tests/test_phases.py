@@ -1,11 +1,14 @@
 """Phases (issue 19): sft -> dpo -> rl declared in one blueprint, on the tiny kit in one warm pool of two ranks.
 
-One module run: evaluate the base model, sft (1 epoch), dpo (2 epochs), evaluate the tuned policy, rl (1 iteration).
+One module run of blueprints/tiny-phases.yaml: evaluate the base model, sft (1 epoch), dpo (2 epochs), evaluate the
+tuned policy, rl (1 iteration).
 Its first attempt has rank 1 SIGKILLed in dpo's second epoch; the rerun of the same run id resumes there.
 """
 
+import shutil
+from pathlib import Path
+
 import pytest
-from tinybp import tiny_overrides
 
 from verlflow.core.blueprint import load_blueprint
 from verlflow.core.errors import BlueprintError
@@ -14,28 +17,24 @@ from verlflow.core.orchestrate.pipeline import checked_plan, run_pipeline, steps
 from verlflow.core.orchestrate.runner import open_store
 
 RUN = "ph"
+REPO = Path(__file__).resolve().parents[1]
 
 
-def phases(kit: dict) -> str:
-    sup = "mini_batch_size: 32, micro_batch_size_per_gpu: 8, max_length: 64"
-    return ("phases=["
-            "{kind: evaluate, name: base, init_from: model},"
-            f"{{kind: sft, data: {{train_files: [{kit['sft_file']}]}}, algorithm: {{lr: 0.01, {sup}}}}},"
-            f"{{kind: dpo, data: {{train_files: [{kit['dpo_file']}]}}, epochs: 2, algorithm: {{lr: 0.002, beta: 0.1, {sup}}}}},"
-            "{kind: evaluate, name: tuned},"
-            "{kind: rl}]")
-
-
-def phased_blueprint(kit: dict, store, *more: str):
-    return load_blueprint(None, tiny_overrides(kit, store, phases(kit), f"eval.files=[{kit['test_file']}]",
-                                               "eval.max_prompts=32", "eval.before_train=false", *more))
+def phased_blueprint(kit: dict, folder: Path, *more: str):
+    """blueprints/tiny-phases.yaml beside a `tiny/` folder that is the kit, so its relative paths reach the kit."""
+    (folder / "blueprints").mkdir(parents=True)
+    (folder / "tiny").mkdir()
+    (folder / "tiny/qwen2").symlink_to(Path(kit["model_dir"]).parent)
+    shutil.copy(REPO / "blueprints/tiny-phases.yaml", folder / "blueprints")
+    return load_blueprint(folder / "blueprints/tiny-phases.yaml", [f"storage.uri={folder / 'store'}",
+                                                                    "tracking.backends=[]", *more])
 
 
 @pytest.fixture(scope="module")
 def phased(tiny_kit, tmp_path_factory):
     """(blueprint, store, results by step name, the failed first attempt's lines)."""
-    store = tmp_path_factory.mktemp("phases") / "store"
-    bp = phased_blueprint(tiny_kit, store)
+    folder = tmp_path_factory.mktemp("phases")
+    bp, store = phased_blueprint(tiny_kit, folder), folder / "store"
     killed: list[str] = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VERLFLOW_FAULT", "kill_rank1_in_dpo_epoch2")
