@@ -1134,6 +1134,7 @@ def missing_inputs(bp: Blueprint) -> list[str]:
     if unknown := unknown_metric_problem(bp):
         problems.append(unknown)
     problems += [p for p in _eval_problems(bp) if p not in problems]  # a reward.module error once
+    problems += _phase_data_problems(bp)
     scheme = bp.storage.uri.split("://", 1)[0] if "://" in bp.storage.uri else "file"
     if scheme not in ("file", "s3"):
         problems.append(f"storage.uri: scheme '{scheme}://' is not supported; use a folder, file:// or s3://bucket/prefix.")
@@ -1142,6 +1143,32 @@ def missing_inputs(bp: Blueprint) -> list[str]:
                         "s3://bucket/prefix and set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment "
                         "(or a Prefect Secret).")
     problems += tracking_problems(bp.tracking)
+    return problems
+
+
+def _phase_data_problems(bp: Blueprint) -> list[str]:
+    """An sft/dpo phase's files: there, parquet, and at least one mini-batch of rows (their columns and rows are
+    read by the phase's stage, which names a bad row)."""
+    import pyarrow.parquet as pq
+
+    problems = []
+    for i, ph in enumerate(bp.phases):
+        if ph.data is None:
+            continue
+        field, rows, before = f"phases[{i}].data.train_files", 0, len(problems)
+        for j, f in enumerate(ph.data.train_files):
+            if not Path(f).is_file():
+                problems.append(f"{field}[{j}]: {f} does not exist; give a parquet file of {ph.kind} rows "
+                                f"({'prompt + response, or messages' if ph.kind == 'sft' else 'prompt, chosen, rejected'}).")
+                continue
+            try:
+                rows += pq.ParquetFile(f).metadata.num_rows
+            except Exception as e:  # not parquet: pyarrow's own words
+                problems.append(f"{field}[{j}]: {f} is not a readable parquet file ({type(e).__name__}: {e}).")
+        mini = ph.algorithm.mini_batch_size
+        if len(problems) == before and rows < mini:
+            problems.append(f"{field}: {rows} rows, fewer than phases[{i}].algorithm.mini_batch_size={mini}; lower "
+                            "the mini-batch or add rows.")
     return problems
 
 

@@ -137,3 +137,17 @@ def test_bad_graphs_are_refused_with_the_phase_path_and_line(tmp_path, tail, whe
     line = next(ln for ln in msg.splitlines() if where in ln)
     assert fix in line and f"{f}:" in line, msg
     assert f"{f}:6:" in line or f"{f}:7:" in line or f"{f}:8:" in line, msg  # the offending phase's lines
+
+
+def test_a_missing_or_short_phase_dataset_is_named_before_anything_runs(tiny_kit, tmp_path):
+    from verlflow.core.blueprint import missing_inputs
+
+    bp = phased_blueprint(tiny_kit, tmp_path)
+    assert missing_inputs(bp) == []
+    bp.phases[1].data.train_files = [str(tmp_path / "gone.parquet")]
+    bp.phases[2].algorithm.mini_batch_size = 512  # the kit's dpo file has 256 pairs
+    problems = missing_inputs(bp)
+    assert any(p.startswith("phases[1].data.train_files[0]:") and "gone.parquet does not exist" in p
+               for p in problems), problems
+    assert any(p.startswith("phases[2].data.train_files: 256 rows, fewer than phases[2].algorithm.mini_batch_size=512")
+               for p in problems), problems
