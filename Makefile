@@ -64,7 +64,7 @@ postgres:
 # Two workers, each taking whole files (a file's module fixtures, e.g. the Slurm cluster, are made once): most
 # stage jobs are one rank importing torch on one core, so a second worker fills the other. The 25 slowest last.
 test: $(VENV)/.installed-dev chromium slurm postgres
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 -m "not slow" tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=60 -m "not slow" tests
 
 # Everything, the `slow` scenarios too (the whole pipeline on Slurm, two-node resharding, the boundaries benchmark).
 test-all: $(VENV)/.installed-dev chromium slurm postgres

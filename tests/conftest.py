@@ -14,7 +14,7 @@ pytest_plugins = ["s3server", "kits", "prefect_server", "reference"]
 # minutes); files that wait for the session's reference run (tests/reference.py) alternate with files that do not,
 # so the second worker has work while the first builds it. Seconds: one loaded CI run, 2026-12-02.
 HEAVY_FIRST = ("test_faults", "test_pool", "test_stages", "test_slurm", "test_flows", "test_multinode",
-               "test_algorithms", "test_lora", "test_hangs", "test_tracking", "test_security", "test_benchmarks", "test_schedule",
+               "test_algorithms", "test_lora", "test_phases", "test_hangs", "test_tracking", "test_security", "test_benchmarks", "test_schedule",
                "test_retention", "test_dcpio", "test_lease", "test_cli", "test_packaging", "test_postgres",
                "test_exports", "test_promotion", "test_k8s", "test_verify", "test_footprint", "test_preflight")
 
