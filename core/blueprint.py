@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
 from verlflow.core import algos
 from verlflow.core.errors import BlueprintError
@@ -617,8 +617,9 @@ class PhaseResourcesSpec(Section):
 class PhaseSpec(Section):
     model_config = ConfigDict(title="phase")
 
-    kind: Literal[PHASE_KINDS] = Field("rl", description="sft, dpo, rl (the top-level algorithm/rollout/data/reward) "
-                                       "or evaluate (eval.* on the previous phase's policy).")
+    kind: str = Field("rl", description="sft, dpo, rl (the top-level algorithm/rollout/data/reward), evaluate "
+                      "(eval.* on the previous phase's policy), or a user stage `package.module:Class` "
+                      "(verlflow.core.userstage).")
     name: Optional[str] = Field(None, pattern=r"^[A-Za-z][A-Za-z0-9_-]*$",
                                 description="Unique; names its steps (sft[<name>.1]). Default: the kind.")
     data: Optional[PhaseDataSpec] = Field(None, description="sft/dpo: the phase's dataset (required there).")
@@ -629,16 +630,34 @@ class PhaseSpec(Section):
                                       "iterations).")
     init_from: Optional[str] = Field(None, description="The policy this phase starts from: `model` (model.path) or "
                                      "an earlier phase's name. Default: the previous phase (the model for the first).")
+    options: dict[str, Any] = Field({}, description="A user stage's settings (its `self.options`); part of its key.")
+
+    @property
+    def user(self) -> bool:
+        """A user stage (`package.module:Class`)."""
+        return self.kind not in PHASE_KINDS
 
     @property
     def label(self) -> str:
         return self.name or self.kind
 
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, kind: str) -> str:
+        from verlflow.core.userstage import SPEC
+
+        if kind not in PHASE_KINDS and not SPEC.fullmatch(kind):
+            raise ValueError(f"'{kind}' is none of {', '.join(PHASE_KINDS)}, nor a user stage "
+                             "'package.module:Class'")
+        return kind
+
     @model_validator(mode="after")
     def _fields_fit_kind(self):
+        if self.options and not self.user:
+            raise ValueError(f"options are a user stage's settings; a {self.kind} phase takes none")
         if self.kind in ("sft", "dpo") and (self.data is None or not self.data.train_files):
             raise ValueError(f"a {self.kind} phase needs data.train_files (its {self.kind} parquet files)")
-        if self.kind not in ("sft", "dpo") and self.data is not None:
+        if self.kind in ("rl", "evaluate") and self.data is not None:
             raise ValueError(f"a {self.kind} phase takes no data (the rl phase trains on the top-level data; "
                              "evaluate reads eval.files)")
         if self.kind != "rl" and self.iterations is not None:
@@ -670,6 +689,8 @@ class Blueprint(Section):
     phases: list[PhaseSpec] = Field([], description="Optional: phases run in order (sft, dpo, rl, evaluate), each "
                                     "from the previous one's policy. Empty: one rl phase (validate -> build -> "
                                     "(rollout -> update -> checkpoint) x iterations).")
+    active_phase: Optional[int] = Field(None, ge=0, description="Set by verlflow on the blueprint one phase's steps "
+                                        "run with (its index in phases); leave it unset.")
 
     @model_validator(mode="after")
     def _batches_fit_world(self):
@@ -750,6 +771,9 @@ class Blueprint(Section):
                 problems.append(f"{where}.init_from: '{src}' {why}; use 'model' or one of "
                                 f"{sorted(seen) or ['(no earlier phase)']}")
             seen.setdefault(ph.label, i)
+            if ph.user:
+                problems += _user_stage_problems(ph, where, set(seen) - {ph.label},
+                                                 any(q.kind == "rl" for q in self.phases[:i]))
             if ph.kind == "evaluate" and not self.eval.files:
                 problems.append(f"{where}: an evaluate phase needs eval.files (held-out prompts)")
             world = self.resources.nnodes * (ph.resources.nproc_per_node or self.resources.nproc_per_node)
@@ -758,6 +782,9 @@ class Blueprint(Section):
                                               % a.micro_batch_size_per_gpu):
                 problems.append(f"{where}.algorithm: mini_batch_size={a.mini_batch_size} must split into {world} "
                                 f"ranks x a multiple of micro_batch_size_per_gpu={a.micro_batch_size_per_gpu}")
+        if self.active_phase is not None and self.active_phase >= len(self.phases):
+            problems.append(f"active_phase: {self.active_phase} names no phase (there are {len(self.phases)}); leave "
+                            "it unset")
         rl = [i for i, ph in enumerate(self.phases) if ph.kind == "rl"]
         if len(rl) > 1:
             problems.append(f"phases[{rl[1]}]: a second rl phase (phases{rl}); one rl phase per blueprint (the top-level algorithm, rollout, data and "
@@ -774,12 +801,12 @@ class Blueprint(Section):
         return self
 
     def phase_blueprint(self, i: int) -> "Blueprint":
-        """The blueprint a phase's steps run with: the top-level one, its resources changed by the phase's, the
-        phase alone in `phases` (so a change to another phase leaves this one's keys alone), and for sft/dpo the
-        phase's optimizer in `algorithm` (where the model, optimizer and packing code read it). The result must
-        stay a valid blueprint: a job file holds it."""
+        """The blueprint a phase's steps run with: the top-level one, its resources changed by the phase's,
+        `active_phase` naming it (its steps hash that phase alone, so a change to another leaves their keys
+        alone), and for sft/dpo the phase's optimizer in `algorithm` (where the model, optimizer and packing code
+        read it). The result must stay a valid blueprint: a job file holds it."""
         ph = self.phases[i]
-        update: dict[str, Any] = {"phases": [ph], "resources": self.resources.model_copy(
+        update: dict[str, Any] = {"active_phase": i, "resources": self.resources.model_copy(
             update=ph.resources.model_dump(exclude_none=True))}
         if ph.kind == "rl" and ph.iterations:
             update["iterations"] = ph.iterations
@@ -793,8 +820,8 @@ class Blueprint(Section):
 
     @property
     def phase(self) -> "PhaseSpec | None":
-        """In a phase's blueprint (phase_blueprint): that phase."""
-        return self.phases[0] if len(self.phases) == 1 else None
+        """In a phase's blueprint (phase_blueprint): that phase (the key section its steps hash)."""
+        return None if self.active_phase is None else self.phases[self.active_phase]
 
     def optimizer_steps(self) -> int:
         """Policy optimizer steps of the whole run: the length the learning-rate schedule spans."""
@@ -831,6 +858,20 @@ class Blueprint(Section):
 
     def hash(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+def _user_stage_problems(ph: PhaseSpec, where: str, earlier: set[str], after_rl: bool) -> list[str]:
+    """A user stage's class imports, and each input it lists is one the plan can give it."""
+    from verlflow.core import userstage
+
+    try:
+        cls = userstage.load(ph.kind, f"{where}.kind")
+    except BlueprintError as e:
+        return [str(e)]
+    known = {"build", "policy"} | ({"rollout"} if after_rl else set()) | earlier
+    bad = [n for n in cls.inputs if n not in known]
+    return [f"{where}.kind: {ph.kind} reads input(s) {bad}, which no earlier phase gives; it can read "
+            f"{sorted(known)} here{'' if after_rl else ' (rollout: after an rl phase)'}"] if bad else []
 
 
 # Fields that differ between the agents of one job (each node passes its own): not part of any stage key.

@@ -5,9 +5,14 @@ tuned policy, rl (1 iteration).
 Its first attempt has rank 1 SIGKILLed in dpo's second epoch; the rerun of the same run id resumes there.
 """
 
+import http.server
+import json
+import os
 import shutil
+import threading
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from verlflow.core.blueprint import load_blueprint
@@ -114,7 +119,8 @@ def test_a_changed_phase_reruns_that_phase_and_later_ones_only(phased, tiny_kit,
 
 
 BAD = [
-    ("  - kind: distill\n", "phases[1].kind", "should be 'sft', 'dpo', 'rl' or 'evaluate'"),
+    ("  - kind: distill\n", "phases[1].kind", "is none of sft, dpo, rl, evaluate, nor a user stage"),
+    ("  - kind: no_such_pkg.mod:Judge\n", "phases[1].kind: cannot import no_such_pkg.mod", "fix the dotted path"),
     ("  - kind: evaluate\n    init_from: nope\n", "phases[1].init_from: 'nope' names no phase", "use 'model' or one of"),
     ("  - kind: evaluate\n    init_from: later\n  - kind: rl\n    name: later\n",
      "phases[1].init_from: 'later' is phases[2], which runs later", "starts from an earlier one"),
@@ -151,3 +157,80 @@ def test_a_missing_or_short_phase_dataset_is_named_before_anything_runs(tiny_kit
                for p in problems), problems
     assert any(p.startswith("phases[2].data.train_files: 256 rows, fewer than phases[2].algorithm.mini_batch_size=512")
                for p in problems), problems
+
+
+# -- a user stage: blueprints/tiny-judge.yaml's JudgeStage against a stub judge --------------------------------------
+
+class _Judge(http.server.BaseHTTPRequestHandler):
+    """Scores 1.0 when the response is the ground truth, else 0.0; remembers each request's Authorization."""
+    seen: list = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).seen.append((body, self.headers.get("Authorization")))
+        out = json.dumps({"score": float(body["response"] == body["ground_truth"])}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *args):
+        pass
+
+
+def judge_blueprint(kit: dict, folder: Path, url: str, module: str = "verlflow.core.examples.judge:JudgeStage"):
+    (folder / "blueprints").mkdir(parents=True, exist_ok=True)
+    (folder / "tiny").mkdir(exist_ok=True)
+    if not (folder / "tiny/qwen2").exists():
+        (folder / "tiny/qwen2").symlink_to(Path(kit["model_dir"]).parent)
+    text = (REPO / "blueprints/tiny-judge.yaml").read_text()
+    text = text.replace("http://127.0.0.1:8099/score", url).replace("verlflow.core.examples.judge:JudgeStage", module)
+    (folder / "blueprints/tiny-judge.yaml").write_text(text)
+    return load_blueprint(folder / "blueprints/tiny-judge.yaml", [f"storage.uri={folder / 'store'}",
+                                                                  "tracking.backends=[]"])
+
+
+def test_a_user_stage_scores_the_rollout_with_an_external_judge_and_keeps_its_key(tiny_kit, tmp_path, monkeypatch):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Judge)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Judge.seen = []
+    secret = "judge-token-5f1c9e"
+    monkeypatch.setenv("JUDGE_API_KEY", secret)
+    # a copy of the example as the user's own module, importable by the workers through PYTHONPATH
+    mine = tmp_path / "mystages"
+    mine.mkdir()
+    shutil.copy(REPO / "core/examples/judge.py", mine / "myjudge.py")
+    monkeypatch.syspath_prepend(str(mine))
+    monkeypatch.setenv("PYTHONPATH", f"{mine}:{os.environ.get('PYTHONPATH', '')}")
+    try:
+        bp = judge_blueprint(tiny_kit, tmp_path, f"http://127.0.0.1:{server.server_port}/score",
+                             "myjudge:JudgeStage")
+        lines: list[str] = []
+        results = run_pipeline(bp, "judged", on_line=lines.append)
+    finally:
+        server.shutdown()
+    by_name = {f"{r.manifest['stage']}[{r.manifest['iteration']}]": r for r in results}
+    assert list(by_name)[-1] == "user[judge]", "\n".join(lines[-30:])
+    samples = pq.read_table(tmp_path / "store/runs/judged/1/rollout/samples.parquet").to_pylist()
+    judged = pq.read_table(tmp_path / "store/runs/judged/judge/user/judged.parquet").to_pylist()
+    assert len(judged) == len(samples) == len(_Judge.seen) == 4 * 4
+    assert [j["judge_score"] for j in judged] == [float(s["response"] == s["ground_truth"]) for s in samples]
+    assert all(auth == f"Bearer {secret}" for _, auth in _Judge.seen)
+    m = by_name["user[judge]"].manifest
+    assert m["inputs"]["rollout"]["stage"] == "runs/judged/1/rollout"
+    assert m["metrics"]["judged"] == 16 and 0 <= m["metrics"]["agreement_with_reward"] <= 1
+    assert secret not in json.dumps(m) and not any(secret in line for line in lines)
+    # the user's code is part of the key: unchanged, the stage is reused; edited, it (alone) reruns
+    steps, _ = checked_plan(bp, "judged", None)
+    runs = lambda: steps_that_run(open_store(bp), bp, "judged", steps, [False] * len(steps))  # noqa: E731
+    assert not any(runs())
+    (mine / "myjudge.py").write_text((mine / "myjudge.py").read_text() + "\n# threshold changed\nCUT = 0.4\n")
+    assert runs() == [s.name == "user[judge]" for s in steps]
+
+
+def test_a_user_stage_reading_a_rollout_before_any_rl_phase_is_refused(tmp_path):
+    f = tmp_path / "bp.yaml"
+    f.write_text("name: bad\nphases:\n  - kind: evaluate\n  - kind: verlflow.core.examples.judge:JudgeStage\n")
+    with pytest.raises(BlueprintError) as e:
+        load_blueprint(f, ["eval.files=[t.parquet]"])
+    assert f"{f}:4: phases[1].kind: verlflow.core.examples.judge:JudgeStage reads input(s) ['rollout']" in str(e.value)

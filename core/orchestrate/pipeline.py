@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from verlflow.core import userstage
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.errors import BlueprintError, PrunedError
 from verlflow.core.orchestrate.pool import warm_pools
@@ -89,13 +90,22 @@ def _rl_steps(bp: Blueprint, run_id: str, build: str, phase_bp: Blueprint | None
 def _phase_steps(bp: Blueprint, run_id: str, build: str) -> list[Step]:
     """Each phase from its start policy (the previous phase's, the model's, or a named phase's): sft/dpo one step
     an epoch (`sft[<phase>.<epoch>]`), rl its own build from that policy (its reference) and its iterations,
-    evaluate one step. The last phase's policy is exported (and promoted) by a checkpoint step."""
+    evaluate one step, a user stage one step (`user[<phase>]`) with the inputs its class lists. The last phase's
+    policy is exported (and promoted) by a checkpoint step."""
     steps: list[Step] = []
-    ends: dict[str, str] = {}  # phase name -> the stage holding its final policy
-    policy = build
+    ends: dict[str, str] = {}  # phase name -> the stage holding its final policy (a user stage's: its output)
+    policy, rollout = build, None
     for i, ph in enumerate(bp.phases):
         pbp = bp.phase_blueprint(i)
         start = build if ph.init_from == "model" else ends[ph.init_from] if ph.init_from else policy
+        if ph.user:
+            cls = userstage.load(ph.kind, f"phases[{i}].kind")
+            given = {"build": build, "policy": start, **({"rollout": rollout} if rollout else {}), **ends}
+            steps.append(Step("user", ph.label, {n: given[n] for n in cls.inputs}, pbp))
+            out = stage_key(run_id, ph.label, "user")
+            ends[ph.label] = out if "policy" in cls.outputs else start
+            policy = ends[ph.label]
+            continue
         if ph.kind == "evaluate":
             steps.append(Step("evaluate", ph.label, {"build": build, "policy": start}, pbp))
             ends[ph.label] = policy = start
@@ -107,6 +117,7 @@ def _phase_steps(bp: Blueprint, run_id: str, build: str) -> list[Step]:
                 rl_build = stage_key(run_id, ph.label, "build")
             steps += _rl_steps(pbp, run_id, rl_build, pbp)
             ends[ph.label] = policy = stage_key(run_id, pbp.iterations, "update")
+            rollout = stage_key(run_id, pbp.iterations, "rollout")
             continue
         prev, first = start, None
         for epoch in range(1, ph.epochs + 1):

@@ -52,10 +52,11 @@ SECTIONS = {
     # Only what the export's bytes depend on: a changed retention or cadence field must not re-export (and so
     # reach for update checkpoints retention has pruned).
     "checkpoint": ("storage.export_dtype",),
-    # A phase's blueprint holds only that phase (Blueprint.phase_blueprint): its data, epochs, optimizer, loss.
+    # `phase`: the one phase these steps run (Blueprint.phase_blueprint): its data, epochs, optimizer, loss.
     # Not the rest of the top-level algorithm: that is the rl phase's, and changing it must not rerun these.
-    "sft": ("model", "fsdp", "phases", "algorithm.use_fused_kernels", "seed", "deterministic"),
-    "dpo": ("model", "fsdp", "phases", "algorithm.use_fused_kernels", "seed", "deterministic"),
+    "sft": ("model", "fsdp", "phase", "algorithm.use_fused_kernels", "seed", "deterministic"),
+    "dpo": ("model", "fsdp", "phase", "algorithm.use_fused_kernels", "seed", "deterministic"),
+    "user": ("model", "phase", "seed", "deterministic"),  # + its class's source (compute_key)
     "monolithic": ("model", "data", "reward", "algorithm", "rollout", "fsdp", "seed", "deterministic", "iterations",
                    "storage.export_dtype"),  # its HF export is written in that dtype
 }
@@ -92,6 +93,10 @@ def open_store(bp: Blueprint) -> ArtifactStore:
 
 
 def compute_key(stage: str, bp: Blueprint, iteration, input_keys: dict[str, str], extra: dict | None = None) -> str:
+    if stage == "user":  # the user's code is the stage's maths: its edit reruns it
+        from verlflow.core import userstage
+
+        extra = {**(extra or {}), "user_code": userstage.code_version(bp.phase.kind)}
     payload = {"stage": stage, "iteration": iteration, "sections": bp.section_hash(*key_sections(stage, bp)),
                "inputs": dict(sorted(input_keys.items())), "code": code_version(stage), "extra": extra or {}}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]

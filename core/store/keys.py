@@ -25,7 +25,7 @@ from pathlib import Path
 PACKAGE = "verlflow.core"
 
 STAGE_VERSION = {"validate": 1, "build": 1, "rollout": 1, "update": 1, "evaluate": 1, "checkpoint": 1,
-                 "monolithic": 1, "sft": 1, "dpo": 1}
+                 "monolithic": 1, "sft": 1, "dpo": 1, "user": 1}
 
 # Modules a worker imports that move bytes or report, never compute outputs: their edits keep every key. The
 # blueprint's *values* are in the key through its sections; the store verifies every file by its checksum; the

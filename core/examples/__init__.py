@@ -1,0 +1,1 @@
+"""Examples of verlflow's extension points (a user stage: judge.py)."""
