@@ -39,7 +39,7 @@ def phased_blueprint(kit: dict, folder: Path, *more: str):
 def phased(tiny_kit, tmp_path_factory):
     """(blueprint, store, results by step name, the failed first attempt's lines)."""
     folder = tmp_path_factory.mktemp("phases")
-    bp, store = phased_blueprint(tiny_kit, folder), folder / "store"
+    bp, store = phased_blueprint(tiny_kit, folder, "storage.keep_last_checkpoints=1"), folder / "store"
     killed: list[str] = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VERLFLOW_FAULT", "kill_rank1_in_dpo_epoch2")
@@ -97,6 +97,19 @@ def test_a_kill_in_dpo_resumes_there_from_the_artifacts(phased):
     reused = {n for n, r in res.items() if r.skipped}
     assert {"validate[init]", "build[init]", "evaluate[base]", "sft[sft.1]", "dpo[dpo.1]"} <= reused
     assert not reused & {"dpo[dpo.2]", "build[rl]", "rollout[1]", "update[1]"}
+
+
+def test_each_phase_keeps_its_last_epochs_checkpoint(phased):
+    """keep_last_checkpoints=1: dpo's first epoch loses its policy once the second is committed (its reference
+    log-probs stay: no checkpoint); each phase's last epoch, which later phases read, stays."""
+    _, store, _, _ = phased
+    read = lambda key: json.loads((store / "runs" / RUN / key / "manifest.json").read_text())  # noqa: E731
+    first = read("dpo.1/dpo")
+    assert first["pruned"] and any(f.startswith("policy/") for f in first["pruned_files"])
+    assert not (store / "runs" / RUN / "dpo.1/dpo/policy").exists()
+    assert (store / "runs" / RUN / "dpo.1/dpo/reference.safetensors").is_file()
+    for key in ("sft.1/sft", "dpo.2/dpo"):
+        assert not read(key).get("pruned") and (store / "runs" / RUN / key / "policy/dcp/.metadata").is_file()
 
 
 @pytest.mark.parametrize("change, first_rerun", [

@@ -325,7 +325,8 @@ def _commit_and_after(ctx: StageContext, metrics: dict, t_start: float, after_co
 def retention_pass(ctx: StageContext, manifest: dict | None = None) -> None:
     """Prune what the run no longer keeps, now that this stage is committed (an after_commit: store operations
     only, it may run on a warm pool's committer thread)."""
-    retention.retain(ctx.store, ctx.bp, ctx.job.run_id, head=ctx.iteration,
+    head = ctx.iteration if isinstance(ctx.iteration, int) else None  # a phase's epoch is no rl iteration
+    retention.retain(ctx.store, ctx.bp, ctx.job.run_id, head=head,
                      between=lambda: faults.kill_point("prune", ctx.rank))  # test hook: a crash mid-prune
 
 

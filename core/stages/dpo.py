@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from verlflow.core.errors import InputError
 from verlflow.core.ml import model as M, ppo, supervised
 from verlflow.core.ml.dpo import dpo_loss, encode_pairs, load_preferences, sequence_logps
-from verlflow.core.stages.common import StageContext, stage_main
+from verlflow.core.stages.common import StageContext, retention_pass, stage_main
 from verlflow.core.stages.phase import epoch_of, field_of, load_policy, save_policy
 
 log = logging.getLogger("verlflow.dpo")
@@ -70,7 +70,7 @@ def _reference(ctx: StageContext, policy, batch: dict, epoch: int) -> torch.Tens
     return ref
 
 
-main = stage_main(run)
+main = stage_main(run, retention_pass)  # the phase's older epochs go once this one is committed
 
 if __name__ == "__main__":
     main()

@@ -9,7 +9,7 @@ import logging
 
 from verlflow.core.ml import checkpoint, model as M, ppo, supervised
 from verlflow.core.ml.sft import encode_sft, load_sft_rows, sft_loss
-from verlflow.core.stages.common import StageContext, stage_main
+from verlflow.core.stages.common import StageContext, retention_pass, stage_main
 from verlflow.core.stages.phase import epoch_of, field_of, load_policy, save_policy
 
 log = logging.getLogger("verlflow.sft")
@@ -42,7 +42,7 @@ def run(ctx: StageContext) -> dict:
             "sft_loss_first": losses[0], "sft_loss_mean": sum(losses) / len(losses), "steps": history}
 
 
-main = stage_main(run)
+main = stage_main(run, retention_pass)  # the phase's older epochs go once this one is committed
 
 if __name__ == "__main__":
     main()

@@ -2,7 +2,8 @@
 
 Two kinds of prunable unit, each a set of folders of one stage:
     checkpoint  the DCP training checkpoint (policy/ [+ critic/], model and optimizer) of an update stage, and of
-                the build (its initial policy, iteration 0)
+                the build (its initial policy, iteration 0); and of a phase's sft/dpo epochs, of which each phase
+                keeps its last storage.keep_last_checkpoints (its last epoch is the phase's output)
     export      the HF export (hf/) of a checkpoint stage
 Of each kind a run keeps
     - the last N by iteration up to the one the run has reached, the `head` (N: storage.keep_last_checkpoints /
@@ -40,7 +41,11 @@ CHECKPOINT_DIRS = ("policy/", "critic/")
 EXPORT_DIRS = ("hf/",)
 # Which stage holds which unit, as (kind, folders).
 UNITS = {"build": ("checkpoint", CHECKPOINT_DIRS), "update": ("checkpoint", CHECKPOINT_DIRS),
-         "checkpoint": ("export", EXPORT_DIRS)}
+         "checkpoint": ("export", EXPORT_DIRS), "sft": ("checkpoint", CHECKPOINT_DIRS),
+         "dpo": ("checkpoint", CHECKPOINT_DIRS)}
+# A phase's epochs (iteration `<phase>.<epoch>`): each phase keeps its last keep_last_checkpoints epochs (the last
+# one is the phase's output, which later phases read), apart from the rl iterations' count.
+PHASE_STAGES = ("sft", "dpo")
 # The inputs a stage reads a training checkpoint from; every other input reads the stage's other files, except
 # that the monolithic stage (all iterations in one job) trains from its `build` input's policy.
 CHECKPOINT_INPUTS = ("policy", "update", "warm_start")
@@ -121,12 +126,23 @@ class RunState:
         return cls(run_id, manifests, files)
 
     def units(self, kind: str) -> list[Unit]:
+        """The run's units of `kind` by iteration, phase epochs apart (phase_units)."""
         out = []
         for key, m in self.manifests.items():
             it = key.split("/")[2]
-            if UNITS.get(m.get("stage"), ("",))[0] == kind:
+            if UNITS.get(m.get("stage"), ("",))[0] == kind and m.get("stage") not in PHASE_STAGES:
                 out.append(Unit(kind, int(it) if it.isdigit() else 0, key, m))
         return sorted(out, key=lambda u: u.iteration)
+
+    def phase_units(self) -> list[list[Unit]]:
+        """The sft/dpo checkpoints, per phase, by epoch."""
+        phases: dict[tuple, list[Unit]] = {}
+        for key, m in self.manifests.items():
+            if m.get("stage") in PHASE_STAGES:
+                label, _, epoch = key.split("/")[2].rpartition(".")
+                phases.setdefault((m["stage"], label), []).append(
+                    Unit("checkpoint", int(epoch) if epoch.isdigit() else 0, key, m))
+        return [sorted(units, key=lambda u: u.iteration) for _, units in sorted(phases.items())]
 
     def score(self, iteration: int, metric: str | None):
         """The rank of the policy of `iteration`: `metric` in the manifest of the rollout that sampled from it."""
@@ -171,7 +187,12 @@ def retain(store: ArtifactStore, bp: Blueprint, run_id: str, *, head: int | None
     pruned = []
     for kind, keep_last in (("checkpoint", storage.keep_last_checkpoints), ("export", storage.keep_last)):
         keep = keep_set(state, kind, keep_last, storage.keep_best_metric, pinned, head)
-        for unit in state.units(kind):
+        units = state.units(kind)
+        if kind == "checkpoint":
+            for epochs in state.phase_units():
+                keep |= {u.key for u in epochs[-keep_last:]} | {u.key for u in epochs if u.key in pinned}
+                units += epochs
+        for unit in units:
             if unit.key not in keep and unit.held():
                 unit = _mark(store, unit)
                 pruned.append(unit.key)
