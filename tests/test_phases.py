@@ -247,3 +247,12 @@ def test_a_user_stage_reading_a_rollout_before_any_rl_phase_is_refused(tmp_path)
     with pytest.raises(BlueprintError) as e:
         load_blueprint(f, ["eval.files=[t.parquet]"])
     assert f"{f}:4: phases[1].kind: verlflow.core.examples.judge:JudgeStage reads input(s) ['rollout']" in str(e.value)
+
+
+def test_ls_lists_a_phased_run_in_plan_order(phased, capsys):
+    from verlflow.core.orchestrate.cli import main
+
+    bp, store, res, _ = phased
+    assert main(["ls", f"storage.uri={store}", "--run", RUN]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert listed == list(res)

@@ -213,11 +213,21 @@ def _stage_order(stage: str) -> int:
     return STAGES.index(stage) if stage in STAGES else len(STAGES)
 
 
-def _run_stages(sizes: dict, run: str) -> list[tuple[str, str]]:
-    """(iteration, stage) of every stage folder of a run with files in it, in pipeline order."""
+def _run_stages(sizes: dict, run: str, store=None) -> list[tuple[str, str]]:
+    """(iteration, stage) of every stage folder of a run with files in it, in pipeline order. A run of phases
+    (iterations such as `sft.1`, `rl`) has no order in its keys: its stages after init go in the order they were
+    committed (what a stage reads was committed before it), uncommitted ones last."""
     keys = [k.split("/") for k in sizes]  # runs/<run>/<iteration>/<stage>/<file...>
-    return sorted({tuple(k[2:4]) for k in keys if len(k) > 4 and k[1] == run},
-                  key=lambda s: (s[0] != "init", int(s[0]) if s[0].isdigit() else 0, _stage_order(s[1])))
+    found = {tuple(k[2:4]) for k in keys if len(k) > 4 and k[1] == run}
+    if store is not None and any(not it.isdigit() and it != "init" for it, _ in found):
+        def committed(s):
+            try:
+                m = store.read_manifest(f"runs/{run}/{s[0]}/{s[1]}")
+            except VerlflowError:  # damaged: verify names it
+                m = None
+            return (s[0] != "init", m is None, (m or {}).get("committed_at", ""), _stage_order(s[1]), s[0])
+        return sorted(found, key=committed)
+    return sorted(found, key=lambda s: (s[0] != "init", int(s[0]) if s[0].isdigit() else 0, _stage_order(s[1])))
 
 
 def _no_such_run(store, run: str) -> VerlflowError:
@@ -261,7 +271,7 @@ def cmd_ls(args) -> int:
         for run in sorted({k.split("/")[1] for k in sizes if k.count("/") > 1}):
             print(run)
         return 0
-    stages, holder = _run_stages(sizes, args.run), holder_of(store, args.run)
+    stages, holder = _run_stages(sizes, args.run, store), holder_of(store, args.run)
     if not stages and holder is None:
         raise _no_such_run(store, args.run)
     for it, stage in stages:
@@ -281,7 +291,7 @@ def cmd_verify(args) -> int:
     bp = _blueprint(args)
     safe_run_id(args.run, "verify RUN")
     store = open_store(bp)
-    stages = _run_stages(store.sizes("runs"), args.run)
+    stages = _run_stages(store.sizes("runs"), args.run, store)
     if not stages:
         raise _no_such_run(store, args.run)
     damaged, files = [], 0  # (name, stage key) in pipeline order
