@@ -67,7 +67,16 @@ def say(*a):
 
 
 def store_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.exists() else 0
+    """Bytes under `folder`. A warm pool's background retention may delete files while this walks (the smoke test
+    hit FileNotFoundError in rglob): os.walk skips a vanished folder, and a vanished file counts 0."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
 
 
 def batch_tokens(store: Path, iteration: int) -> dict:
