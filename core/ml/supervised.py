@@ -42,8 +42,8 @@ class Epoch:
         ph = bp.phase
         mini = ph.algorithm.mini_batch_size
         if n_units < mini:
-            raise InputError(f"{field}: {n_units} rows, fewer than {field.rsplit('.', 2)[0]}.algorithm."
-                             f"mini_batch_size={mini}; lower the mini-batch or add rows.")
+            raise InputError(f"{field}: {n_units} rows, fewer than phase '{ph.label}' algorithm.mini_batch_size="
+                             f"{mini}; lower the mini-batch or add rows.")
         order = np.arange(n_units)
         if ph.data.shuffle:
             order = np.random.default_rng([bp.seed, epoch]).permutation(n_units)
