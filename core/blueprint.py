@@ -612,6 +612,21 @@ class PhaseResourcesSpec(Section):
     nproc_per_node: Optional[int] = Field(None, ge=1, description="Ranks per node for this phase's steps.")
     stage_timeout_s: Optional[int] = Field(None, ge=1, description="Seconds one of this phase's steps may run.")
     retries: Optional[int] = Field(None, ge=0, description="Retries of this phase's retryable failures.")
+    backend: Optional[Literal["local", "slurm", "kubernetes"]] = Field(
+        None, description="Where this phase's stage jobs run (its slurm/kubernetes settings are the top-level ones). "
+        "A phase moved off local runs each stage as its own job unless it sets warm_workers itself.")
+    nnodes: Optional[int] = Field(None, ge=1, description="Nodes per stage job of this phase (slurm/kubernetes).")
+    warm_workers: Optional[bool] = Field(None, description="This phase's resources.warm_workers.")
+
+    def over(self, top: "ResourcesSpec") -> "ResourcesSpec":
+        """The top-level resources with this phase's changes, validated as resources are (ValueError)."""
+        mine = self.model_dump(exclude_none=True)
+        moved = mine.get("backend", top.backend) != "local" or mine.get("nnodes", top.nnodes) > 1
+        if moved and "warm_workers" not in mine:
+            mine["warm_workers"] = False  # a pool is one local node's; the phase's own choice wins (and is checked)
+        if mine.get("backend", "local") != "local":
+            mine.update(node_rank=0, rdzv_endpoint=None)  # the scheduler places nodes and the rendezvous itself
+        return ResourcesSpec.model_validate({**top.model_dump(), **mine})
 
 
 class PhaseSpec(Section):
@@ -776,7 +791,16 @@ class Blueprint(Section):
                                                  any(q.kind == "rl" for q in self.phases[:i]))
             if ph.kind == "evaluate" and not self.eval.files:
                 problems.append(f"{where}: an evaluate phase needs eval.files (held-out prompts)")
-            world = self.resources.nnodes * (ph.resources.nproc_per_node or self.resources.nproc_per_node)
+            try:
+                world = ph.resources.over(self.resources).world_size
+            except ValueError as e:
+                problems.append(f"{where}.resources: {_plain(e)}")
+                continue
+            if (self.resources.backend == "local" and self.resources.nnodes > 1
+                    and ph.resources.over(self.resources).backend != "local"):
+                problems.append(f"{where}.resources.backend: a run of node agents (backend local, nnodes="
+                                f"{self.resources.nnodes}) runs every phase on its nodes; start the blueprint from "
+                                "one driver (nnodes 1 at the top level) to move a phase to slurm/kubernetes")
             a = ph.algorithm
             if ph.kind in ("sft", "dpo") and (a.mini_batch_size % world or (a.mini_batch_size // world)
                                               % a.micro_batch_size_per_gpu):
@@ -806,8 +830,7 @@ class Blueprint(Section):
         alone), and for sft/dpo the phase's optimizer in `algorithm` (where the model, optimizer and packing code
         read it). The result must stay a valid blueprint: a job file holds it."""
         ph = self.phases[i]
-        update: dict[str, Any] = {"active_phase": i, "resources": self.resources.model_copy(
-            update=ph.resources.model_dump(exclude_none=True))}
+        update: dict[str, Any] = {"active_phase": i, "resources": ph.resources.over(self.resources)}
         if ph.kind == "rl" and ph.iterations:
             update["iterations"] = ph.iterations
         if ph.kind in ("sft", "dpo"):  # their log-probs are the model's own: no sampling temperature
@@ -858,6 +881,14 @@ class Blueprint(Section):
 
     def hash(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+def _plain(e: ValueError) -> str:
+    """A nested model's validation error as its messages alone (pydantic's own form repeats types and URLs)."""
+    if isinstance(e, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, x['loc'])) + ': ' if x['loc'] else ''}"
+                         f"{x['msg'].removeprefix('Value error, ')}" for x in e.errors())
+    return str(e)
 
 
 def _user_stage_problems(ph: PhaseSpec, where: str, earlier: set[str], after_rl: bool) -> list[str]:

@@ -15,10 +15,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from verlflow.core.blueprint import load_blueprint
+from verlflow.core.blueprint import Blueprint, load_blueprint
 from verlflow.core.errors import BlueprintError
 from verlflow.core.orchestrate.launcher import StageFailure
-from verlflow.core.orchestrate.pipeline import checked_plan, run_pipeline, steps_that_run
+from verlflow.core.orchestrate.pipeline import checked_plan, plan, run_pipeline, steps_that_run
 from verlflow.core.orchestrate.runner import open_store
 
 RUN = "ph"
@@ -143,6 +143,10 @@ BAD = [
     ("  - kind: dpo\n    data: {train_files: [p.parquet]}\n    algorithm: {beta: 0}\n", "phases[1].algorithm.beta",
      "greater than 0"),
     ("  - kind: sft\n", "phases[1]", "needs data.train_files"),
+    ("  - kind: evaluate\n    resources: {backend: kubernetes}\n", "phases[1].resources",
+     "backend kubernetes needs kubernetes.image"),
+    ("  - kind: evaluate\n    resources: {backend: slurm, warm_workers: true}\n", "phases[1].resources",
+     "set resources.warm_workers: false"),
 ]
 
 
@@ -156,6 +160,28 @@ def test_bad_graphs_are_refused_with_the_phase_path_and_line(tmp_path, tail, whe
     line = next(ln for ln in msg.splitlines() if where in ln)
     assert fix in line and f"{f}:" in line, msg
     assert f"{f}:6:" in line or f"{f}:7:" in line or f"{f}:8:" in line, msg  # the offending phase's lines
+
+
+def test_a_phase_runs_on_its_own_backend_and_ranks(tiny_kit, tmp_path):
+    """resources per phase: sft on Slurm (each stage its own job there: a pool is one local node's), dpo with one
+    rank, the rest on the top-level local warm pool; a run of local node agents cannot move a phase away."""
+    bp = phased_blueprint(tiny_kit, tmp_path)
+    bp.phases[1].resources.backend = "slurm"
+    bp.phases[1].resources.nnodes = 2
+    bp.phases[2].resources.nproc_per_node = 1
+    bp = Blueprint.model_validate(bp.model_dump())
+    res = {p.label: bp.phase_blueprint(i).resources for i, p in enumerate(bp.phases)}
+    assert (res["sft"].backend, res["sft"].nnodes, res["sft"].warm_pool) == ("slurm", 2, False)
+    assert (res["dpo"].backend, res["dpo"].world_size, res["dpo"].warm_pool) == ("local", 1, True)
+    assert all(r.backend == "local" and r.warm_pool for name, r in res.items() if name not in ("sft", "dpo"))
+    steps = {s.name: s for s in plan(bp, RUN)}
+    assert steps["sft[sft.1]"].bp.resources.backend == "slurm"  # what the runner launches the step with
+    assert steps["build[rl]"].bp.resources.backend == "local"
+
+    agents = bp.model_dump()
+    agents["resources"].update(nnodes=2, nproc_per_node=1, node_rank=0, rdzv_endpoint="127.0.0.1:29400", warm_workers=False)
+    with pytest.raises(ValueError, match=r"phases\[1\]\.resources\.backend: a run of node agents"):
+        Blueprint.model_validate(agents)
 
 
 def test_a_missing_or_short_phase_dataset_is_named_before_anything_runs(tiny_kit, tmp_path):

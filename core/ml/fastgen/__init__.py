@@ -1,9 +1,12 @@
-"""A fast sampler for Hugging Face Llama / Qwen2-family causal LMs (the rollout engine "static").
+"""A fast sampler for Hugging Face decoder-only causal LMs (the rollout engine "static"): the families in
+``families.py`` (SUPPORTED_MODEL_TYPES: Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma-2, Gemma-3 text, OLMo-2), one
+small adapter each; anything an adapter cannot serve exactly is refused with a ValueError naming the field.
 
 What it does, against ``model.generate``:
 
-* reads the HF model's own weights (q/k/v and gate/up fused into one matrix each, copied once; the rest by
-  reference) and runs its own forward: no HF cache objects, no per-step mask building;
+* reads the HF model's own weights (q/k/v and gate/up fused into one matrix each, copied once, or read as they
+  are where HF already fuses them; the rest by reference) and runs its own forward: no HF cache objects, no
+  per-step mask building;
 * a static KV cache of (batch, kv_heads, max_prompt + max_new_tokens, head_dim) per layer, filled by one
   left-padded prefill; every decode step writes one slot (the same slot for every row: rows are left-padded,
   so row b's valid slots are [pad_b, slot]) and masks by that per-row range;
@@ -33,8 +36,9 @@ What it does, against ``model.generate``:
 
 On CPU (the tests) the same code runs eagerly, step by step, with no graphs and no compile.
 
-Files: ``sampling.py`` (the warpers without a vocabulary sort), ``kernels.py`` (Triton: decode attention and the
-top-p passes), ``layers.py`` (the layer forward over fused weights), ``engine.py`` (FastGen and ``sample``).
+Files: ``families.py`` (one adapter per model family; torch-free), ``sampling.py`` (the warpers without a vocabulary
+sort), ``kernels.py`` (Triton: decode attention and the top-p passes), ``layers.py`` (the layer forward over fused
+weights, and reading a model through its family), ``engine.py`` (FastGen and ``sample``).
 """
 
 import importlib

@@ -42,8 +42,12 @@ class FastGen:
     slots [pad_b, slot] only, so one captured step serves every length), "sdpa"
     (F.scaled_dot_product_attention with enable_gqa over a bucket of the cache), "bmm" (q viewed as
     (B, kv_heads, group, D), matmul against the cache's heads, over a bucket); "auto": triton on CUDA when
-    Triton is installed, else sdpa on CUDA, bmm elsewhere. ``sampler``: "triton" (the two full-vocabulary
-    passes of the top_p/temperature sampler as Triton kernels) or "torch"; "auto": triton on CUDA."""
+    Triton is installed, else sdpa on CUDA, bmm elsewhere. All three apply sliding windows (Mistral, Phi-3,
+    Gemma, Qwen with use_sliding_window: per layer, HF's rule that query slot q sees key slot n iff q - n <
+    window). Attention logit soft-capping (Gemma-2 under eager attention) is in "bmm" and "triton" only: such a
+    model refuses attn="sdpa", and "auto" never picks it (bmm on CUDA without Triton); its prefill runs the
+    math attention instead of SDPA. ``sampler``: "triton" (the two full-vocabulary passes of the
+    top_p/temperature sampler as Triton kernels) or "torch"; "auto": triton on CUDA."""
 
     def __init__(self, model, batch_size: int, max_prompt_len: int, max_new_tokens: int, *,
                  use_graphs: bool | None = None, compile: bool | None = None, bucket: int = 64,
@@ -57,10 +61,14 @@ class FastGen:
         if self.use_graphs and not cuda:
             raise ValueError("CUDA graphs need a CUDA device")
         attn_auto = attn == "auto"
+        capped = self.w.spec.softcap > 0  # SDPA cannot soft-cap attention logits: bmm or the Triton kernel
         if attn == "auto":
-            attn = ("triton" if HAVE_TRITON else "sdpa") if cuda else "bmm"
+            attn = ("triton" if HAVE_TRITON else ("bmm" if capped else "sdpa")) if cuda else "bmm"
         if attn not in ("bmm", "sdpa", "triton"):
             raise ValueError(f"attn must be 'auto', 'bmm', 'sdpa' or 'triton', got {attn!r}")
+        if attn == "sdpa" and capped:
+            raise ValueError(f"attn='sdpa' cannot apply attn_logit_softcapping={self.w.spec.softcap} "
+                             f"({model.config.model_type}); use attn='bmm', 'triton' or 'auto'")
         if sampler == "auto":
             sampler = "triton" if (cuda and HAVE_TRITON) else "torch"
         if sampler not in ("torch", "triton"):
@@ -81,8 +89,9 @@ class FastGen:
         self.kc = [torch.zeros(self.B, w.nkv, self.T, w.hd, dtype=dt, device=dev) for _ in range(w.n_layers)]
         self.vc = [torch.zeros(self.B, w.nkv, self.T, w.hd, dtype=dt, device=dev) for _ in range(w.n_layers)]
         pos = torch.arange(self.T, device=dev)
-        cos, sin = w.base.rotary_emb(torch.zeros(1, dtype=dt, device=dev), pos.unsqueeze(0))
-        self.cos, self.sin = cos[0].to(dt).contiguous(), sin[0].to(dt).contiguous()  # (T, hd)
+        self.rope = w.rope_tables(pos)  # [(cos, sin) (T, rot)] per distinct rotary table (Gemma-3: two)
+        # each layer's sliding window; one at least as long as the cache is no window (Llama's path)
+        self.windows = [win if 0 < win < self.T else 0 for win in w.windows]
         self.slots = pos
         # decode state: everything a captured step reads or advances
         self.tok = torch.zeros(self.B, dtype=torch.long, device=dev)
@@ -142,17 +151,19 @@ class FastGen:
                 torch.cuda.synchronize(dev)
                 return a.elapsed_time(b) / reps * 1e3  # us
 
-            fns = {"sdpa": (0.0, lambda: F.scaled_dot_product_attention(
+            extra = dict(window=self.windows[0], softcap=w.spec.softcap)
+            fns = {} if w.spec.softcap else {"sdpa": (0.0, lambda: F.scaled_dot_product_attention(
                 q.unsqueeze(2), kc[:, :, :kv], vc[:, :, :kv], attn_mask=bias, scale=w.scaling, enable_gqa=True))}
             for i, cfg in enumerate(self._ATTN_CONFIGS):  # + the split merge, fused into the next projection in
                 # the compiled step (~4 us on the H200): timing it eagerly here would count its launches
                 fns[f"triton{i}"] = (4.0, lambda cfg=cfg: decode_attention_triton(q, kc, vc, pad, slot, w.scaling,
-                                                                                  w.nkv, **cfg))
+                                                                                  w.nkv, **cfg, **extra))
             for _, fn in fns.values():  # compile everything, then ~100 ms of work so the clocks are up
                 fn()
             t0 = time.perf_counter()
+            first = next(iter(fns.values()))[1]
             while time.perf_counter() - t0 < 0.1:
-                timed(fns["sdpa"][1])
+                timed(first)
             times: dict = {}
             for _ in range(3):  # interleaved rounds, best of each
                 for k, (extra, fn) in fns.items():
@@ -179,15 +190,18 @@ class FastGen:
                 vc = torch.randn(B, w.nkv, T, w.hd, generator=g, device=dev).to(dt)
                 pad = torch.tensor([0, 37, 150], device=dev)
                 slot = torch.tensor([170], device=dev)
-                got = combine_splits(*decode_attention_triton(q, kc, vc, pad, slot, w.scaling, w.nkv),
-                                     w.nh // w.nkv)
-                want = reference_decode_attention(q, kc, vc, pad, slot, w.scaling)
-                err = (got - want).abs().max().item()
-                if not err < 2e-2:
-                    raise RuntimeError(f"max abs error {err:.3g}")
+                for win in sorted(set(self.windows)):  # every variant the layers use (window, soft-cap)
+                    extra = dict(window=win, softcap=w.spec.softcap)
+                    got = combine_splits(*decode_attention_triton(q, kc, vc, pad, slot, w.scaling, w.nkv, **extra),
+                                         w.nh // w.nkv)
+                    want = reference_decode_attention(q, kc, vc, pad, slot, w.scaling, **extra)
+                    err = (got - want).abs().max().item()
+                    if not err < 2e-2:
+                        raise RuntimeError(f"max abs error {err:.3g} ({extra})")
             except Exception as e:  # noqa: BLE001
-                log.warning("fastgen: Triton decode attention failed its check (%s); using sdpa", e)
-                self.attn = "sdpa"
+                fallback = "bmm" if w.spec.softcap else "sdpa"
+                log.warning("fastgen: Triton decode attention failed its check (%s); using %s", e, fallback)
+                self.attn = fallback
         if self.sampler == "triton":
             try:
                 V = w.vocab
@@ -215,27 +229,37 @@ class FastGen:
     # ---- one decode step (what a graph captures)
 
     def _step(self, kv_len: int, cfg: SamplingConfig):
-        w, fn = self.w, self._fn
-        x = F.embedding(self.tok, w.embed)
-        cos, sin = self.cos[self.pos], self.sin[self.pos]
+        w, fn, S = self.w, self._fn, self.w.spec
+        x = self._embed(self.tok)
+        rope = [(c[self.pos], s[self.pos]) for c, s in self.rope]
         if self.attn == "triton":
             for i, L in enumerate(w.layers):
-                q = fn["pre"](x, L["ln1"], L["wqkv"], L["bqkv"], self.kc[i], self.vc[i], self.slot, cos, sin,
-                              w.eps, w.nh, w.nkv, w.hd)
+                cos, sin = rope[w.rope_of[i]]
+                q = fn["pre"](x, L, self.kc[i], self.vc[i], self.slot, cos, sin, S)
                 mp, lp, op = decode_attention_triton(q, self.kc[i], self.vc[i], self.pad_off, self.slot,
-                                                     w.scaling, w.nkv, **self.attn_cfg)
-                x = fn["post"](x, mp, lp, op, L["wo"], L["bo"], L["ln2"], L["wgu"], L["bgu"], L["wdown"],
-                               L["bdown"], w.eps, w.nh // w.nkv)
+                                                     S.scaling, S.nkv, window=self.windows[i], softcap=S.softcap,
+                                                     **self.attn_cfg)
+                x = fn["post"](x, mp, lp, op, L, S)
         else:
             s = self.slots[:kv_len].unsqueeze(0)
             valid = (s >= self.pad_off.unsqueeze(1)) & (s <= self.slot)
-            bias = torch.zeros(valid.shape, dtype=torch.float32, device=x.device).masked_fill_(~valid, float("-inf"))
+            bias = {}  # per sliding window (0: none): HF's window keeps key n for query q iff q - n < window
+            for win in sorted(set(self.windows)):
+                ok = valid & (s > self.slot - win) if win else valid
+                bias[win] = torch.zeros(ok.shape, dtype=torch.float32, device=x.device).masked_fill_(
+                    ~ok, float("-inf"))
             for i, L in enumerate(w.layers):
-                x = fn["layer"](x, L["ln1"], L["wqkv"], L["bqkv"], L["wo"], L["bo"], L["ln2"], L["wgu"], L["bgu"],
-                                L["wdown"], L["bdown"], self.kc[i], self.vc[i], self.slot, cos, sin, bias,
-                                w.eps, w.nh, w.nkv, w.hd, w.scaling, kv_len, self.attn)
-        logits = fn["logits"](x, w.norm_w, w.lm_w, w.norm_eps)
+                cos, sin = rope[w.rope_of[i]]
+                x = fn["layer"](x, L, self.kc[i], self.vc[i], self.slot, cos, sin, bias[self.windows[i]], S, kv_len,
+                                self.attn)
+        logits = fn["logits"](x, w.norm_w, w.lm_w, w.norm_eps, S.norm32, w.final_cap)
         self._advance(self._sample(logits, cfg), logits, cfg)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(ids, self.w.embed)
+        if self.w.embed_scale is not None:  # Gemma: times sqrt(hidden) in the model dtype
+            x = x * self.w.embed_scale
+        return x
 
     def _sample(self, logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         u = None if cfg.greedy else torch.rand(logits.shape[0], cfg.candidates(), 2, device=logits.device)
@@ -330,15 +354,17 @@ class FastGen:
             po = pad[r0:r1]
             n = r1 - r0
             posn = (ar.unsqueeze(0) - po.unsqueeze(1)).clamp_(min=0)
-            cos, sin = self.cos[posn].unsqueeze(1), self.sin[posn].unsqueeze(1)  # (n, 1, P, hd)
+            rope = [(c[posn].unsqueeze(1), s[posn].unsqueeze(1)) for c, s in self.rope]  # (n, 1, P, rot)
             keyok = ar.unsqueeze(0) >= po.unsqueeze(1)  # (n, P)
             mask = (ar.view(1, P, 1) >= ar.view(1, 1, P)) & keyok.unsqueeze(1)
             mask |= torch.eye(P, dtype=torch.bool, device=ids.device).unsqueeze(0)  # pad queries see themselves
             mask = mask.unsqueeze(1)  # (n, 1, P, P)
-            x = F.embedding(pid, w.embed)
+            masks = {win: mask & ((ar.view(1, 1, P, 1) - ar.view(1, 1, 1, P)) < win) if win else mask
+                     for win in set(self.windows)}  # sliding-window layers: the banded causal mask
+            x = self._embed(pid)
             for i, L in enumerate(w.layers):
-                args = (L["ln1"], L["wqkv"], L["bqkv"], L["wo"], L["bo"], L["ln2"], L["wgu"], L["bgu"], L["wdown"],
-                        L["bdown"], cos, sin, mask, w.eps, w.nh, w.nkv, w.hd, w.scaling)
+                cos, sin = rope[w.rope_of[i]]
+                args = (L, cos, sin, masks[self.windows[i]], w.spec)
                 try:
                     x2, k, v = self._fn["prefill"](x, *args)
                 except Exception as e:  # noqa: BLE001 - a compile failure: eager from now on
@@ -392,7 +418,8 @@ class FastGen:
         for c in (self.kc + self.vc):
             c[:, :, P:].zero_()  # slots past the prompt: no stale non-finite values under a zero weight
         h = self._prefill(ids, pad)
-        first_logits = _logits(h, self.w.norm_w, self.w.lm_w, self.w.norm_eps)
+        w = self.w
+        first_logits = _logits(h, w.norm_w, w.lm_w, w.norm_eps, w.spec.norm32, w.final_cap)
         first = self._sample(first_logits, cfg)
         self.out.fill_(int(pad_id))
         self.out_logp.zero_()

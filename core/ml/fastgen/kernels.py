@@ -26,9 +26,12 @@ if HAVE_TRITON:
     def _decode_attn_kernel(Q, K, V, PAD, SLOT, MP, LP, OP, scale,
                             sqb, sqh, skb, skh, skt, NKV, NSPLIT,
                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                            SPLIT_N: tl.constexpr, BLOCK_N: tl.constexpr):
+                            SPLIT_N: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+                            SOFTCAP: tl.constexpr):
         """One (row, KV head, split of the cache): the group's G query heads against the shared K/V head,
-        valid slots only ([pad_b, slot]); writes the split's running max, sum and unnormalised output."""
+        valid slots only ([pad_b, slot], and the last WINDOW of them when WINDOW > 0: sliding-window layers);
+        scores soft-capped (SOFTCAP * tanh(s / SOFTCAP)) when SOFTCAP > 0; writes the split's running max, sum and
+        unnormalised output. WINDOW and SOFTCAP are compile-time: 0 compiles the plain kernel."""
         pid = tl.program_id(0)
         sp = tl.program_id(1)
         b = pid // NKV
@@ -38,6 +41,8 @@ if HAVE_TRITON:
         q = tl.load(Q + b * sqb + (h * G + g)[:, None] * sqh + d[None, :], mask=(g < G)[:, None], other=0.0)
         pad = tl.load(PAD + b).to(tl.int32)
         cur = tl.load(SLOT).to(tl.int32)
+        if WINDOW > 0:  # HF's sliding window: key slot n is seen by the query at slot cur iff cur - n < WINDOW
+            pad = tl.maximum(pad, cur - WINDOW + 1)
         m_i = tl.zeros([GP], dtype=tl.float32) - 1.0e30
         l_i = tl.zeros([GP], dtype=tl.float32)
         acc = tl.zeros([GP, D], dtype=tl.float32)
@@ -48,6 +53,8 @@ if HAVE_TRITON:
             k = tl.load(K + base + n[:, None] * skt + d[None, :], mask=ok[:, None], other=0.0)
             v = tl.load(V + base + n[:, None] * skt + d[None, :], mask=ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * scale
+            if SOFTCAP > 0:  # tanh(y) = 1 - 2 / (exp(2y) + 1): exact limits at +-inf, no libdevice needed
+                s = SOFTCAP * (1.0 - 2.0 / (tl.exp(2.0 * (s / SOFTCAP)) + 1.0))
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
@@ -97,9 +104,10 @@ def _pow2(n: int) -> int:
 
 
 def decode_attention_triton(q, kc, vc, pad_off, slot, scale: float, nkv: int, split_n: int = 64,
-                            block_n: int = 64, num_warps: int = 4):
+                            block_n: int = 64, num_warps: int = 4, window: int = 0, softcap: float = 0.0):
     """Partial results of decode attention (see ``_decode_attn_kernel``): (m, l, o) per split, for
-    ``combine_splits``. q (B, nh, D); kc/vc (B, nkv, T, D), last dim contiguous."""
+    ``combine_splits``. q (B, nh, D); kc/vc (B, nkv, T, D), last dim contiguous. window: a sliding-window
+    layer's window (0: off); softcap: attention logit soft-capping (0: off)."""
     B, nh, D = q.shape
     T = kc.shape[2]
     G = nh // nkv
@@ -110,17 +118,23 @@ def decode_attention_triton(q, kc, vc, pad_off, slot, scale: float, nkv: int, sp
     op = torch.empty(B, nkv, ns, G, D, dtype=torch.float32, device=q.device)
     _decode_attn_kernel[(B * nkv, ns)](
         q, kc, vc, pad_off, slot, mp, lp, op, scale, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1),
-        kc.stride(2), nkv, ns, G=G, GP=GP, D=D, SPLIT_N=split_n, BLOCK_N=block_n, num_warps=num_warps)
+        kc.stride(2), nkv, ns, G=G, GP=GP, D=D, SPLIT_N=split_n, BLOCK_N=block_n, WINDOW=int(window),
+        SOFTCAP=float(softcap), num_warps=num_warps)
     return mp, lp, op
 
 
-def reference_decode_attention(q, kc, vc, pad_off, slot, scale: float) -> torch.Tensor:
+def reference_decode_attention(q, kc, vc, pad_off, slot, scale: float, window: int = 0,
+                               softcap: float = 0.0) -> torch.Tensor:
     """What the kernel computes, in fp32 torch: (B, nh * D)."""
     B, nh, D = q.shape
     nkv, T = kc.shape[1], kc.shape[2]
     t = torch.arange(T, device=q.device)
     ok = (t[None] >= pad_off[:, None]) & (t[None] <= slot)
+    if window:
+        ok &= t[None] > slot - window
     s = torch.matmul(q.float().view(B, nkv, nh // nkv, D), kc.float().transpose(-1, -2)) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
     p = s.masked_fill(~ok[:, None, None], float("-inf")).softmax(-1)
     return torch.matmul(p, vc.float()).reshape(B, nh * D)
 

@@ -1,22 +1,57 @@
-"""The decode and prefill forward of a Llama/Qwen2 layer over fused weights, and those weights."""
+"""The decode and prefill forward of one decoder layer over fused weights, and those weights, for every family in
+``families.py``.
+
+The per-layer functions take the layer's tensors as a dict (a norm or q/k norm the family lacks is None, a bias
+the model lacks is None) and the model's static facts as a ``Spec`` (python scalars): torch.compile specialises on
+both, so Llama compiles to what it did before this file knew other families, and no family's step calls python
+objects per token."""
 
 from __future__ import annotations
+
+import logging
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from verlflow.core.ml.fastgen.families import ACTIVATIONS, FAMILIES, LENGTH_DEPENDENT_ROPE, Family
 from verlflow.core.ml.fastgen.kernels import combine_splits
 from verlflow.core.ml.fastgen.support import SUPPORTED_MODEL_TYPES
+
+log = logging.getLogger("verlflow.fastgen")
 
 # ------------------------------------------------------------------------------------------------ model
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # HF's Llama/Qwen2 RMSNorm, operation for operation
+class Spec(NamedTuple):
+    """A model's static facts, the same for every layer (what the compiled functions specialise on)."""
+
+    eps: float
+    nh: int
+    nkv: int
+    hd: int
+    scaling: float
+    rot: int  # rotary dims: the first ``rot`` of each head turn (hd: all; Phi-3's partial_rotary_factor)
+    norm32: bool = False  # RMSNorm scales in fp32 before the cast (the weights hold w.float() / 1 + w.float())
+    qk: str = ""  # q/k norm: "head" (each head), "full" (all of q / k), "" (none)
+    act: str = "silu"  # "silu", "gelu", "gelu_tanh"
+    softcap: float = 0.0  # attention logits: cap * tanh(scores / cap); 0: off
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float, f32: bool = False) -> torch.Tensor:
+    # HF's RMSNorms, operation for operation: Llama w * h.to(dt); OLMo-2 (w * h).to(dt), Gemma (h * (1 + w)).to(dt)
+    # with w already w.float() / 1 + w.float()
     dt = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if f32:
+        return (h * w).to(dt)
     return w * h.to(dt)
+
+
+def _norm(x, w, S: Spec):
+    """The layer's optional norm: x itself where the family has none there."""
+    return x if w is None else _rms(x, w, S.eps, S.norm32)
 
 
 def _rot(x: torch.Tensor) -> torch.Tensor:
@@ -24,146 +59,305 @@ def _rot(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
-def _mlp(h, wgu, bgu, wdown, bdown):
-    g, u = F.linear(h, wgu, bgu).chunk(2, dim=-1)
-    return F.linear(F.silu(g) * u, wdown, bdown)
+def _rope(x, cos, sin, rot: int):
+    """HF's apply_rotary_pos_emb; partial (Phi-3) when rot < head_dim. cos/sin in the dtype HF's rotary module
+    returns (the model's; OLMo-2's fp32, then cast back as its apply_rotary_pos_emb does)."""
+    if rot == x.shape[-1]:
+        return (x * cos + _rot(x) * sin).to(x.dtype)
+    xr = x[..., :rot]
+    return torch.cat([xr * cos + _rot(xr) * sin, x[..., rot:]], dim=-1).to(x.dtype)
 
 
-def _pre_attn(x, ln1, wqkv, bqkv, kc, vc, slot, cos, sin, eps: float, nh: int, nkv: int, hd: int):
+def _qkv(h, L, S: Spec):
+    """q (..., nh, hd), k and v (..., nkv, hd) from the normed input h (..., H), q/k normed as the family does."""
+    lead = h.shape[:-1]
+    q, k, v = F.linear(h, L["wqkv"], L["bqkv"]).split([S.nh * S.hd, S.nkv * S.hd, S.nkv * S.hd], dim=-1)
+    if S.qk == "full":  # OLMo-2: over the whole projection, before the heads are split
+        q = _rms(q, L["qn"], S.eps, S.norm32)
+        k = _rms(k, L["kn"], S.eps, S.norm32)
+    q = q.view(*lead, S.nh, S.hd)
+    k = k.view(*lead, S.nkv, S.hd)
+    v = v.view(*lead, S.nkv, S.hd)
+    if S.qk == "head":  # Qwen3, Gemma-3: each head over head_dim
+        q = _rms(q, L["qn"], S.eps, S.norm32)
+        k = _rms(k, L["kn"], S.eps, S.norm32)
+    return q, k, v
+
+
+def _mlp(h, L, S: Spec):
+    g, u = F.linear(h, L["wgu"], L["bgu"]).chunk(2, dim=-1)
+    if S.act == "silu":
+        a = F.silu(g)
+    elif S.act == "gelu_tanh":
+        a = F.gelu(g, approximate="tanh")
+    else:
+        a = F.gelu(g)
+    return F.linear(a * u, L["wdown"], L["bdown"])
+
+
+def _after_attn(x, o, L, S: Spec):
+    """Output projection, the attention residual, the MLP and its residual, with the family's norms around each
+    (Llama: x + o; x + mlp(ln2(x)). Gemma: x + ln_pa(o); x + ln_pf(mlp(ln2(x))). OLMo-2: x + ln_pa(o); x +
+    ln_pf(mlp(x)))."""
+    x = x + _norm(F.linear(o, L["wo"], L["bo"]), L["ln_pa"], S)
+    return x + _norm(_mlp(_norm(x, L["ln2"], S), L, S), L["ln_pf"], S)
+
+
+def _pre_attn(x, L, kc, vc, slot, cos, sin, S: Spec):
     """Norm, q/k/v, rotary, and this step's K/V into the cache at ``slot``; returns q (B, nh, hd)."""
-    B = x.shape[0]
-    h = _rms(x, ln1, eps)
-    q, k, v = F.linear(h, wqkv, bqkv).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-    q = q.view(B, nh, hd)
-    k = k.view(B, nkv, hd)
-    v = v.view(B, nkv, hd)
+    q, k, v = _qkv(_norm(x, L["ln1"], S), L, S)
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    q = q * c + _rot(q) * s
-    k = k * c + _rot(k) * s
+    q = _rope(q, c, s, S.rot)
+    k = _rope(k, c, s, S.rot)
     kc.index_copy_(2, slot, k.unsqueeze(2))
     vc.index_copy_(2, slot, v.unsqueeze(2))
     return q.contiguous()
 
 
-def _post_attn(x, mp, lp, op, wo, bo, ln2, wgu, bgu, wdown, bdown, eps: float, G: int):
-    """Merge the attention splits, output projection, MLP (both residuals)."""
-    o = combine_splits(mp, lp, op, G).to(x.dtype)
-    x = x + F.linear(o, wo, bo)
-    return x + _mlp(_rms(x, ln2, eps), wgu, bgu, wdown, bdown)
+def _post_attn(x, mp, lp, op, L, S: Spec):
+    """Merge the attention splits, then everything after attention (both residuals)."""
+    o = combine_splits(mp, lp, op, S.nh // S.nkv).to(x.dtype)
+    return _after_attn(x, o, L, S)
 
 
-def _prefill_layer(x, ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wdown, bdown, cos, sin, mask,
-                   eps: float, nh: int, nkv: int, hd: int, scaling: float):
+def _capped_attention(q, k, v, mask, S: Spec):
+    """HF's eager attention with logit soft-capping (SDPA has none): q (n, nh, P, hd), k/v (n, nkv, P, hd), mask
+    (n, 1, P, P) bool. The query heads are grouped under their KV head rather than K/V repeated."""
+    n, nh, P, hd = q.shape
+    qg = q.view(n, S.nkv, nh // S.nkv, P, hd)
+    sc = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * S.scaling  # (n, nkv, g, P, P)
+    sc = torch.tanh(sc / S.softcap) * S.softcap
+    p = sc.float().masked_fill(~mask.unsqueeze(2), float("-inf")).softmax(-1).to(q.dtype)
+    return torch.matmul(p, v.unsqueeze(2)).view(n, nh, P, hd)
+
+
+def _prefill_layer(x, L, cos, sin, mask, S: Spec):
     """One decoder layer over left-padded prompts x (n, P, H); returns (x, k, v) with k/v (n, nkv, P, hd)."""
     n, P, _ = x.shape
-    h = _rms(x, ln1, eps)
-    q, k, v = F.linear(h, wqkv, bqkv).split([nh * hd, nkv * hd, nkv * hd], -1)
-    q = q.view(n, P, nh, hd).transpose(1, 2)
-    k = k.view(n, P, nkv, hd).transpose(1, 2)
-    v = v.view(n, P, nkv, hd).transpose(1, 2)
-    q = q * cos + _rot(q) * sin
-    k = k * cos + _rot(k) * sin
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
-    x = x + F.linear(o.transpose(1, 2).reshape(n, P, nh * hd), wo, bo)
-    x = x + _mlp(_rms(x, ln2, eps), wgu, bgu, wdown, bdown)
+    q, k, v = _qkv(_norm(x, L["ln1"], S), L, S)
+    q = _rope(q.transpose(1, 2), cos, sin, S.rot)
+    k = _rope(k.transpose(1, 2), cos, sin, S.rot)
+    v = v.transpose(1, 2)
+    if S.softcap:
+        o = _capped_attention(q, k, v, mask, S)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=S.scaling, enable_gqa=True)
+    x = _after_attn(x, o.transpose(1, 2).reshape(n, P, S.nh * S.hd), L, S)
     return x, k, v
 
 
-def _logits(x, norm_w, lm_w, eps: float):
-    return F.linear(_rms(x, norm_w, eps), lm_w)
+def _logits(x, norm_w, lm_w, eps: float, f32: bool = False, cap: float = 0.0):
+    y = F.linear(_rms(x, norm_w, eps, f32), lm_w)
+    if cap:  # Gemma's final_logit_softcapping, in the model dtype as HF does
+        y = torch.tanh(y / cap) * cap
+    return y
 
 
-def _decode_layer(x, ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wdown, bdown, kc, vc, slot, cos, sin, bias,
-                  eps: float, nh: int, nkv: int, hd: int, scaling: float, kv_len: int, attn: str = "bmm"):
+def _decode_layer(x, L, kc, vc, slot, cos, sin, bias, S: Spec, kv_len: int, attn: str = "bmm"):
     """One decoder layer for one new token per row. x (B, H); kc/vc (B, nkv, T, hd) written at ``slot``
-    (a (1,) long tensor); bias (B, kv_len) float: 0 where the slot is valid for the row, -inf elsewhere."""
+    (a (1,) long tensor); bias (B, kv_len) float: 0 where the slot is valid for the row (and inside the layer's
+    sliding window), -inf elsewhere."""
     B = x.shape[0]
-    q = _pre_attn(x, ln1, wqkv, bqkv, kc, vc, slot, cos, sin, eps, nh, nkv, hd)
+    q = _pre_attn(x, L, kc, vc, slot, cos, sin, S)
     K = kc[:, :, :kv_len]
     V = vc[:, :, :kv_len]
-    if attn == "sdpa":
+    if attn == "sdpa":  # the engine never picks it with soft-capping
         o = F.scaled_dot_product_attention(q.unsqueeze(2), K, V, attn_mask=bias[:, None, None, :].to(q.dtype),
-                                           scale=scaling, enable_gqa=True)  # (B, nh, 1, hd)
+                                           scale=S.scaling, enable_gqa=True)  # (B, nh, 1, hd)
     else:
-        qg = q.view(B, nkv, nh // nkv, hd)  # query heads grouped under their shared KV head
-        sc = torch.matmul(qg, K.transpose(-1, -2)) * scaling  # (B, nkv, g, T)
+        qg = q.view(B, S.nkv, S.nh // S.nkv, S.hd)  # query heads grouped under their shared KV head
+        sc = torch.matmul(qg, K.transpose(-1, -2)) * S.scaling  # (B, nkv, g, T)
+        if S.softcap:
+            sc = torch.tanh(sc / S.softcap) * S.softcap
         p = (sc.float() + bias[:, None, None, :]).softmax(-1).to(q.dtype)
         o = torch.matmul(p, V)  # (B, nkv, g, hd)
-    x = x + F.linear(o.reshape(B, nh * hd), wo, bo)
-    h = _rms(x, ln2, eps)
-    return x + _mlp(h, wgu, bgu, wdown, bdown)
+    return _after_attn(x, o.reshape(B, S.nh * S.hd), L, S)
+
+
+# ------------------------------------------------------------------------------------------------ weights
 
 
 def _bias_of(x: torch.Tensor | None, n: int, like: torch.Tensor) -> torch.Tensor | None:
     return x.detach() if x is not None else (None if n == 0 else torch.zeros(n, dtype=like.dtype, device=like.device))
 
 
+def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()
+
+
+def _refuse(field: str, value, why: str) -> ValueError:
+    return ValueError(f"rollout.engine=static: {field}={value!r} {why}; use rollout.engine=hf")
+
+
+def _eps(norm) -> float:
+    eps = getattr(norm, "variance_epsilon", None)
+    return float(norm.eps if eps is None else eps)
+
+
+_NORM_NAMES = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+_SOFTCAP_ATTN = ("eager", "flash_attention_2", "flash_attention_3", "flex_attention")  # HF passes `softcap` on
+
+
 class _Weights:
-    """The model's tensors in the layout the engine wants; fused matrices are copies (``refresh`` re-copies)."""
+    """The model's tensors in the layout the engine wants, read through its family's adapter; fused matrices
+    and fp32 norm scales are copies (``refresh`` re-copies them in place), the rest are the model's own."""
 
     def __init__(self, model):
         cfg = model.config
-        if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"rollout.engine=static supports model types {SUPPORTED_MODEL_TYPES}, "
-                             f"not {getattr(cfg, 'model_type', None)!r}; use rollout.engine=hf")
-        if getattr(cfg, "use_sliding_window", False):
-            raise ValueError("rollout.engine=static: sliding-window attention is not supported; use engine=hf")
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise ValueError(f"rollout.engine=static: hidden_act {cfg.hidden_act!r} is not supported")
+        model_type = getattr(cfg, "model_type", None)
+        fam: Family | None = FAMILIES.get(model_type)
+        if fam is None:
+            raise ValueError(f"rollout.engine=static supports model types {', '.join(SUPPORTED_MODEL_TYPES)}, "
+                             f"not {model_type!r}; use rollout.engine=hf")
+        self.family = fam
+        for field in fam.must_be_off:
+            if getattr(cfg, field, None):
+                raise _refuse(field, getattr(cfg, field), "is not supported")
+        act = getattr(cfg, fam.act_field, None)
+        if act not in ACTIVATIONS:
+            raise _refuse(fam.act_field, act, f"is not supported (only {', '.join(ACTIVATIONS)})")
         self.model = model
         base = model.model
         self.base = base
         rope = getattr(base.rotary_emb, "rope_type", "default")
-        if rope in ("dynamic", "longrope"):
-            raise ValueError(f"rollout.engine=static: rope_type {rope!r} depends on the length; use engine=hf")
-        a0 = base.layers[0].self_attn
-        for extra in ("q_norm", "k_norm"):
-            if hasattr(a0, extra):
-                raise ValueError(f"rollout.engine=static: attention with {extra} is not supported")
-        self.hd = a0.head_dim
-        self.nh = cfg.num_attention_heads
-        self.nkv = cfg.num_key_value_heads
-        self.scaling = float(getattr(a0, "scaling", self.hd ** -0.5))
-        self.eps = float(base.layers[0].input_layernorm.variance_epsilon)
-        self.norm_eps = float(base.norm.variance_epsilon)
+        for kind in (rope.values() if isinstance(rope, dict) else [rope]):
+            if kind in LENGTH_DEPENDENT_ROPE:
+                raise _refuse("rope_type", kind, "depends on the sequence length")
+        layer0, a0 = base.layers[0], base.layers[0].self_attn
+        # a module the adapter would not read means the family is not the one it describes: refuse, don't guess
+        for name in _NORM_NAMES:
+            if hasattr(layer0, name) and name not in fam.norms:
+                raise _refuse("model_type", model_type, f"has a layer norm {name} its adapter does not read")
+        for name in ("q_norm", "k_norm"):
+            if hasattr(a0, name) != bool(fam.qk_norm):
+                raise _refuse("model_type", model_type, f"attention {'has' if hasattr(a0, name) else 'lacks'} "
+                              f"{name}, against its adapter")
+        if hasattr(base.embed_tokens, "embed_scale") != fam.embed_scale:
+            raise _refuse("model_type", model_type, "embedding scale differs from its adapter")
+
+        attn_cap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0) if fam.attn_softcap else 0.0
+        impl = getattr(cfg, "_attn_implementation", None) or "eager"
+        if attn_cap and impl == "sdpa":
+            # HF's SDPA path takes no softcap and drops it: the model's forward (and so the update's log-probs)
+            # has none, so the rollout has none either
+            log.warning("fastgen: %s with attn_implementation=sdpa: transformers ignores attn_logit_softcapping=%s, "
+                        "and so does the static engine (eager attention applies it)", model_type, attn_cap)
+            attn_cap = 0.0
+        elif attn_cap and impl not in _SOFTCAP_ATTN:
+            raise _refuse("attn_implementation", impl, "may or may not apply attn_logit_softcapping")
+        self.final_cap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0) if fam.final_softcap else 0.0
+
+        n = len(base.layers)
+        if fam.window == "module":
+            wins = [getattr(layer.self_attn, "sliding_window", None) for layer in base.layers]
+        elif fam.window == "config":
+            wins = [getattr(cfg, "sliding_window", None)] * n
+        else:
+            wins = [None] * n
+        self.windows = [int(w or 0) for w in wins]  # 0: full attention
+
+        keys = [cfg.layer_types[i] for i in range(n)] if fam.rope_by_layer_type else [None] * n
+        self.rope_keys = list(dict.fromkeys(keys))  # distinct tables, first-use order
+        self.rope_of = [self.rope_keys.index(k) for k in keys]
+
         self.hidden = cfg.hidden_size
-        self.n_layers = len(base.layers)
+        self.n_layers = n
         self.embed = base.embed_tokens.weight
         self.dtype = self.embed.dtype
         self.device = self.embed.device
         self.vocab = model.lm_head.weight.shape[0]
+        rots = {c.shape[-1] for c, _ in self.rope_tables(torch.zeros(1, dtype=torch.long, device=self.device))}
+        norms = [getattr(layer, name) for layer in base.layers for name in fam.norms if name is not None]
+        norms += [getattr(layer.self_attn, name) for layer in base.layers for name in ("q_norm", "k_norm")
+                  if fam.qk_norm]
+        eps = {_eps(m) for m in norms}
+        if len(rots) != 1 or len(eps) != 1:
+            raise _refuse("model_type", model_type, f"has layers that differ (rotary dims {rots}, eps {eps})")
+        self.spec = Spec(eps=eps.pop(), nh=cfg.num_attention_heads, nkv=cfg.num_key_value_heads, hd=a0.head_dim,
+                         scaling=float(getattr(a0, "scaling", a0.head_dim ** -0.5)), rot=rots.pop(),
+                         norm32=fam.norm_form != "llama", qk=fam.qk_norm, act=ACTIVATIONS[act], softcap=attn_cap)
+        self.norm_eps = _eps(base.norm)
         self.layers: list[dict] = []
         self.refresh()
 
+    # kept for callers that read them off the weights
+    @property
+    def eps(self) -> float:
+        return self.spec.eps
+
+    @property
+    def nh(self) -> int:
+        return self.spec.nh
+
+    @property
+    def nkv(self) -> int:
+        return self.spec.nkv
+
+    @property
+    def hd(self) -> int:
+        return self.spec.hd
+
+    @property
+    def scaling(self) -> float:
+        return self.spec.scaling
+
+    @torch.no_grad()
+    def rope_tables(self, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin), each (len(pos), rot), per distinct rotary table, from the model's own rotary module (so
+        every static rope_type's scaling is HF's), in the dtype that module returns."""
+        x = torch.zeros(1, dtype=self.dtype, device=self.device)
+        out = []
+        for key in self.rope_keys:
+            args = (x, pos.unsqueeze(0)) if key is None else (x, pos.unsqueeze(0), key)
+            cos, sin = self.base.rotary_emb(*args)
+            out.append((cos[0].contiguous(), sin[0].contiguous()))
+        return out
+
+    def _norm_w(self, norm) -> torch.Tensor | None:
+        if norm is None:
+            return None
+        w = norm.weight.detach()
+        form = self.family.norm_form
+        return w if form == "llama" else (w.float() if form == "fp32" else 1.0 + w.float())
+
+    def _fused(self, mods) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One matrix (and bias) of the projections, by reference when HF already fused them."""
+        if len(mods) == 1:
+            p = mods[0]
+            return p.weight.detach(), _detached(p.bias)
+        w = torch.cat([p.weight.detach() for p in mods])
+        b = None
+        if any(p.bias is not None for p in mods):
+            b = torch.cat([_bias_of(p.bias, p.weight.shape[0], p.weight) for p in mods])
+        return w, b
+
+    def _layer(self, layer) -> dict:
+        fam = self.family
+        a, mlp = layer.self_attn, layer.mlp
+        ln1, ln_pa, ln2, ln_pf = (None if name is None else getattr(layer, name) for name in fam.norms)
+        wqkv, bqkv = self._fused([getattr(a, name) for name in fam.qkv])
+        wgu, bgu = self._fused([getattr(mlp, name) for name in fam.gate_up])
+        return dict(
+            ln1=self._norm_w(ln1), ln_pa=self._norm_w(ln_pa), ln2=self._norm_w(ln2), ln_pf=self._norm_w(ln_pf),
+            qn=self._norm_w(getattr(a, "q_norm", None)), kn=self._norm_w(getattr(a, "k_norm", None)),
+            wqkv=wqkv, bqkv=bqkv, wo=a.o_proj.weight.detach(), bo=_detached(a.o_proj.bias),
+            wgu=wgu, bgu=bgu, wdown=mlp.down_proj.weight.detach(), bdown=_detached(mlp.down_proj.bias))
+
     @torch.no_grad()
     def refresh(self):
-        """(Re)read the model's weights; fused matrices are copied in place so captured graphs stay valid."""
+        """(Re)read the model's weights; copies are refreshed in place so captured graphs stay valid."""
         base, model = self.base, self.model
-        for name, t in (("embed", base.embed_tokens.weight), ("norm_w", base.norm.weight),
-                         ("lm_w", model.lm_head.weight)):
+        scale = None
+        if self.family.embed_scale:  # HF: embedding * embed_scale.to(weight dtype)
+            scale = base.embed_tokens.embed_scale.detach().to(device=self.device, dtype=self.dtype)
+        for name, t in (("embed", base.embed_tokens.weight.detach()), ("norm_w", self._norm_w(base.norm)),
+                        ("lm_w", model.lm_head.weight.detach()), ("embed_scale", scale)):
             old = getattr(self, name, None)
-            if old is not None and old.data_ptr() != t.data_ptr():
-                old.copy_(t.detach())
+            if old is not None and t is not None and old.data_ptr() != t.data_ptr():
+                old.copy_(t)
             else:
-                setattr(self, name, t.detach())
-        new = []
-        for layer in base.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            qkv = [a.q_proj, a.k_proj, a.v_proj]
-            wqkv = torch.cat([p.weight.detach() for p in qkv])
-            bqkv = None
-            if any(p.bias is not None for p in qkv):
-                bqkv = torch.cat([_bias_of(p.bias, p.weight.shape[0], p.weight) for p in qkv])
-            wgu = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])
-            bgu = None
-            if mlp.gate_proj.bias is not None or mlp.up_proj.bias is not None:
-                bgu = torch.cat([_bias_of(p.bias, p.weight.shape[0], p.weight) for p in (mlp.gate_proj, mlp.up_proj)])
-            new.append(dict(
-                ln1=layer.input_layernorm.weight.detach(), wqkv=wqkv, bqkv=bqkv,
-                wo=a.o_proj.weight.detach(), bo=None if a.o_proj.bias is None else a.o_proj.bias.detach(),
-                ln2=layer.post_attention_layernorm.weight.detach(), wgu=wgu, bgu=bgu,
-                wdown=mlp.down_proj.weight.detach(),
-                bdown=None if mlp.down_proj.bias is None else mlp.down_proj.bias.detach()))
+                setattr(self, name, t)
+        new = [self._layer(layer) for layer in base.layers]
         if self.layers:  # keep the addresses graphs captured
             for old, fresh in zip(self.layers, new):
                 for key, t in fresh.items():
@@ -176,9 +370,7 @@ class _Weights:
 
     def nbytes_step(self) -> int:
         """Weight bytes one decode step reads (everything but the embedding table, which is gathered)."""
-        n = self.lm_w.numel() + self.norm_w.numel()
+        n = self.lm_w.numel() * self.lm_w.element_size() + self.norm_w.numel() * self.norm_w.element_size()
         for L in self.layers:
-            n += sum(t.numel() for t in L.values() if t is not None)
-        return n * self.lm_w.element_size()
-
-
+            n += sum(t.numel() * t.element_size() for t in L.values() if t is not None)
+        return n

@@ -1,0 +1,269 @@
+"""verlflow.core.ml.fastgen (rollout.engine=static) on the families past Llama/Qwen2 (core/ml/fastgen/families.py):
+Qwen3, Mistral, Phi-3, Gemma-2, Gemma-3 text, OLMo-2. Tiny random models from each HF config class, fp32 on CPU:
+
+* greedy decoding equals HF generate token for token on left-padded prompts (bmm and sdpa decode attention);
+* sampled responses' log-probs equal HF's forward over prompt + response (catches what greedy cannot see:
+  Gemma's final soft-cap is monotonic);
+* first-token frequencies match HF's warped distribution and HF's own samples (chi-square), with and without
+  soft-capping;
+* in bf16 the building blocks (every norm, q/k norms, rotary, embedding scale, logits) equal HF's modules bitwise;
+* what the engine cannot serve raises a ValueError naming the field.
+
+Weights are drawn wider than HF's init (initializer_range 0.2, norms and biases random) so attention is far from
+uniform: a missing window, rotary or soft-cap changes the tokens (checked by breaking each on purpose)."""
+
+import copy
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from test_fastgen import EOS, PAD, hf_generate, hf_warped_probs, left_padded  # noqa: E402
+from verlflow.core.ml.fastgen import HAVE_TRITON, SUPPORTED_MODEL_TYPES, FastGen, SamplingConfig  # noqa: E402
+from verlflow.core.ml.fastgen.families import FAMILIES  # noqa: E402
+from verlflow.core.ml.fastgen.layers import _logits, _rms, _rope, _Weights  # noqa: E402
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=384, initializer_range=0.2, pad_token_id=PAD, eos_token_id=EOS,
+              bos_token_id=1, tie_word_embeddings=False)
+WINDOW = 8  # < prompt + new tokens below: the window drops keys
+GEMMA = dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24, final_logit_softcapping=2.0)
+CASES = {  # name: (config class, fields, attn_implementation)
+    "qwen3": ("Qwen3Config", dict(head_dim=16, attention_bias=True), "sdpa"),
+    # layer 0 full, layers 1-2 sliding (config.layer_types)
+    "qwen3-window": ("Qwen3Config", dict(head_dim=16, use_sliding_window=True, sliding_window=WINDOW,
+                                         max_window_layers=1), "sdpa"),
+    "mistral": ("MistralConfig", dict(sliding_window=None), "sdpa"),
+    "mistral-window": ("MistralConfig", dict(sliding_window=WINDOW), "sdpa"),
+    "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5), "sdpa"),
+    "phi3-window": ("Phi3Config", dict(partial_rotary_factor=0.5, sliding_window=WINDOW), "sdpa"),
+    # eager: HF applies attn_logit_softcapping; layer_types alternate sliding / full
+    "gemma2": ("Gemma2Config", dict(GEMMA, attn_logit_softcapping=1.0), "eager"),
+    # sdpa: HF drops attn_logit_softcapping, and so must the engine
+    "gemma2-sdpa": ("Gemma2Config", dict(GEMMA, attn_logit_softcapping=1.0), "sdpa"),
+    # HF's Gemma-3 never applies attn_logit_softcapping; local / global rotary bases, the global one scaled
+    "gemma3_text": ("Gemma3TextConfig", dict(
+        GEMMA, attn_logit_softcapping=1.0, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0}}),
+        "sdpa"),
+    "olmo2": ("Olmo2Config", dict(attention_bias=True), "sdpa"),
+}
+FAMILY_OF = {case: case.split("-")[0] for case in CASES}
+_MODELS: dict = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny shapes: more threads only spin (and CI runs two workers on two cores)
+    yield
+    torch.set_num_threads(n)
+
+
+def build(case: str, **fields):
+    """The case's tiny model, fp32, eval; norms and biases random (HF starts them at 1 / 0: a wrong norm form or a
+    bias read in the wrong place would not show)."""
+    key = (case, repr(sorted(fields.items())))
+    if key in _MODELS:
+        return _MODELS[key]
+    cls, kw, attn = CASES[case]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, cls)(**{**COMMON, **kw, **fields})
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+    assert model.config.model_type == FAMILY_OF[case]
+    g = torch.Generator().manual_seed(1)
+    gemma_form = FAMILIES[FAMILY_OF[case]].norm_form == "gemma"  # x * (1 + w): w around 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_((0.0 if gemma_form else 1.0) + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    _MODELS[key] = model
+    return model
+
+
+def capped(case: str) -> bool:
+    return build(case).config._attn_implementation == "eager" and FAMILIES[FAMILY_OF[case]].attn_softcap
+
+
+def test_the_registry_is_the_supported_list():
+    assert set(SUPPORTED_MODEL_TYPES) == set(FAMILIES) == {"llama", "qwen2", *FAMILY_OF.values()}
+
+
+# ------------------------------------------------------------------------------------------- greedy
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_equals_hf_generate_left_padded(case):
+    model = build(case)
+    n = 20
+    prompts = [left_padded(lens, seed) for seed, lens in ((0, [5, 11, 3, 16, 8, 1]), (1, [14, 2, 9]))]
+    refs = [hf_generate(model, ids, mask, n) for ids, mask in prompts]
+    # sdpa cannot soft-cap: the engine refuses it there; bmm is the CPU default
+    attns = ["bmm"] if capped(case) else ["bmm", "sdpa"]
+    if capped(case):
+        with pytest.raises(ValueError, match="attn_logit_softcapping"):
+            FastGen(model, 6, 16, n, attn="sdpa")
+    for attn in attns:  # sdpa also prefills in micro-batches of two rows (each with its own masks)
+        eng = FastGen(model, batch_size=6, max_prompt_len=16, max_new_tokens=n, bucket=8, attn=attn,
+                      prefill_tokens=32 if attn == "sdpa" else 32768)
+        assert eng.attn == attn and not eng.use_graphs
+        for i, ((ids, mask), ref) in enumerate(zip(prompts, refs)):  # the second call reuses the engine
+            ours = eng.generate(ids, mask, SamplingConfig(temperature=0.0), [EOS], PAD)
+            assert torch.equal(ours, ref), f"{case} {attn} prompts {i}:\n{ours}\n{ref}"
+
+
+# ----------------------------------------------------------------------------------------- sampling
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sampled_logprobs_equal_hf_forward(case):
+    """The log-probs the engine records for its sampled tokens (temperature 0.8) are HF's over prompt + response."""
+    model = build(case)
+    ids, mask = left_padded([6, 12, 3, 9], seed=4)
+    eng = FastGen(model, batch_size=4, max_prompt_len=12, max_new_tokens=12)
+    torch.manual_seed(3)
+    out = eng.generate(ids, mask, SamplingConfig(0.8), [EOS], PAD)
+    ours = eng.last_logprobs
+    full = torch.cat([ids, out], 1)
+    fmask = torch.cat([mask, torch.ones_like(out)], 1)
+    with torch.no_grad():
+        logits = model(input_ids=full, attention_mask=fmask, position_ids=(fmask.cumsum(1) - 1).clamp(min=0)).logits
+    P = ids.shape[1]
+    want = torch.log_softmax(logits[:, P - 1:-1].float() / 0.8, -1).gather(2, out.unsqueeze(2)).squeeze(2)
+    live = torch.ones_like(out, dtype=torch.bool)  # up to and with each row's first EOS
+    live[:, 1:] = (out[:, :-1] != EOS).cumprod(1).bool()
+    torch.testing.assert_close(ours[live], want[live], rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("case", ["gemma2", "qwen3"])  # with and without soft-capping (attention and final)
+def test_first_token_distribution_matches_hf_generate(case):
+    """As tests/test_fastgen.py's: our first tokens and HF's samples against HF's warped next-token
+    distribution, and against each other (two-sample chi-square)."""
+    model = build(case)
+    cfg = SamplingConfig(0.9, 0.85)
+    ids, mask = left_padded([7], seed=5)
+    n = 4096
+    ids, mask = ids.expand(n, -1).contiguous(), mask.expand(n, -1).contiguous()
+    eng = FastGen(model, batch_size=n, max_prompt_len=7, max_new_tokens=1)
+    torch.manual_seed(0)
+    ours = eng.generate(ids, mask, cfg, [EOS], PAD)[:, 0]
+    with torch.no_grad():
+        p = hf_warped_probs(model(ids[:1]).logits[:, -1].float(), cfg)[0].double()
+    assert p.max() > 4 / p.numel() and (p > 0).sum() > 10  # far from uniform, and many tokens in play
+    torch.manual_seed(0)
+    hf = hf_generate(model, ids, mask, 1, do_sample=True, temperature=0.9, top_p=0.85, top_k=0)[:, 0]
+    f_ours = torch.bincount(ours, minlength=p.numel()).double() / n
+    f_hf = torch.bincount(hf, minlength=p.numel()).double() / n
+    assert (f_ours[p == 0] == 0).all() and (f_hf[p == 0] == 0).all()
+    sigma = (p * (1 - p) / n).sqrt()
+    assert ((f_ours - p).abs() <= 5 * sigma + 2 / n).all()
+    assert ((f_hf - p).abs() <= 5 * sigma + 2 / n).all()
+    c1, c2 = f_ours * n, f_hf * n
+    seen = (c1 + c2) > 0
+    chi2 = ((c1 - c2)[seen] ** 2 / (c1 + c2)[seen]).sum().item()
+    dof = int(seen.sum()) - 1
+    assert chi2 < dof + 5 * (2 * dof) ** 0.5, (chi2, dof)
+
+
+# ------------------------------------------------------------------------------------ bf16 building blocks
+
+
+@pytest.mark.parametrize("case", ["qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "olmo2"])
+def test_bf16_building_blocks_equal_hf_modules(case):
+    """Where fp32 cannot tell them apart (Llama's w * x.to(bf16) against OLMo-2's (w * x).to(bf16); OLMo-2's
+    rotary in fp32; Gemma's scale in bf16), the engine's pieces against HF's own modules, bitwise."""
+    model = copy.deepcopy(build(case)).to(torch.bfloat16)
+    fam = FAMILIES[model.config.model_type]
+    w = _Weights(model)
+    S, L, layer = w.spec, w.layers[0], model.model.layers[0]
+    g = torch.Generator().manual_seed(2)
+    x = (3 * torch.randn(3, 5, model.config.hidden_size, generator=g)).to(torch.bfloat16)
+    for slot, name in zip(("ln1", "ln_pa", "ln2", "ln_pf"), fam.norms):
+        assert (L[slot] is None) == (name is None)
+        if name is not None:
+            assert torch.equal(_rms(x, L[slot], S.eps, S.norm32), getattr(layer, name)(x)), name
+    assert torch.equal(_rms(x, w.norm_w, w.norm_eps, S.norm32), model.model.norm(x))
+    if fam.qk_norm:
+        width = {"head": (S.hd, S.hd), "full": (S.nh * S.hd, S.nkv * S.hd)}[fam.qk_norm]
+        for key, name, d in (("qn", "q_norm", width[0]), ("kn", "k_norm", width[1])):
+            t = (3 * torch.randn(3, 5, d, generator=g)).to(torch.bfloat16)
+            assert torch.equal(_rms(t, L[key], S.eps, S.norm32), getattr(layer.self_attn, name)(t)), name
+    # rotary: our tables and formula against the family's apply_rotary_pos_emb, each table (Gemma-3: two)
+    apply = __import__(type(model).__module__, fromlist=["x"]).apply_rotary_pos_emb
+    pos = torch.arange(40)
+    q = (3 * torch.randn(2, S.nh, 40, S.hd, generator=g)).to(torch.bfloat16)
+    k = (3 * torch.randn(2, S.nkv, 40, S.hd, generator=g)).to(torch.bfloat16)
+    for key, (cos, sin) in zip(w.rope_keys, w.rope_tables(pos)):
+        args = (x, pos[None]) if key is None else (x, pos[None], key)
+        hc, hs = model.model.rotary_emb(*args)
+        hq, hk = apply(q, k, hc, hs)
+        assert torch.equal(_rope(q, cos, sin, S.rot), hq) and torch.equal(_rope(k, cos, sin, S.rot), hk)
+    ids = torch.randint(0, 384, (2, 9), generator=g)
+    eng = FastGen(model, batch_size=1, max_prompt_len=4, max_new_tokens=1)
+    assert torch.equal(eng._embed(ids), model.model.embed_tokens(ids))
+    # the head, with HF's soft-cap formula (Gemma2/3ForCausalLM.forward), in bf16
+    want = model.lm_head(model.model.norm(x))
+    cap = getattr(model.config, "final_logit_softcapping", None) if fam.final_softcap else None
+    if cap is not None:
+        want = torch.tanh(want / cap) * cap
+    assert torch.equal(_logits(x, w.norm_w, w.lm_w, w.norm_eps, S.norm32, w.final_cap), want)
+
+
+# --------------------------------------------------------------------------------------------- refusals
+
+
+REFUSED = {  # name: (case, config fields, the field the error must name)
+    "dynamic rope": ("qwen3", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+                     "rope_type"),
+    "gemma3 dynamic global rope": ("gemma3_text", dict(rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}), "rope_type"),
+    "activation": ("olmo2", dict(hidden_act="gelu_new"), "hidden_act"),
+    "gemma activation": ("gemma2", dict(hidden_activation="relu"), "hidden_activation"),
+    "bidirectional": ("gemma3_text", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_unservable_configs_are_refused_naming_the_field(name):
+    case, fields, field = REFUSED[name]
+    model = build(case, **fields)
+    with pytest.raises(ValueError, match=field) as err:
+        FastGen(model, 2, 8, 4)
+    assert "rollout.engine=hf" in str(err.value)
+
+
+def test_unsupported_family_lists_the_supported_ones():
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)
+    with pytest.raises(ValueError) as err:
+        FastGen(transformers.GPT2LMHeadModel(cfg).eval(), 2, 8, 4)
+    msg = str(err.value)
+    assert "'gpt2'" in msg and ", ".join(SUPPORTED_MODEL_TYPES) in msg and "rollout.engine=hf" in msg
+
+
+# ------------------------------------------------------------------------------------ the Triton kernel
+
+
+@pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="the decode kernel runs on CUDA")
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (40, 0.0), (0, 2.0), (40, 2.0)])
+def test_triton_decode_attention_windows_and_softcap(window, softcap):
+    from verlflow.core.ml.fastgen.kernels import combine_splits, decode_attention_triton, reference_decode_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, nh, nkv, T, D = 3, 8, 2, 300, 64
+    q = torch.randn(B, nh, D, generator=g, device="cuda").to(torch.bfloat16)
+    kc = torch.randn(B, nkv, T, D, generator=g, device="cuda").to(torch.bfloat16)
+    vc = torch.randn(B, nkv, T, D, generator=g, device="cuda").to(torch.bfloat16)
+    pad = torch.tensor([0, 37, 150], device="cuda")
+    for cur in (150, 170, 299):
+        slot = torch.tensor([cur], device="cuda")
+        got = combine_splits(*decode_attention_triton(q, kc, vc, pad, slot, 0.125, nkv, window=window,
+                                                      softcap=softcap), nh // nkv)
+        want = reference_decode_attention(q, kc, vc, pad, slot, 0.125, window=window, softcap=softcap)
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
