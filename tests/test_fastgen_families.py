@@ -267,3 +267,17 @@ def test_triton_decode_attention_windows_and_softcap(window, softcap):
                                                       softcap=softcap), nh // nkv)
         want = reference_decode_attention(q, kc, vc, pad, slot, 0.125, window=window, softcap=softcap)
         torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
+
+
+@pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="the CUDA engine: graphs, compile, Triton")
+def test_cuda_engine_on_a_softcapped_windowed_family():
+    """Gemma-2 (eager: attention soft-cap, sliding layers) on the GPU: attn="auto" times only what can soft-cap
+    (the Triton variants, never sdpa), and the compiled, graph-captured bmm step is HF's greedy decoding."""
+    model = copy.deepcopy(build("gemma2")).cuda()
+    ids, mask = (t.cuda() for t in left_padded([5, 11, 3, 16, 8, 1]))
+    ref = hf_generate(model, ids, mask, 20)
+    eng = FastGen(model, batch_size=6, max_prompt_len=16, max_new_tokens=20, bucket=8)
+    assert eng.use_graphs and eng.attn == "triton" and eng.attn_timings and "sdpa" not in eng.attn_timings
+    eng.generate(ids, mask, SamplingConfig(0.0), [EOS], PAD)  # runs (fp32 Triton dots are TF32: not bitwise)
+    eng = FastGen(model, batch_size=6, max_prompt_len=16, max_new_tokens=20, bucket=8, attn="bmm")
+    assert torch.equal(eng.generate(ids, mask, SamplingConfig(0.0), [EOS], PAD), ref)

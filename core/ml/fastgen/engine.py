@@ -151,13 +151,13 @@ class FastGen:
                 torch.cuda.synchronize(dev)
                 return a.elapsed_time(b) / reps * 1e3  # us
 
-            extra = dict(window=self.windows[0], softcap=w.spec.softcap)
+            variant = dict(window=self.windows[0], softcap=w.spec.softcap)  # layer 0's kernel
             fns = {} if w.spec.softcap else {"sdpa": (0.0, lambda: F.scaled_dot_product_attention(
                 q.unsqueeze(2), kc[:, :, :kv], vc[:, :, :kv], attn_mask=bias, scale=w.scaling, enable_gqa=True))}
             for i, cfg in enumerate(self._ATTN_CONFIGS):  # + the split merge, fused into the next projection in
                 # the compiled step (~4 us on the H200): timing it eagerly here would count its launches
                 fns[f"triton{i}"] = (4.0, lambda cfg=cfg: decode_attention_triton(q, kc, vc, pad, slot, w.scaling,
-                                                                                  w.nkv, **cfg, **extra))
+                                                                                  w.nkv, **cfg, **variant))
             for _, fn in fns.values():  # compile everything, then ~100 ms of work so the clocks are up
                 fn()
             t0 = time.perf_counter()
