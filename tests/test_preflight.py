@@ -54,19 +54,20 @@ def assert_store_empty(store: Path) -> None:
     assert not files, f"the store was written: {files}"
 
 
-def _mistral(kit: dict, tmp: Path) -> Path:
-    """A tiny Mistral model with the kit's tokenizer: the HF engine runs it, the static engine does not."""
+def _phi(kit: dict, tmp: Path) -> Path:
+    """A tiny Phi(-2) model with the kit's tokenizer: the HF engine runs it, the static engine does not (LayerNorm,
+    parallel attention and MLP)."""
     import torch
-    from transformers import MistralConfig, MistralForCausalLM
+    from transformers import PhiConfig, PhiForCausalLM
 
-    out = tmp / "mistral"
+    out = tmp / "phi"
     shutil.copytree(kit["model_dir"], out, ignore=shutil.ignore_patterns("*.safetensors", "config.json",
                                                                         "generation_config.json"))
     vocab = json.loads((Path(kit["model_dir"]) / "config.json").read_text())["vocab_size"]
     torch.manual_seed(0)
-    MistralForCausalLM(MistralConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-                       ).save_pretrained(out)
+    PhiForCausalLM(PhiConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+                   ).save_pretrained(out)
     return out
 
 
@@ -103,9 +104,9 @@ DRIVER_VERBS = ("validate-blueprint", "run")
 
 @pytest.mark.parametrize("verb", DRIVER_VERBS)
 def test_static_engine_with_an_unsupported_model_type(verb, tiny_kit, tmp_path, capsys):
-    model = _mistral(tiny_kit, tmp_path)
+    model = _phi(tiny_kit, tmp_path)
     err = refused(verb, [f"model.path={model}", "rollout.engine=static"], tiny_kit, tmp_path, capsys)
-    assert "rollout.engine: static" in err and f"{model}/config.json has model_type 'mistral'" in err
+    assert "rollout.engine: static" in err and f"{model}/config.json has model_type 'phi'" in err
     assert ", ".join(SUPPORTED_MODEL_TYPES) in err  # the engine's own list
     assert "set rollout.engine: hf" in err
 
@@ -120,7 +121,7 @@ def test_static_engine_accepts_its_model_types_and_hf_any(model, tiny_kit, tmp_p
     for model_type in SUPPORTED_MODEL_TYPES:
         _model_type(model, model_type)
         assert problems("rollout.engine=static") == []
-    _model_type(model, "mistral")
+    _model_type(model, "phi")
     assert problems("rollout.engine=hf") == []
 
 
@@ -220,11 +221,11 @@ def test_the_flow_refuses_at_validate(prefect_server, tiny_kit, tmp_path):
     from verlflow.flows.finetune import finetune
     from tinybp import ONE_RANK, tiny_blueprint
 
-    model = _mistral(tiny_kit, tmp_path)
+    model = _phi(tiny_kit, tmp_path)
     bp = tiny_blueprint({**tiny_kit, "model_dir": str(model)}, tmp_path / "store", *ONE_RANK, "rollout.engine=static")
     state = finetune(blueprint=bp, run_id="bad-flow", return_state=True)
     assert state.is_failed(), state
     msg = state.message + str(state.result(raise_on_failure=False))
     assert "validate[init]" in msg or "validate found" in msg, msg
-    assert f"{model}/config.json has model_type 'mistral'" in msg and "set rollout.engine: hf" in msg, msg
+    assert f"{model}/config.json has model_type 'phi'" in msg and "set rollout.engine: hf" in msg, msg
     assert_store_empty(tmp_path / "store")
