@@ -108,7 +108,7 @@ def recomputed_here(bp: Blueprint, run_id: str, step: Step) -> bool:
         return False
     if m is None or not m.get("committed_at"):
         return False
-    created = int(get_run_context().flow_run.created.timestamp())  # committed_at has whole seconds
+    created = int(get_run_context().flow_run.created.timestamp())  # older manifests' committed_at has whole seconds
     return dt.datetime.fromisoformat(m["committed_at"]).timestamp() >= created
 
 

@@ -282,3 +282,27 @@ def test_ls_lists_a_phased_run_in_plan_order(phased, capsys):
     assert main(["ls", f"storage.uri={store}", "--run", RUN]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
     assert listed == list(res)
+
+
+def test_ls_orders_stages_committed_in_one_second_by_their_inputs(phased, tmp_path, capsys):
+    """Manifests of older versions have whole-second commit times: a stage and the one reading it (dpo[dpo.2],
+    evaluate[tuned] in CI) could share one, and the reader must still come second."""
+    from verlflow.core.orchestrate.cli import main
+
+    _, store, res, _ = phased
+    copy = tmp_path / "store"
+    shutil.copytree(store / "runs" / RUN, copy / "runs" / RUN, ignore=shutil.ignore_patterns("*.safetensors", "*.distcp"))
+    names = list(res)
+    second = json.loads((copy / "runs" / RUN / "dpo.2/dpo/manifest.json").read_text())["committed_at"][:19] + "+00:00"
+    for name in names[names.index("dpo[dpo.2]"):]:  # the rest of the run in one second
+        stage, it = name[:-1].split("[")
+        f = copy / "runs" / RUN / it / stage / "manifest.json"
+        f.write_text(json.dumps({**json.loads(f.read_text()), "committed_at": second}))
+    assert main(["ls", f"storage.uri={copy}", "--run", RUN]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert sorted(listed) == sorted(names)
+    key = {f"runs/{RUN}/{n[:-1].split('[')[1]}/{n.split('[')[0]}": n for n in names}
+    for name in names:  # every stage after the stages it read
+        for src in res[name].manifest["inputs"].values():
+            if src["stage"] in key:
+                assert listed.index(key[src["stage"]]) < listed.index(name), (src["stage"], name, listed)

@@ -38,8 +38,8 @@ def page(url: str, shot: str) -> str:
     return r.stdout
 
 
-IMAGES_JS = ("JSON.stringify(Array.from(document.images).filter(i => i.src.startsWith('data:image/png'))"
-             ".map(i => [i.complete, i.naturalWidth, i.naturalHeight]))")
+SNAPSHOT_JS = ("JSON.stringify([document.documentElement.outerHTML, Array.from(document.images)"
+               ".filter(i => i.src.startsWith('data:image/png')).map(i => [i.complete, i.naturalWidth, i.naturalHeight])])")
 
 
 def rendered(pages: list[tuple[str, str, str | None]], tmp_path: Path, wait_s: float = 60.0) -> list[tuple]:
@@ -66,8 +66,8 @@ def _visit(ws, url: str, shot: str, marker: str | None, wait_s: float) -> tuple[
     ready = (lambda: marker in dom) if marker else (lambda: any(i[0] and i[1] > 0 for i in images))
     while time.monotonic() < deadline and not ready():
         time.sleep(0.3)
-        dom = _cdp(ws, "Runtime.evaluate", expression="document.documentElement.outerHTML")["result"]["value"]
-        images = json.loads(_cdp(ws, "Runtime.evaluate", expression=IMAGES_JS)["result"]["value"])
+        # one evaluation: an image decoded between two reads would leave `dom` without it (CI saw that)
+        dom, images = json.loads(_cdp(ws, "Runtime.evaluate", expression=SNAPSHOT_JS)["result"]["value"])
     OUT.mkdir(exist_ok=True)
     (OUT / shot).write_bytes(base64.b64decode(_cdp(ws, "Page.captureScreenshot")["data"]))
     return dom, images

@@ -220,12 +220,26 @@ def _run_stages(sizes: dict, run: str, store=None) -> list[tuple[str, str]]:
     keys = [k.split("/") for k in sizes]  # runs/<run>/<iteration>/<stage>/<file...>
     found = {tuple(k[2:4]) for k in keys if len(k) > 4 and k[1] == run}
     if store is not None and any(not it.isdigit() and it != "init" for it, _ in found):
-        def committed(s):
+        manifests = {}
+        for it, stage in found:
             try:
-                m = store.read_manifest(f"runs/{run}/{s[0]}/{s[1]}")
+                manifests[f"runs/{run}/{it}/{stage}"] = store.read_manifest(f"runs/{run}/{it}/{stage}")
             except VerlflowError:  # damaged: verify names it
-                m = None
-            return (s[0] != "init", m is None, (m or {}).get("committed_at", ""), _stage_order(s[1]), s[0])
+                manifests[f"runs/{run}/{it}/{stage}"] = None
+        depth: dict[str, int] = {}
+
+        def depth_of(key: str) -> int:  # the longest chain of this run's inputs below the stage
+            if key not in depth:
+                depth[key] = 0
+                ins = [i.get("stage") for i in ((manifests.get(key) or {}).get("inputs") or {}).values()
+                       if isinstance(i, dict)]
+                depth[key] = 1 + max((depth_of(k) for k in ins if k in manifests), default=-1)
+            return depth[key]
+
+        def committed(s):  # older manifests' committed_at has whole seconds: within one, inputs go first
+            m = manifests[f"runs/{run}/{s[0]}/{s[1]}"]
+            return (s[0] != "init", m is None, (m or {}).get("committed_at", ""),
+                    depth_of(f"runs/{run}/{s[0]}/{s[1]}"), _stage_order(s[1]), s[0])
         return sorted(found, key=committed)
     return sorted(found, key=lambda s: (s[0] != "init", int(s[0]) if s[0].isdigit() else 0, _stage_order(s[1])))
 

@@ -112,7 +112,8 @@ def s3_max_attempts() -> int:
 
 
 def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    # microseconds: `ls` orders a run of phases by commit time, and a tiny stage commits within a second of the last
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds")
 
 
 def _index_key(key: str) -> str:
