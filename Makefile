@@ -66,7 +66,7 @@ postgres:
 test: $(VENV)/.installed-dev chromium slurm postgres
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=60 -m "not slow" tests
 
-# Everything, the `slow` scenarios too (the whole pipeline on Slurm, two-node resharding, the boundaries benchmark).
+# Everything, the `slow` scenarios too (tests/conftest.py's SLOW: second whole pipelines for stories `make test` covers).
 test-all: $(VENV)/.installed-dev chromium slurm postgres
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
