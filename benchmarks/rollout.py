@@ -37,6 +37,11 @@ SHAPES = {  # Qwen2.5 shapes (Qwen2Config); "tiny" is the CPU smoke
                  intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
     "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+    # Qwen3 dense (Qwen3Config: per-head q/k RMSNorm, head_dim 128)
+    "qwen3-1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False),
 }
 
 T_START = time.perf_counter()
@@ -52,18 +57,20 @@ def sync(dev):
 
 
 def build_model(shape: str, dtype: torch.dtype, dev: torch.device):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+    config_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if shape.startswith("qwen3") else (Qwen2Config,
+                                                                                                 Qwen2ForCausalLM)
     v = SHAPES[shape]["vocab_size"]
     eos, pad = v - 1, v - 2  # random prompts never contain them
-    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rms_norm_eps=1e-6, use_sliding_window=False,
-                      eos_token_id=eos, pad_token_id=pad, bos_token_id=v - 3)
+    cfg = config_cls(**SHAPES[shape], max_position_embeddings=32768, rms_norm_eps=1e-6, use_sliding_window=False,
+                     eos_token_id=eos, pad_token_id=pad, bos_token_id=v - 3)
     torch.manual_seed(0)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(dev):
-            model = Qwen2ForCausalLM(cfg)
+            model = model_cls(cfg)
     finally:
         torch.set_default_dtype(old)
     model.to(dtype).eval()
@@ -367,7 +374,7 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
             dump()
 
     c = model.config
-    hd = c.hidden_size // c.num_attention_heads
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     if cuda and not args.no_micro:
         attempt("micro_attention", lambda: micro_attention(B, c.num_attention_heads, c.num_key_value_heads, hd,
                                                            P + N, dtype, dev))
