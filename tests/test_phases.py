@@ -68,6 +68,17 @@ def test_the_plan_runs_each_phase_from_the_previous_ones_policy(phased):
     assert inputs["rollout[1]"] == {"build": f"runs/{RUN}/rl/build", "policy": f"runs/{RUN}/rl/build"}
 
 
+def test_lineage_records_the_phase_that_made_each_policy(phased, tmp_path):
+    _, store, res, _ = phased
+    made_by = {n: [(e.get("phase"), e["stage"]) for e in r.manifest.get("lineage", [])] for n, r in res.items()}
+    sft, dpo = ("sft", f"runs/{RUN}/sft.1/sft"), ("dpo", f"runs/{RUN}/dpo.2/dpo")
+    assert made_by["sft[sft.1]"] == [] and made_by["evaluate[base]"] == []  # the base model
+    assert made_by["dpo[dpo.1]"] == made_by["dpo[dpo.2]"] == [sft]  # dpo's second epoch continues its own phase
+    assert made_by["build[rl]"] == made_by["update[1]"] == made_by["checkpoint[1]"] == [sft, dpo]
+    pointer = json.loads((store / "pointers/runs" / RUN / "latest.json").read_text())
+    assert [e.get("phase") for e in pointer["lineage"]] == ["sft", "dpo"]  # what the promoted policy came from
+
+
 def test_sft_lowers_its_loss_and_the_tuned_policy_beats_the_base(phased):
     _, _, res, _ = phased
     sft = res["sft[sft.1]"].manifest["metrics"]

@@ -61,6 +61,7 @@ SECTIONS = {
                    "storage.export_dtype"),  # its HF export is written in that dtype
 }
 SINGLE_PROCESS = {"checkpoint"}  # an export needs no process group beyond one rank
+PHASE_POLICY_STAGES = ("sft", "dpo")  # the phase stages whose output is a policy (lineage records them)
 
 
 def key_sections(stage: str, bp: Blueprint) -> tuple[str, ...]:
@@ -275,7 +276,7 @@ def _job_spec(ctx: RunContext, run: _Attempt, scratch: Path) -> JobSpec:
             stage=run.stage, run_id=ctx.run_id, iteration=run.iteration, key=run.key,
             inputs={n: InputRef(stage=inputs[n], key=m["key"]) for n, m in manifests.items()},
             blueprint_hash=bp.hash(), blueprint_name=bp.name, code_version=code_version(run.stage),
-            lineage=_lineage(manifests, inputs)))
+            lineage=_lineage(manifests, inputs, bp.phase.label if bp.phase else None)))
 
 
 def _launch_spec(ctx: RunContext, run: _Attempt, job_file: Path, scratch: Path) -> LaunchSpec:
@@ -429,12 +430,20 @@ def _worker_env(nproc: int) -> dict:
     return {k: v for k, v in env.items() if k not in os.environ}
 
 
-def _lineage(manifests: dict, inputs: dict) -> list:
-    """Warm-start ancestry: carried forward from inputs so every manifest knows where its weights came from."""
+def _lineage(manifests: dict, inputs: dict, phase: str | None = None) -> list:
+    """Warm-start ancestry: carried forward from inputs so every manifest knows where its weights came from. In a
+    run of phases, a step that starts from another phase's policy (dpo from sft's, rl's build from dpo's) adds that
+    policy, with the phase that made it."""
+    def entry(name: str) -> dict:
+        m, it = manifests[name], manifests[name].get("iteration")
+        made_by = {"phase": it.rsplit(".", 1)[0]} if isinstance(it, str) and "." in it else {}
+        return {"run_id": m.get("run_id"), "iteration": it, "stage": inputs[name], "key": m["key"], **made_by}
+
     if "warm_start" in manifests:
-        m = manifests["warm_start"]
-        return m.get("lineage", []) + [{"run_id": m.get("run_id"), "iteration": m.get("iteration"),
-                                        "stage": inputs["warm_start"], "key": m["key"]}]
+        return manifests["warm_start"].get("lineage", []) + [entry("warm_start")]
+    policy = manifests.get("policy") or {}
+    if phase and policy.get("stage") in PHASE_POLICY_STAGES and entry("policy").get("phase") != phase:
+        return policy.get("lineage", []) + [entry("policy")]
     for name in ("policy", "build", "update"):
         if name in manifests and manifests[name].get("lineage"):
             return manifests[name]["lineage"]
