@@ -50,6 +50,8 @@ class JobSpec(_Spec):
     launched_at: float  # when the runner launched it (the worker's timings start there)
     # Inputs still committing in this job's warm pool's background: the worker waits for them where it reads them.
     pending_inputs: list[str] = Field(default_factory=list)
+    # What the run's retention passes keep for the plan (pipeline.checkpoint_reads): the driver knows the plan.
+    checkpoint_reads: list[tuple[str | None, str]] = Field(default_factory=list)
 
     @property
     def name(self) -> str:

@@ -8,7 +8,7 @@ from tinybp import ONE_RANK, tiny_blueprint
 
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.errors import PrunedError
-from verlflow.core.orchestrate.pipeline import run_pipeline
+from verlflow.core.orchestrate.pipeline import checkpoint_reads, run_pipeline
 from verlflow.core.orchestrate.launcher import StageFailure
 from verlflow.core.orchestrate.runner import open_store
 from verlflow.core.store.artifacts import ArtifactStore, bytes_digest
@@ -75,6 +75,38 @@ def test_a_rerun_forced_from_an_earlier_step_keeps_its_new_checkpoints(tmp_path)
     bp = _bp(tmp_path, keep_last_checkpoints=2, keep_best_metric=None)
     assert retain(store, bp, "r", head=3) == ["runs/r/1/update", "runs/r/init/build"]
     assert retain(store, bp, "r") == ["runs/r/2/update", "runs/r/3/update", "runs/r/4/update"]  # head: the last
+
+
+def test_what_the_plan_still_reads_and_each_phases_start_stay(tmp_path):
+    """phases [rl (2 iterations), sft from the model]: after update[2] the last-1 rule alone would prune the build,
+    which sft[sft.1], not run yet, trains from. The plan holds it; once sft.1 is committed it still stays, as the
+    start of a phase (a changed sft reruns from it), while update[1], read by committed steps only, goes."""
+    store = ArtifactStore(tmp_path)
+    _fake_run(store, {1: 0.1, 2: 0.2})
+    for it in (1, 2):
+        _commit(store, f"runs/r/{it}/checkpoint", "checkpoint", {"hf/w": b"h" * 8})
+    bp = Blueprint(storage={"uri": str(tmp_path), "keep_last_checkpoints": 1, "keep_best_metric": None},
+                   phases=[{"kind": "rl", "iterations": 2},
+                           {"kind": "sft", "init_from": "model", "data": {"train_files": ["sft.parquet"]}}])
+    reads = checkpoint_reads(bp, "r")
+    assert retain(store, bp, "r", head=2, reads=reads) == ["runs/r/1/update"]
+    assert _holds_checkpoint(store, "runs/r/init/build")
+    _commit(store, "runs/r/sft.1/sft", "sft", {"policy/w": b"s" * 8})
+    assert retain(store, bp, "r", reads=reads) == []
+    assert _holds_checkpoint(store, "runs/r/init/build") and _holds_checkpoint(store, "runs/r/2/update")
+    # Without the plan (what a pass knew before), the build goes although sft still starts from it.
+    assert retain(store, bp, "r", head=2) == ["runs/r/init/build"]
+
+
+def test_the_models_build_ranks_before_the_rl_phases_build(tmp_path):
+    """Both builds are iteration 0 of a phased run; the rl phase's starts from a later policy, so it is the newer
+    one whatever the phase's name sorts like (here before `init`)."""
+    store = ArtifactStore(tmp_path)
+    files = {"ref/w": b"r" * 8, "policy/w": b"p" * 8}
+    _commit(store, "runs/r/init/build", "build", files)
+    _commit(store, "runs/r/grpo/build", "build", files)
+    bp = _bp(tmp_path, keep_last_checkpoints=1, keep_best_metric=None)
+    assert retain(store, bp, "r") == ["runs/r/init/build"]
 
 
 def test_an_unreadable_pointer_prunes_nothing(tmp_path):

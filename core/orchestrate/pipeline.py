@@ -64,6 +64,20 @@ def plan(bp: Blueprint, run_id: str, warm_start: str | None = None) -> list[Step
     return steps + _phase_steps(bp, run_id, build)
 
 
+def checkpoint_reads(bp: Blueprint, run_id: str) -> list[tuple[str | None, str]]:
+    """What retention must not prune while the plan needs it: (reader's stage key, the stage key whose training
+    checkpoint it reads) for every step, and (None, key) for each phase's start policy (its first step's)."""
+    reads, phase = [], None
+    for step in plan(bp, run_id):
+        out = stage_key(run_id, step.iteration, step.stage)
+        starts = step.bp is not None and step.bp.active_phase != phase
+        phase = step.bp.active_phase if step.bp is not None else None
+        for name, key in step.inputs.items():
+            if key.startswith(f"runs/{run_id}/") and retention.reads_checkpoint(step.stage, name):
+                reads.append((None if starts else out, key))
+    return reads
+
+
 def _rl_steps(bp: Blueprint, run_id: str, build: str, phase_bp: Blueprint | None = None) -> list[Step]:
     """[evaluate 0] + (rollout -> update [-> evaluate] [-> checkpoint]) x iterations, from the build's policy."""
     steps = []
@@ -238,7 +252,7 @@ def run_pipeline(bp: Blueprint, run_id: str, *, on_line: Callable[[str], None] =
         # The pools have closed, so every background commit has landed (or warm_pools raised): report the manifests.
         if not _follows(bp.resources):  # a follower node leaves the store to node 0
             # also finishes what a crash mid-prune left, if every step was reused
-            retention.retain(store, bp, run_id, head=bp.iterations)
+            retention.retain(store, bp, run_id, head=bp.iterations, reads=checkpoint_reads(bp, run_id))
         done = [StageResult(ctx.store.read_manifest(stage_key(run_id, s.iteration, s.stage)), r.skipped, r.seconds)
                 if r.pending else r for s, r in zip(steps, results)]
         for step, res in zip(steps, done):  # the background commits; the ledger skips steps logged above

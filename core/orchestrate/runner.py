@@ -265,11 +265,16 @@ def _write_job(ctx: RunContext, run: _Attempt, scratch: Path, pool: WarmPool | N
     return job.write(scratch / "job.json")
 
 
+def _checkpoint_reads(bp: Blueprint, run_id: str) -> list:
+    from verlflow.core.orchestrate.pipeline import checkpoint_reads  # the plan's module imports this one
+    return checkpoint_reads(bp, run_id)
+
+
 def _job_spec(ctx: RunContext, run: _Attempt, scratch: Path) -> JobSpec:
     bp, manifests, inputs = ctx.bp, run.manifests, run.inputs
     return JobSpec(
         stage=run.stage, run_id=ctx.run_id, iteration=run.iteration, output=run.out, scratch=str(scratch),
-        blueprint=bp, inputs=inputs, launched_at=run.launched_at,
+        blueprint=bp, inputs=inputs, launched_at=run.launched_at, checkpoint_reads=_checkpoint_reads(bp, ctx.run_id),
         input_manifests={n: InputRecord(key=m["key"], metrics=m.get("metrics", {}), lineage=m.get("lineage", []))
                          for n, m in manifests.items()},
         manifest=ManifestDraft(

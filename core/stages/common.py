@@ -326,7 +326,7 @@ def retention_pass(ctx: StageContext, manifest: dict | None = None) -> None:
     """Prune what the run no longer keeps, now that this stage is committed (an after_commit: store operations
     only, it may run on a warm pool's committer thread)."""
     head = ctx.iteration if isinstance(ctx.iteration, int) else None  # a phase's epoch is no rl iteration
-    retention.retain(ctx.store, ctx.bp, ctx.job.run_id, head=head,
+    retention.retain(ctx.store, ctx.bp, ctx.job.run_id, head=head, reads=ctx.job.checkpoint_reads,
                      between=lambda: faults.kill_point("prune", ctx.rank))  # test hook: a crash mid-prune
 
 

@@ -13,7 +13,9 @@ Of each kind a run keeps
       that metric in rollout[i+1]'s manifest, the rollout that sampled from it (the last one has no rank yet);
       the best among those still holding files is kept,
     - every update and export a pointer (pointers/**.json) names, whatever the pointer is (`latest`, a later
-      `best`).
+      `best`),
+    - every checkpoint the plan still reads (a step not committed yet reads it: a phase that starts from the
+      model after the rl phase, say) and each phase's start policy, so a changed phase reruns from its artifacts.
 The build's other files (hf_meta/, ref/) are never pruned: every kept checkpoint resumes with them. So a pointer
 naming the build (`latest` does, as the run's origin) holds what it needs of it, and the build's initial policy is
 iteration 0 of the last-N and best rules like any update (with keep_last_checkpoints 1 it goes at update[1], before
@@ -68,12 +70,17 @@ class Unit:
         return sorted(r for r in self.manifest["files"] if r.startswith(self.folders))
 
 
+def reads_checkpoint(stage: str, input_name: str) -> bool:
+    """Whether `stage` reads the training checkpoint of its input `input_name`."""
+    return stage in READS_ALL or input_name in CHECKPOINT_INPUTS
+
+
 def needed_pruned(stage: str, input_name: str, manifest: dict) -> list[str]:
     """The files that `stage`, reading `manifest`'s stage as its input `input_name`, needs and retention pruned."""
     pruned = manifest.get("pruned_files", [])
     if stage in READS_ALL:
         return list(pruned)
-    wants_checkpoint = input_name in CHECKPOINT_INPUTS
+    wants_checkpoint = reads_checkpoint(stage, input_name)
     return [r for r in pruned if r.startswith(CHECKPOINT_DIRS) == wants_checkpoint]
 
 
@@ -126,13 +133,19 @@ class RunState:
         return cls(run_id, manifests, files)
 
     def units(self, kind: str) -> list[Unit]:
-        """The run's units of `kind` by iteration, phase epochs apart (phase_units)."""
+        """The run's units of `kind` by iteration, phase epochs apart (phase_units). Two builds share iteration 0
+        in a phased run: the model's (`init`) comes before the rl phase's, which starts from a later policy."""
         out = []
         for key, m in self.manifests.items():
             it = key.split("/")[2]
             if UNITS.get(m.get("stage"), ("",))[0] == kind and m.get("stage") not in PHASE_STAGES:
                 out.append(Unit(kind, int(it) if it.isdigit() else 0, key, m))
-        return sorted(out, key=lambda u: u.iteration)
+        return sorted(out, key=lambda u: (u.iteration, u.key.split("/")[2] != "init"))
+
+    def held_by_plan(self, reads: Iterable[tuple[str | None, str]]) -> set[str]:
+        """The stage keys whose checkpoint the plan still reads: a step not committed yet reads it, or it is a
+        phase's start policy (reader None), which a changed phase reruns from."""
+        return {key for reader, key in reads if reader is None or f"{reader}/{MANIFEST}" not in self.files}
 
     def phase_units(self) -> list[list[Unit]]:
         """The sft/dpo checkpoints, per phase, by epoch."""
@@ -173,9 +186,11 @@ def _is_build(unit: Unit) -> bool:
 
 
 def retain(store: ArtifactStore, bp: Blueprint, run_id: str, *, head: int | None = None,
-           between: Callable[[], None] | None = None) -> list[str]:
+           reads: Iterable[tuple[str | None, str]] = (), between: Callable[[], None] | None = None) -> list[str]:
     """One retention pass over a run: prune what keep_set does not keep, finish what an interrupted pass left.
     Returns the stage keys pruned now. `head`: the iteration the run has reached (None: its last committed one).
+    `reads`: the plan's (reader's stage key, stage key whose checkpoint it reads), from
+    verlflow.core.orchestrate.pipeline.checkpoint_reads; what held_by_plan names stays.
     `between` runs after each pruned manifest is committed, before its files go (the fault hook of tests)."""
     try:
         pinned = pinned_keys(store)
@@ -183,10 +198,11 @@ def retain(store: ArtifactStore, bp: Blueprint, run_id: str, *, head: int | None
         log.warning("retention: nothing pruned, a pointer cannot be read: %s", exc)
         return []
     state = RunState.read(store, run_id)
+    held = state.held_by_plan(reads)
     storage = bp.storage
     pruned = []
     for kind, keep_last in (("checkpoint", storage.keep_last_checkpoints), ("export", storage.keep_last)):
-        keep = keep_set(state, kind, keep_last, storage.keep_best_metric, pinned, head)
+        keep = keep_set(state, kind, keep_last, storage.keep_best_metric, pinned, head) | held
         units = state.units(kind)
         if kind == "checkpoint":
             for epochs in state.phase_units():
