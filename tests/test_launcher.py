@@ -193,18 +193,22 @@ def test_sigkill_of_the_launching_process_takes_the_tree_down(tmp_path):
     _assert_tree_gone(pids, within=5.0)
 
 
-def test_a_stage_worker_loads_models_without_sklearn_and_can_still_import_it():
-    """MLflow installs scikit-learn, which transformers' generation package imports when present (4-8 s a rank on 2
-    cores): a stage worker hides it for that import only; a reward function may still import it."""
+def test_a_stage_worker_loads_models_without_sklearn_and_can_still_import_it(tiny_kit, tmp_path):
+    """MLflow installs scikit-learn, which transformers' generation package imports when present, and every model's
+    modeling_utils imports scipy for object-detection losses (4-8 s a rank on 2 cores): a stage worker hides them
+    for those imports only; the model loads, saves, and a reward function may still import both."""
     code = ("import sys\n"
             "import verlflow.core.stages.common\n"
             "from verlflow.core.orchestrate.launcher import worker_guard\n"
             "worker_guard()\n"
             "from transformers import AutoModelForCausalLM\n"
             "import transformers.generation.utils\n"
-            "print('loaded', 'sklearn' in sys.modules, 'pandas' in sys.modules)\n"
-            "import sklearn\n"
-            "print('importable', sklearn.__name__)\n")
+            f"m = AutoModelForCausalLM.from_pretrained({tiny_kit['model_dir']!r})\n"
+            f"m.save_pretrained({str(tmp_path / 'saved')!r})\n"
+            "print('loaded', *(p in sys.modules for p in ('sklearn', 'scipy', 'pandas')))\n"
+            "import sklearn, scipy.optimize\n"
+            "print('importable', sklearn.__name__, scipy.optimize.linear_sum_assignment.__name__)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "loaded False False" in out.stdout and "importable sklearn" in out.stdout, out.stdout
+    assert "loaded False False False" in out.stdout, out.stdout
+    assert "importable sklearn linear_sum_assignment" in out.stdout, out.stdout

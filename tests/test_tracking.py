@@ -178,6 +178,22 @@ def _wandb_records(path: Path):
             yield record
 
 
+def _wandb_file(path: Path):
+    """(history rows by iteration, config, summary, record kinds) of a W&B run file."""
+    history, config, summary, kinds = {}, {}, {}, []
+    for rec in _wandb_records(path):
+        kind = rec.WhichOneof("record_type")
+        kinds.append(kind)
+        if kind == "history":  # a key is either `key` or a nested_key path
+            row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
+            history.setdefault(row["iteration"], {}).update(row)
+        elif kind == "run":
+            config.update({u.key: json.loads(u.value_json) for u in rec.run.config.update})
+        elif kind == "summary":
+            summary.update({(u.key or "/".join(u.nested_key)): u.value_json for u in rec.summary.update})
+    return history, config, summary, kinds
+
+
 def test_wandb_offline_run_holds_metrics_and_never_the_key(reference, tmp_path, monkeypatch, capfd):
     from verlflow.core.orchestrate.pipeline import run_pipeline
 
@@ -193,21 +209,9 @@ def test_wandb_offline_run_holds_metrics_and_never_the_key(reference, tmp_path, 
     assert len(files) == 1, files
     # wandb-core writes the file from its own process: on a loaded machine its last blocks can land after finish()
     deadline = time.monotonic() + 60
-    while not any(r.WhichOneof("record_type") == "history" and any(
-            json.loads(i.value_json) == 2 for i in r.history.item if i.key == "iteration")
-            for r in _wandb_records(Path(files[0]))) and time.monotonic() < deadline:
+    while 2 not in (parsed := _wandb_file(Path(files[0])))[0] and time.monotonic() < deadline:
         time.sleep(0.5)  # the assertions below say what is missing if it never lands
-    history, config, summary, kinds = {}, {}, {}, []
-    for rec in _wandb_records(Path(files[0])):
-        kind = rec.WhichOneof("record_type")
-        kinds.append(kind)
-        if kind == "history":
-            row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
-            history.setdefault(row["iteration"], {}).update(row)
-        elif kind == "run":
-            config.update({u.key: json.loads(u.value_json) for u in rec.run.config.update})
-        elif kind == "summary":
-            summary.update({(u.key or "/".join(u.nested_key)): u.value_json for u in rec.summary.update})
+    history, config, summary, kinds = parsed
     assert {1, 2} <= set(history), (kinds, os.path.getsize(files[0]), sorted(history))
     for it in (1, 2):
         for name, value in {**_metrics(bp, run_id, "rollout", it), **_metrics(bp, run_id, "update", it)}.items():

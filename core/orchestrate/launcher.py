@@ -11,6 +11,7 @@ How a failed job is explained (its error files, torchrun's summary) is verlflow.
 from __future__ import annotations
 
 import faulthandler
+import importlib
 import logging
 import os
 import queue
@@ -83,20 +84,30 @@ def build_command(spec: LaunchSpec) -> list[str]:
     return cmd + ["-m", spec.module, *spec.args]
 
 
-def _transformers_without_sklearn() -> None:
-    """transformers' generation package imports scikit-learn whenever it is installed (`roc_curve`, for assisted
-    decoding, which no stage uses); MLflow installs it, and with scipy and pandas it cost every rank of every stage
-    job 4-8 s of imports on 2 cores. Import that module once with sklearn hidden (find_spec takes None in
-    sys.modules for absent), then unhide it: a user's reward function may import sklearn."""
-    if "transformers.generation.candidate_generator" in sys.modules or "sklearn" in sys.modules:
+# transformers imports these whenever installed, for what no stage uses: `roc_curve` for assisted decoding
+# (generation's candidate_generator; MLflow installs scikit-learn) and `linear_sum_assignment` for object-detection
+# losses (every model's modeling_utils imports them). Hidden while transformers imports those modules.
+UNUSED_BY_STAGES = ("sklearn", "scipy")
+IMPORTED_WITHOUT = ("transformers.loss.loss_for_object_detection", "transformers.generation.candidate_generator")
+
+
+def _transformers_without_unused_imports() -> None:
+    """scikit-learn and scipy (with pandas) cost every rank of every stage job 4-8 s of imports on 2 cores. Import
+    the transformers modules that want them once with them hidden (find_spec takes None in sys.modules for absent),
+    then unhide them: a user's reward function may import them. (accelerate cannot go the same way:
+    modeling_utils binds its names at import, and save_pretrained calls them.)"""
+    if any(m in sys.modules for m in IMPORTED_WITHOUT + UNUSED_BY_STAGES):
         return
-    sys.modules["sklearn"] = None
+    for h in UNUSED_BY_STAGES:
+        sys.modules[h] = None
     try:
-        import transformers.generation.candidate_generator  # noqa: F401
+        for module in IMPORTED_WITHOUT:
+            importlib.import_module(module)
     except ImportError:  # a rank without transformers (a probe) has nothing to speed up
         pass
     finally:
-        sys.modules.pop("sklearn", None)
+        for h in UNUSED_BY_STAGES:
+            sys.modules.pop(h, None)
 
 
 def worker_guard() -> None:
@@ -110,7 +121,7 @@ def worker_guard() -> None:
         faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
         die_with_parent(is_torchrun)  # torchrun may have died already: then our parent is init or a subreaper
     if "verlflow.core.stages" in sys.modules:  # a stage worker (not a probe): it will load models
-        _transformers_without_sklearn()
+        _transformers_without_unused_imports()
 
 
 def run_and_exit(entry: Callable[[], None]) -> None:
