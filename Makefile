@@ -64,11 +64,11 @@ postgres:
 # Two workers, each taking whole files (a file's module fixtures, e.g. the Slurm cluster, are made once): most
 # stage jobs are one rank importing torch on one core, so a second worker fills the other. The 25 slowest last.
 test: $(VENV)/.installed-dev chromium slurm postgres
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=60 -m "not slow" tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=60 -m "not slow" tests
 
 # Everything, the `slow` scenarios too (tests/conftest.py's SLOW: second whole pipelines for stories `make test` covers).
 test-all: $(VENV)/.installed-dev chromium slurm postgres
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 clean:
 	rm -rf artifacts tiny .pytest_cache

@@ -11,14 +11,18 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 pytest_plugins = ["s3server", "kits", "prefect_server", "reference"]
 
 
-# -- the order files reach the two xdist workers (`--dist loadfile`) ----------------------------------------------
-# Longest first, so the last file to finish is a short one (a long file started last left one core idle for ~10
-# minutes); files that wait for the session's reference run (tests/reference.py) alternate with files that do not,
-# so the second worker has work while the first builds it. Seconds: one loaded CI run, 2026-12-02.
-HEAVY_FIRST = ("test_faults", "test_pool", "test_stages", "test_slurm", "test_flows", "test_multinode",
-               "test_algorithms", "test_lora", "test_phases", "test_hangs", "test_tracking", "test_security", "test_benchmarks", "test_schedule",
-               "test_retention", "test_dcpio", "test_lease", "test_cli", "test_packaging", "test_postgres",
-               "test_exports", "test_promotion", "test_k8s", "test_verify", "test_footprint", "test_preflight")
+# -- the order files reach the two xdist workers (`--dist loadfile --no-loadscope-reorder`) ----------------------
+# xdist would otherwise order files by their number of tests. test_stages first: its first test builds the session's
+# reference run (tests/reference.py, ~4 minutes loaded) while the other worker goes through files that do not need
+# it (test_hangs, test_schedule, test_phases); then the rest longest first, so the last file to finish is a short
+# one. Worker-seconds of `make test`'s files in one loaded run (2026-12-03): stages 667, flows 297, hangs 284,
+# schedule 243, phases 157, cli 130, faults 129, evaluate 115, launcher 112, preflight 109, security 106, dcpio 98.
+HEAVY_FIRST = ("test_stages", "test_hangs", "test_schedule", "test_phases", "test_flows", "test_cli", "test_faults",
+               "test_evaluate", "test_launcher", "test_preflight", "test_security", "test_dcpio", "test_slurm",
+               "test_promotion", "test_packaging", "test_footprint", "test_algorithms", "test_tracking", "test_ui",
+               "test_keys", "test_packing", "test_fastgen", "test_benchmarks", "test_exports", "test_lease",
+               "test_determinism", "test_store", "test_blueprint", "test_lora", "test_dpo_core", "test_pool",
+               "test_multinode", "test_postgres", "test_k8s", "test_retention", "test_verify")
 
 
 # -- `make test` (CI, 20 minutes on 2 cores) and `make test-all` --------------------------------------------------
