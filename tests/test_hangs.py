@@ -28,8 +28,11 @@ def _spin() -> None:
 
 @pytest.fixture
 def cpu_hog():
-    """A busy loop on every core, at the workers' own priority, for the test's duration."""
-    hogs = [mp.get_context("spawn").Process(target=_spin, daemon=True) for _ in range(os.cpu_count() or 1)]
+    """A busy loop on half the cores, at the workers' own priority, for the test's duration: with the test's 3 ranks
+    and the other pytest worker, every core of a 2-core CI machine is oversubscribed (a hog per core only burned
+    CI's CPU budget: 9 CPU-minutes a run)."""
+    n = max(1, (os.cpu_count() or 1) // 2)
+    hogs = [mp.get_context("spawn").Process(target=_spin, daemon=True) for _ in range(n)]
     for h in hogs:
         h.start()
     yield len(hogs)
@@ -55,24 +58,24 @@ def _stage_processes() -> list:
     return out
 
 
-def test_twenty_stages_with_background_commits_under_cpu_load(tiny_kit, tmp_path, cpu_hog):
-    """3 ranks, 6 iterations (20 stages) in one warm pool with background commits while every core spins: no
-    stage hangs (a hang would hit the 120 s stage timeout), every stage commits, and the weights equal the
-    one-process run's, which equal fresh jobs' (tests/test_stages.py)."""
-    bp = tiny_blueprint(tiny_kit, tmp_path, iterations=6, resources__warm_workers=True, resources__nproc_per_node=3,
+def test_fourteen_stages_with_background_commits_under_cpu_load(tiny_kit, tmp_path, cpu_hog):
+    """3 ranks, 4 iterations (14 stages) in one warm pool with background commits while CPU hogs spin: no stage
+    hangs (a hang would hit the 120 s stage timeout), every stage commits, and the weights equal the one-process
+    (monolithic) run's, which equal fresh jobs' (tests/test_stages.py)."""
+    bp = tiny_blueprint(tiny_kit, tmp_path, iterations=4, resources__warm_workers=True, resources__nproc_per_node=3,
                         resources__stage_timeout_s=120, data__batch_size=6, algorithm__ppo_mini_batch_size=3,
                         storage__keep_last_checkpoints=7)  # the monolithic run below starts from the build's policy
     assert bp.resources.async_checkpoint
     pending = []
     results = run_pipeline(bp, "load", on_step=lambda step, res: pending.append(res.pending), **QUIET)
-    assert len(results) == 20 and all(r.manifest.get("committed_at") for r in results)
-    assert sum(pending) >= 6  # every update's commit went to the background
+    assert len(results) == 14 and all(r.manifest.get("committed_at") for r in results)
+    assert sum(pending) >= 4  # every update's commit went to the background
     mono = run_stage(RunContext(bp, "load", **QUIET), "monolithic", "mono", {"build": "runs/load/init/build"})
-    got, want = _weights(tmp_path, "load", "6/update", bp), _weights(tmp_path, "load", "mono/monolithic", bp)
+    got, want = _weights(tmp_path, "load", "4/update", bp), _weights(tmp_path, "load", "mono/monolithic", bp)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     rewards = [r.manifest["metrics"]["reward_mean"] for r in results if r.manifest["stage"] == "rollout"]
     assert [it["reward_mean"] for it in mono.manifest["metrics"]["iterations"]] == rewards
-    print(f"\n20 stages, 3 ranks, {cpu_hog} CPU hogs: {sum(r.seconds for r in results):.1f} s")
+    print(f"\n14 stages, 3 ranks, {cpu_hog} CPU hogs: {sum(r.seconds for r in results):.1f} s")
 
 
 def test_a_pool_stage_hung_in_a_collective_times_out_with_every_ranks_stack(tiny_kit, tmp_path, monkeypatch):
