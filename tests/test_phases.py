@@ -317,3 +317,16 @@ def test_ls_orders_stages_committed_in_one_second_by_their_inputs(phased, tmp_pa
         for src in res[name].manifest["inputs"].values():
             if src["stage"] in key:
                 assert listed.index(key[src["stage"]]) < listed.index(name), (src["stage"], name, listed)
+
+
+def test_the_space_estimate_covers_what_a_phased_run_keeps(phased):
+    """validate's space estimate (core/orchestrate/footprint.py) counts the phases' checkpoints: each sft/dpo
+    phase's last epochs, the start policies retention keeps, the rl phase's own build. Without them it was below
+    what this run's store holds at its end."""
+    from verlflow.core.orchestrate.footprint import estimate
+
+    bp, store, _, _ = phased
+    held = sum(p.stat().st_size for p in (store / "runs" / RUN).rglob("*") if p.is_file())
+    fp = estimate(bp)
+    assert fp.term("phase checkpoints").count == 4  # sft's epoch, dpo's last, the one being written, the model's build
+    assert held <= fp.total <= 3 * held, (fp.describe(), held)

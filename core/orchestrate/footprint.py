@@ -17,6 +17,10 @@ CLI runs this before anything touches the store). Each term follows what a stage
   config dtype) plus the folder's other files (config, tokenizer). Kept: storage.keep_last, the best, and the
   one being written (counted apart from the checkpoint being written: with warm workers an update's background
   commit overlaps the export).
+- phases (blueprint `phases:`): each sft/dpo phase keeps its last storage.keep_last_checkpoints epochs, plus the
+  one being written; each phase's start policy stays for a rerun of that phase (the model's build: counted here
+  beside the rl phase's last N); an rl phase that starts from another phase's policy has its own build (its
+  reference and initial policy, the policy kept while it ranks best).
 - rollout batches (core/ml/rollout.py save_batch): never pruned, so one per iteration.
 - evaluations (core/ml/evaluate.py): samples.parquet and the metrics, never pruned, one per evaluated policy.
 
@@ -194,6 +198,19 @@ def checkpoints_at_once(bp: Blueprint) -> int:
     return min(bp.iterations + 1, s.keep_last_checkpoints + bool(s.keep_best_metric) + pointed + 1)
 
 
+def phase_checkpoints(bp: Blueprint) -> tuple[int, int]:
+    """(training checkpoints, references) a run of phases keeps beyond the rl phase's own (checkpoints_at_once)."""
+    if not bp.phases:
+        return 0, 0
+    k = bp.storage.keep_last_checkpoints
+    epochs = [min(ph.epochs, k) for ph in bp.phases if ph.kind in ("sft", "dpo")]
+    rl = [i for i, ph in enumerate(bp.phases) if ph.kind == "rl"]
+    own_build = bool(rl) and (rl[0] > 0 and bp.phases[rl[0]].init_from != "model")
+    # + the epoch being written, + the model's build held as a phase's start (an rl phase's own build is the
+    # iteration 0 of checkpoints_at_once)
+    return sum(epochs) + bool(epochs) + 1, int(own_build)
+
+
 def batch_bytes(bp: Blueprint) -> int:
     """batch.safetensors (int64 prompts and responses with their masks, padded to the limits; fp32 scores, int64
     groups) and samples.parquet (the response text, at most ~4 bytes a token before compression)."""
@@ -241,9 +258,12 @@ def estimate(bp: Blueprint, size: ModelSize | None = None) -> Footprint:
     exported = export_itemsize(bp, model_dir)
     adapter_export = adapters is not None and bp.storage.export_lora == "adapter"
     export = adapters.export_bytes(exported) + size.meta_bytes if adapter_export else size.export_bytes(exported)
+    phase_ckpts, phase_refs = phase_checkpoints(bp)
     return Footprint((
         Term("training checkpoints", checkpoints_at_once(bp), policy + critic + 2 * STAGE_FILES, trained),
-        Term("reference", 1, reference + size.meta_bytes + STAGE_FILES, f"{bp.model.dtype}, with hf_meta"),
+        Term("phase checkpoints", phase_ckpts, policy + 2 * STAGE_FILES, "sft/dpo epochs and phase starts"),
+        Term("reference", 1 + phase_refs, reference + size.meta_bytes + STAGE_FILES,
+             f"{bp.model.dtype}, with hf_meta"),
         Term("HF exports", exports_at_once(bp), export + STAGE_FILES,
              f"{'adapter folders, ' if adapter_export else ''}{exported} bytes a parameter"),
         Term("rollout batches", bp.iterations, batch_bytes(bp) + STAGE_FILES, "never pruned"),
