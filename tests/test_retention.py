@@ -18,11 +18,14 @@ pytest_plugins = ["s3server"]
 
 
 # ---------- the keep set, on stages committed by hand (no jobs)
-def _commit(store: ArtifactStore, key: str, stage: str, files: dict[str, bytes], metrics: dict | None = None):
+def _commit(store: ArtifactStore, key: str, stage: str, files: dict[str, bytes], metrics: dict | None = None,
+            inputs: dict | None = None):
     for rel, data in files.items():
         store.put_bytes(f"{key}/{rel}", data)
     digests = {rel: bytes_digest(data) for rel, data in files.items()}
-    return store.commit(key, {"key": f"k-{key}", "stage": stage, "metrics": metrics or {}}, digests)
+    manifest = {"key": f"k-{key}", "stage": stage, "metrics": metrics or {},
+                "inputs": {n: {"stage": k, "key": f"k-{k}"} for n, k in (inputs or {}).items()}}
+    return store.commit(key, manifest, digests)
 
 
 def _fake_run(store: ArtifactStore, rewards: dict[int, float]) -> None:
@@ -100,13 +103,22 @@ def test_what_the_plan_still_reads_and_each_phases_start_stay(tmp_path):
 
 def test_the_models_build_ranks_before_the_rl_phases_build(tmp_path):
     """Both builds are iteration 0 of a phased run; the rl phase's starts from a later policy, so it is the newer
-    one whatever the phase's name sorts like (here before `init`)."""
+    one whatever the phase's name sorts like (here before `init`). And rollout[1]'s reward ranks the build it
+    sampled from, the rl phase's, not the model's."""
     store = ArtifactStore(tmp_path)
     files = {"ref/w": b"r" * 8, "policy/w": b"p" * 8}
     _commit(store, "runs/r/init/build", "build", files)
     _commit(store, "runs/r/grpo/build", "build", files)
-    bp = _bp(tmp_path, keep_last_checkpoints=1, keep_best_metric=None)
-    assert retain(store, bp, "r") == ["runs/r/init/build"]
+    assert retain(store, _bp(tmp_path, keep_last_checkpoints=1, keep_best_metric=None), "r") == ["runs/r/init/build"]
+
+    store = ArtifactStore(tmp_path / "ranked")
+    _commit(store, "runs/r/init/build", "build", files)
+    _commit(store, "runs/r/grpo/build", "build", files)
+    _commit(store, "runs/r/1/rollout", "rollout", {"batch.pt": b"b"}, {"reward_mean": 0.5},
+            inputs={"build": "runs/r/grpo/build", "policy": "runs/r/grpo/build"})
+    _commit(store, "runs/r/1/update", "update", {"policy/w": b"u" * 8})
+    bp = _bp(tmp_path / "ranked", keep_last_checkpoints=1, keep_best_metric="reward_mean")
+    assert retain(store, bp, "r") == ["runs/r/init/build"]  # update[1]: the last; the rl build: the best
 
 
 def test_an_unreadable_pointer_prunes_nothing(tmp_path):

@@ -157,10 +157,16 @@ class RunState:
                     Unit("checkpoint", int(epoch) if epoch.isdigit() else 0, key, m))
         return [sorted(units, key=lambda u: u.iteration) for _, units in sorted(phases.items())]
 
-    def score(self, iteration: int, metric: str | None):
-        """The rank of the policy of `iteration`: `metric` in the manifest of the rollout that sampled from it."""
-        rollout = self.manifests.get(stage_key(self.run_id, iteration + 1, "rollout"))
-        return None if not metric or rollout is None else rollout.get("metrics", {}).get(metric)
+    def score(self, unit: Unit, metric: str | None):
+        """The rank of `unit`'s policy: `metric` in the manifest of the rollout that sampled from it (rollout[i+1]
+        for iteration i, if its policy input is this stage: in a phased run the model's build and the rl phase's
+        are both iteration 0, and rollout[1] sampled from the rl phase's)."""
+        rollout = self.manifests.get(stage_key(self.run_id, unit.iteration + 1, "rollout"))
+        if not metric or rollout is None:
+            return None
+        if rollout.get("inputs", {}).get("policy", {}).get("stage", unit.key) != unit.key:
+            return None
+        return rollout.get("metrics", {}).get(metric)
 
     def leftovers(self, unit: Unit) -> list[str]:
         """Files an interrupted prune left: pruned in the manifest, still in the store."""
@@ -174,7 +180,7 @@ def keep_set(state: RunState, kind: str, keep_last: int, metric: str | None, pin
     reached = [u for u in units if head is None or u.iteration <= head]
     keep = {u.key for u in reached[-keep_last:]} | {u.key for u in units if u not in reached}
     keep |= {u.key for u in units if u.key in pinned and not _is_build(u)}
-    scores = [(state.score(u.iteration, metric), u.iteration, u.key) for u in units if u.held()]
+    scores = [(state.score(u, metric), u.iteration, u.key) for u in units if u.held()]
     scored = [s for s in scores if s[0] is not None]
     if scored:
         keep.add(max(scored)[2])
