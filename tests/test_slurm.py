@@ -320,6 +320,7 @@ def test_cancel_and_timeout_leave_no_job(slurm_cluster, shared, how):
         time.sleep(0.1)
     if how == "cancel" or th.is_alive():  # a timeout may come first on a loaded machine: then nothing hangs yet
         assert lines.text().count("all_reduce=2") == 2, lines.text()  # both ranks are up and hanging
+    if how == "cancel":  # with a timeout, its kill may already be under way (seen in CI: 2 of 4 left)
         assert len(_job_processes(rdzv_id)) >= 4  # 2 agents + 2 workers
     job_id = next(line.split("Slurm job ")[1].split()[0] for _, line in lines if "[slurm] submitted" in line)
     t_cancel = time.monotonic()
