@@ -305,7 +305,12 @@ class RolloutSpec(Section):
     micro_batch_size: int = Field(32, ge=1, description="Sequences generated together on one rank.")
     engine: Literal["hf", "static"] = Field(
         "hf", description="hf: transformers generate (dynamic cache). static: verlflow.core.ml.fastgen, a static KV cache "
-        "with the decode step captured as a CUDA graph (Llama/Qwen2 models; eager on CPU).")
+        "with the decode step captured as a CUDA graph (Llama, Qwen2/3, Mistral, Phi-3, Gemma-2/3, OLMo-2; eager on "
+        "CPU).")
+    batching: Literal["continuous", "micro_batches"] = Field(
+        "continuous", description="engine static: continuous: micro_batch_size rows generate at once and a row "
+        "whose response ended takes the next waiting prompt (a long response holds one row, not a whole batch); "
+        "micro_batches: each micro-batch runs until its longest response ends.")
 
 
 class FSDPSpec(Section):

@@ -96,6 +96,71 @@ def test_eos_rows_stop_and_all_finished_exits_early(models):
     assert eng.last_stats["steps"] <= 4 < 40  # all rows finished: stopped at the first check
 
 
+# ------------------------------------------------------------------------------- continuous batching
+
+
+def prompts_of(lens, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(7, 384, (n,), generator=g).tolist() for n in lens]
+
+
+def eos_biased(model, factor=5.0):
+    """A copy of the model that says EOS often: responses end at very different lengths."""
+    import copy
+
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        m.lm_head.weight[EOS] *= factor
+    return m
+
+
+def cut(row: list[int], eos=EOS) -> list[int]:
+    return row[:row.index(eos) + 1] if eos in row else row
+
+
+@pytest.mark.parametrize("arch,attn", [("qwen2", "bmm"), ("llama", "sdpa")])
+def test_continuous_batching_greedy_equals_hf_generate_prompt_by_prompt(models, arch, attn):
+    """11 prompts through 3 rows: a row that finishes (EOS or its own token budget) takes the next prompt while
+    the others go on; every response is HF generate's for that prompt alone, token for token."""
+    model = eos_biased(models[arch])
+    lens = [5, 11, 3, 16, 8, 1, 13, 2, 9, 6, 12]
+    limits = [20, 3, 20, 7, 20, 20, 1, 20, 11, 20, 5]  # forced stops as well as EOS
+    prompts = prompts_of(lens, seed=4)
+    eng = FastGen(model, batch_size=3, max_prompt_len=16, max_new_tokens=20, bucket=8, attn=attn, check_every=2)
+    ours, logps = eng.generate_many(prompts, SamplingConfig(temperature=0.0), [EOS], PAD, limits=limits,
+                                    refill_min=1)
+    want = []
+    for p, n in zip(prompts, limits):
+        ids = torch.tensor([p])
+        want.append(cut(hf_generate(model, ids, torch.ones_like(ids), n)[0].tolist()))
+    assert ours == want
+    assert all(len(lp) == len(r) for lp, r in zip(logps, ours))
+    assert len({len(r) for r in ours}) >= 4, [len(r) for r in ours]  # ragged: rows really finished apart
+    stats = eng.last_stats
+    assert stats["refills"] >= 5 and stats["tokens"] == sum(map(len, ours))  # rows were reused mid-generation
+
+
+def test_continuous_batching_sampled_logprobs_are_the_models_and_a_seed_reproduces(models):
+    """Sampled with temperature and top_p through refilled rows: each token's saved log-prob is the model's own
+    log_softmax(logits / T) at that token, recomputed from prompt + response alone (a stale cache slot, position
+    or pad offset in a refilled row would change it); the same seed gives the same responses."""
+    model = eos_biased(models["qwen2"], 4.0)
+    prompts = prompts_of([4, 9, 2, 14, 7, 11, 3, 10, 5], seed=8)
+    cfg = SamplingConfig(temperature=0.7, top_p=0.9)
+    eng = FastGen(model, batch_size=4, max_prompt_len=14, max_new_tokens=24, check_every=3)
+    torch.manual_seed(3)
+    ours, logps = eng.generate_many(prompts, cfg, [EOS], PAD, refill_min=2)
+    assert eng.last_stats["refills"] >= 3
+    with torch.no_grad():
+        for p, r, lp in zip(prompts, ours, logps):
+            assert 0 < len(r) <= 24 and (EOS not in r[:-1])
+            x = model(torch.tensor([p + r])).logits[0, len(p) - 1:len(p) - 1 + len(r)].float() / 0.7
+            want = x.log_softmax(-1).gather(1, torch.tensor(r)[:, None])[:, 0]
+            assert torch.allclose(torch.tensor(lp), want, atol=1e-4), (p, r)
+    torch.manual_seed(3)
+    assert eng.generate_many(prompts, cfg, [EOS], PAD, refill_min=2)[0] == ours
+
+
 # ----------------------------------------------------------------------------------- sampling maths
 
 
@@ -279,6 +344,22 @@ def test_benchmark_smoke_prints_the_table():
     r = res["tiny"]
     assert r["ours_sampled"]["tokens"] > 0 and r["hf_sampled"]["tokens"] > 0
     assert r["greedy_agreement_vs_hf"]["rows_identical"] == 1.0  # fp32 on CPU: exact
+
+
+def test_ragged_benchmark_smoke_same_tokens_fewer_steps():
+    """benchmarks/ragged.py on CPU: both modes honour the same budgets (same tokens); continuous batching needs
+    fewer decode steps for them (rows refilled instead of idling until a micro-batch's longest row ends)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ragged.py"
+    spec = importlib.util.spec_from_file_location("bench_ragged", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        res = mod.main(["--smoke"])
+    assert "| mode | tokens | seconds | tok/s | steps | row occupancy | GPU busy % | speed-up |" in buf.getvalue()
+    waves, cont = res["waves"], res["continuous"]
+    assert cont["tokens"] == waves["tokens"] > 0
+    assert cont["steps"] < waves["steps"] and cont["occupancy"] > waves["occupancy"] and cont["refills"] > 1
 
 
 @pytest.mark.parametrize("engine", ["hf", "static"])

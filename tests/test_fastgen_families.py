@@ -262,7 +262,7 @@ def test_triton_decode_attention_windows_and_softcap(window, softcap):
     vc = torch.randn(B, nkv, T, D, generator=g, device="cuda").to(torch.bfloat16)
     pad = torch.tensor([0, 37, 150], device="cuda")
     for cur in (150, 170, 299):
-        slot = torch.tensor([cur], device="cuda")
+        slot = torch.tensor([cur, max(cur - 90, 40), cur], device="cuda")  # each row its own slot
         got = combine_splits(*decode_attention_triton(q, kc, vc, pad, slot, 0.125, nkv, window=window,
                                                       softcap=softcap), nh // nkv)
         want = reference_decode_attention(q, kc, vc, pad, slot, 0.125, window=window, softcap=softcap)
@@ -281,3 +281,29 @@ def test_cuda_engine_on_a_softcapped_windowed_family():
     eng.generate(ids, mask, SamplingConfig(0.0), [EOS], PAD)  # runs (fp32 Triton dots are TF32: not bitwise)
     eng = FastGen(model, batch_size=6, max_prompt_len=16, max_new_tokens=20, bucket=8, attn="bmm")
     assert torch.equal(eng.generate(ids, mask, SamplingConfig(0.0), [EOS], PAD), ref)
+
+
+@pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="the CUDA engine: graphs, compile, Triton")
+@pytest.mark.parametrize("attn", ["bmm", "triton"])
+def test_cuda_continuous_batching_refills_rows_inside_the_captured_step(attn):
+    """Continuous batching on the GPU (compiled, graph-captured steps, refills between replays), fp32: with the
+    bucketed bmm step every response is HF's greedy one for that prompt alone; with the Triton kernel (TF32 dots,
+    not bitwise) every row keeps its budget and its log-probs are the model's own, teacher-forced."""
+    from test_fastgen import cut, eos_biased, prompts_of
+
+    model = eos_biased(build("qwen3")).cuda()
+    prompts = prompts_of([5, 11, 3, 16, 8, 1, 13, 2, 9, 6, 12], seed=4)
+    limits = [20, 3, 20, 7, 20, 20, 1, 20, 11, 20, 5]
+    eng = FastGen(model, batch_size=3, max_prompt_len=16, max_new_tokens=20, bucket=8, attn=attn, check_every=2)
+    assert eng.use_graphs and eng.attn == attn
+    ours, logps = eng.generate_many(prompts, SamplingConfig(0.0), [EOS], PAD, limits=limits, refill_min=1)
+    assert eng.last_stats["refills"] >= 5
+    for p, r, lp, n in zip(prompts, ours, logps, limits):
+        assert 0 < len(r) <= n
+        if attn == "bmm":
+            ids = torch.tensor([p], device="cuda")
+            assert r == cut(hf_generate(model, ids, torch.ones_like(ids), n)[0].tolist())
+        with torch.no_grad():
+            x = model(torch.tensor([p + r], device="cuda")).logits[0, len(p) - 1:len(p) - 1 + len(r)].float()
+        want = x.log_softmax(-1).gather(1, torch.tensor(r, device="cuda")[:, None])[:, 0].cpu()
+        torch.testing.assert_close(torch.tensor(lp), want, atol=1e-2, rtol=0)

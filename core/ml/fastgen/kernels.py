@@ -29,7 +29,7 @@ if HAVE_TRITON:
                             SPLIT_N: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
                             SOFTCAP: tl.constexpr):
         """One (row, KV head, split of the cache): the group's G query heads against the shared K/V head,
-        valid slots only ([pad_b, slot], and the last WINDOW of them when WINDOW > 0: sliding-window layers);
+        valid slots only ([pad_b, slot_b], and the last WINDOW of them when WINDOW > 0: sliding-window layers);
         scores soft-capped (SOFTCAP * tanh(s / SOFTCAP)) when SOFTCAP > 0; writes the split's running max, sum and
         unnormalised output. WINDOW and SOFTCAP are compile-time: 0 compiles the plain kernel."""
         pid = tl.program_id(0)
@@ -40,7 +40,7 @@ if HAVE_TRITON:
         d = tl.arange(0, D)
         q = tl.load(Q + b * sqb + (h * G + g)[:, None] * sqh + d[None, :], mask=(g < G)[:, None], other=0.0)
         pad = tl.load(PAD + b).to(tl.int32)
-        cur = tl.load(SLOT).to(tl.int32)
+        cur = tl.load(SLOT + b).to(tl.int32)  # each row its own slot (continuous batching refills rows)
         if WINDOW > 0:  # HF's sliding window: key slot n is seen by the query at slot cur iff cur - n < WINDOW
             pad = tl.maximum(pad, cur - WINDOW + 1)
         m_i = tl.zeros([GP], dtype=tl.float32) - 1.0e30
@@ -106,7 +106,8 @@ def _pow2(n: int) -> int:
 def decode_attention_triton(q, kc, vc, pad_off, slot, scale: float, nkv: int, split_n: int = 64,
                             block_n: int = 64, num_warps: int = 4, window: int = 0, softcap: float = 0.0):
     """Partial results of decode attention (see ``_decode_attn_kernel``): (m, l, o) per split, for
-    ``combine_splits``. q (B, nh, D); kc/vc (B, nkv, T, D), last dim contiguous. window: a sliding-window
+    ``combine_splits``. q (B, nh, D); kc/vc (B, nkv, T, D), last dim contiguous; pad_off, slot (B,) long: row b
+    attends to slots [pad_off[b], slot[b]]. window: a sliding-window
     layer's window (0: off); softcap: attention logit soft-capping (0: off)."""
     B, nh, D = q.shape
     T = kc.shape[2]
@@ -129,6 +130,7 @@ def reference_decode_attention(q, kc, vc, pad_off, slot, scale: float, window: i
     B, nh, D = q.shape
     nkv, T = kc.shape[1], kc.shape[2]
     t = torch.arange(T, device=q.device)
+    slot = slot.view(-1, 1)  # (B, 1), or (1, 1): one slot for every row
     ok = (t[None] >= pad_off[:, None]) & (t[None] <= slot)
     if window:
         ok &= t[None] > slot - window

@@ -104,13 +104,14 @@ def _after_attn(x, o, L, S: Spec):
 
 
 def _pre_attn(x, L, kc, vc, slot, cos, sin, S: Spec):
-    """Norm, q/k/v, rotary, and this step's K/V into the cache at ``slot``; returns q (B, nh, hd)."""
+    """Norm, q/k/v, rotary, and this step's K/V into the cache at each row's ``slot`` (B,); returns q (B, nh, hd)."""
     q, k, v = _qkv(_norm(x, L["ln1"], S), L, S)
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)
     q = _rope(q, c, s, S.rot)
     k = _rope(k, c, s, S.rot)
-    kc.index_copy_(2, slot, k.unsqueeze(2))
-    vc.index_copy_(2, slot, v.unsqueeze(2))
+    rows = torch.arange(x.shape[0], device=x.device)
+    kc[rows, :, slot] = k  # (B, nkv, hd): row b at slot[b]
+    vc[rows, :, slot] = v
     return q.contiguous()
 
 
@@ -155,7 +156,7 @@ def _logits(x, norm_w, lm_w, eps: float, f32: bool = False, cap: float = 0.0):
 
 def _decode_layer(x, L, kc, vc, slot, cos, sin, bias, S: Spec, kv_len: int, attn: str = "bmm"):
     """One decoder layer for one new token per row. x (B, H); kc/vc (B, nkv, T, hd) written at ``slot``
-    (a (1,) long tensor); bias (B, kv_len) float: 0 where the slot is valid for the row (and inside the layer's
+    ((B,) long: each row's own); bias (B, kv_len) float: 0 where the slot is valid for the row (and inside the layer's
     sliding window), -inf elsewhere."""
     B = x.shape[0]
     q = _pre_attn(x, L, kc, vc, slot, cos, sin, S)
