@@ -2,9 +2,9 @@
 tests/conftest.py's `pytest_plugins`).
 
 Fixture:
-  reference (session) -> Reference: two GRPO iterations of the tiny blueprint (2 ranks), run `eq`, each stage its
-                         own fresh torchrun job (test_stages compares it with one monolithic process and with a warm
-                         pool). Its store is read-only for tests: a test that writes to a store (runs a stage there,
+  reference (session) -> Reference: two GRPO iterations of the tiny blueprint (2 ranks), run `eq`, every stage in
+                         one warm pool (the default; test_stages reruns its second iteration as fresh torchrun jobs
+                         and compares, and compares it with one monolithic process). Its store is read-only for tests: a test that writes to a store (runs a stage there,
                          adds a run, moves a pointer) works on `reference.copy(tmp_path)`. Under pytest-xdist it runs
                          once for all workers (kits.built_once), so every worker's tests read the same store.
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from kits import built_once
-from tinybp import FRESH_JOBS, tiny_blueprint
+from tinybp import tiny_blueprint
 
 # The stages whose keys hash storage.uri (validate also the resources): in another store they must be re-keyed.
 STORE_KEYED = ("validate", "checkpoint")
@@ -71,8 +71,9 @@ def rekey(bp, run_id: str) -> None:
 
 def _reference_bp(kit: dict, root: Path):
     # Tests start stages from any of its checkpoints, the build's initial policy too: retention keeps all three.
-    # Fresh jobs: test_stages compares this run with a warm pool's, and test_faults clones it for job faults.
-    return tiny_blueprint(kit, root, FRESH_JOBS, iterations=2, storage__keep_last_checkpoints=3)
+    # A warm pool (one spawn, ~40 s on 2 loaded cores; fresh jobs took ~250 s): tests that need a stage job's own
+    # life (test_faults, test_stages' fresh-jobs equality) ask for FRESH_JOBS on their copies.
+    return tiny_blueprint(kit, root, iterations=2, storage__keep_last_checkpoints=3)
 
 
 @pytest.fixture(scope="session")
