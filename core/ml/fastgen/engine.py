@@ -201,7 +201,7 @@ class FastGen:
                                          w.nh // w.nkv)
                     want = reference_decode_attention(q, kc, vc, pad, slot, w.scaling, **extra)
                     err = (got - want).abs().max().item()
-                    if not err < 2e-2:
+                    if not err < (1e-4 if dt == torch.float32 else 2e-2):  # fp32: IEEE dots, TF32's error shows
                         raise RuntimeError(f"max abs error {err:.3g} ({extra})")
             except Exception as e:  # noqa: BLE001
                 fallback = "bmm" if w.spec.softcap else "sdpa"

@@ -27,11 +27,12 @@ if HAVE_TRITON:
                             sqb, sqh, skb, skh, skt, NKV, NSPLIT,
                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                             SPLIT_N: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-                            SOFTCAP: tl.constexpr):
+                            SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
         """One (row, KV head, split of the cache): the group's G query heads against the shared K/V head,
         valid slots only ([pad_b, slot_b], and the last WINDOW of them when WINDOW > 0: sliding-window layers);
         scores soft-capped (SOFTCAP * tanh(s / SOFTCAP)) when SOFTCAP > 0; writes the split's running max, sum and
-        unnormalised output. WINDOW and SOFTCAP are compile-time: 0 compiles the plain kernel."""
+        unnormalised output. WINDOW and SOFTCAP are compile-time: 0 compiles the plain kernel. IEEE (fp32 caches):
+        the dots in full fp32, not TF32 (whose 10-bit mantissa tipped greedy near-ties away from HF's)."""
         pid = tl.program_id(0)
         sp = tl.program_id(1)
         b = pid // NKV
@@ -52,7 +53,10 @@ if HAVE_TRITON:
             ok = (n >= pad) & (n <= cur)
             k = tl.load(K + base + n[:, None] * skt + d[None, :], mask=ok[:, None], other=0.0)
             v = tl.load(V + base + n[:, None] * skt + d[None, :], mask=ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale
             if SOFTCAP > 0:  # tanh(y) = 1 - 2 / (exp(2y) + 1): exact limits at +-inf, no libdevice needed
                 s = SOFTCAP * (1.0 - 2.0 / (tl.exp(2.0 * (s / SOFTCAP)) + 1.0))
             s = tl.where(ok[None, :], s, float("-inf"))
@@ -60,7 +64,10 @@ if HAVE_TRITON:
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         row = (pid * NSPLIT + sp) * G  # only the G real query rows go out
         tl.store(MP + row + g, m_i, mask=g < G)
@@ -120,7 +127,7 @@ def decode_attention_triton(q, kc, vc, pad_off, slot, scale: float, nkv: int, sp
     _decode_attn_kernel[(B * nkv, ns)](
         q, kc, vc, pad_off, slot, mp, lp, op, scale, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1),
         kc.stride(2), nkv, ns, G=G, GP=GP, D=D, SPLIT_N=split_n, BLOCK_N=block_n, WINDOW=int(window),
-        SOFTCAP=float(softcap), num_warps=num_warps)
+        SOFTCAP=float(softcap), IEEE=kc.dtype == torch.float32, num_warps=num_warps)
     return mp, lp, op
 
 
