@@ -88,3 +88,16 @@ def test_a_stage_version_bump_reruns_that_stage_and_the_later_ones(pkg, bp, monk
     after = plan_keys(bp, stage_code_versions(pkg))
     changed = sorted(name for name in before if before[name] != after[name])
     assert changed == ["checkpoint[1]", "checkpoint[2]"], changed  # nothing reads a checkpoint stage
+
+
+def test_the_static_engines_batching_reruns_what_samples_and_nothing_before(bp):
+    """rollout.batching decides which rows a static engine's samples come from: a change reruns the rollouts (and
+    what reads them) and the evaluations, not validate's inputs to the build nor the build."""
+    other = bp.model_copy(deep=True)
+    other.rollout.batching = "micro_batches"
+    versions = stage_code_versions()
+    a, b = plan_keys(bp, versions), plan_keys(other, versions)
+    changed = {step for step in a if a[step] != b[step]}
+    assert {"rollout[1]", "update[1]", "rollout[2]"} <= changed and "build[init]" not in changed
+    for stage in ("rollout", "evaluate"):
+        assert runner.compute_key(stage, bp, 1, {}) != runner.compute_key(stage, other, 1, {}), stage

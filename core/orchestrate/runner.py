@@ -46,7 +46,7 @@ SECTIONS = {
     # evaluate: what its samples and scores depend on; not eval.before_train/every (which evaluations exist), nor
     # the rollout's own sampling (the eval's replaces it).
     "evaluate": ("model", "reward", "seed", "data.max_prompt_length", "fsdp.mixed_precision", "rollout.engine",
-                 "rollout.micro_batch_size", "rollout.max_new_tokens", "eval.files", "eval.prompt_key",
+                 "rollout.batching", "rollout.micro_batch_size", "rollout.max_new_tokens", "eval.files", "eval.prompt_key",
                  "eval.max_prompts", "eval.n", "eval.temperature", "eval.top_p", "eval.max_new_tokens", "eval.reward",
                  "eval.threshold", "eval.pass_k", "eval.samples_shown"),
     # Only what the export's bytes depend on: a changed retention or cadence field must not re-export (and so
