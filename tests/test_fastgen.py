@@ -329,15 +329,20 @@ def test_generate_share_dispatches_on_engine(monkeypatch):
     assert called == ["static", "hf"]
 
 
-def test_benchmark_smoke_prints_the_table():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "rollout.py"
-    spec = importlib.util.spec_from_file_location("bench_rollout", path)
+def smoke(script: str) -> tuple[dict, str]:
+    """benchmarks/<script> --smoke: (its result, what it printed)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     buf = io.StringIO()
     with redirect_stdout(buf):
         res = mod.main(["--smoke"])
-    out = buf.getvalue()
+    return res, buf.getvalue()
+
+
+def test_benchmark_smoke_prints_the_table():
+    res, out = smoke("rollout.py")
     assert "| measure | baseline (HF generate) | ours (fastgen) | ratio | floor |" in out
     for row in ("generated tok/s, sampled", "decode ms/step, sampled", "generated tok/s, greedy"):
         assert row in out
@@ -349,14 +354,8 @@ def test_benchmark_smoke_prints_the_table():
 def test_ragged_benchmark_smoke_same_tokens_fewer_steps():
     """benchmarks/ragged.py on CPU: both modes honour the same budgets (same tokens); continuous batching needs
     fewer decode steps for them (rows refilled instead of idling until a micro-batch's longest row ends)."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ragged.py"
-    spec = importlib.util.spec_from_file_location("bench_ragged", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    buf = io.StringIO()
-    with redirect_stdout(buf):
-        res = mod.main(["--smoke"])
-    assert "| mode | tokens | seconds | tok/s | steps | row occupancy | GPU busy % | speed-up |" in buf.getvalue()
+    res, out = smoke("ragged.py")
+    assert "| mode | tokens | seconds | tok/s | steps | row occupancy | GPU busy % | speed-up |" in out
     waves, cont = res["waves"], res["continuous"]
     assert cont["tokens"] == waves["tokens"] > 0
     assert cont["steps"] < waves["steps"] and cont["occupancy"] > waves["occupancy"] and cont["refills"] > 1
