@@ -414,7 +414,8 @@ class FastGen:
             self.warmup(width, cfg, every_slot)
             torch.cuda.set_rng_state(rng, self.device)
         if every_slot and self.compile and not self._refill_ready:  # compile the refills' prefill (any rows, any
-            for n, p in ((2, 3), (3, 5)):  # width) now, in the set-up: the first two calls see new shapes
+            for n, p in ((2, 3), (3, 5), (1, 4)):  # width) now, in the set-up: two shapes make it dynamic; one row
+                # is a shape of its own (dynamo specialises sizes of 1), as in the last refills of a call
                 rows = torch.arange(n, device=self.device)
                 self._prefill(torch.zeros(n, p, dtype=torch.long, device=self.device), torch.zeros_like(rows), rows)
             self._refill_ready = True
