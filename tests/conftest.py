@@ -20,8 +20,8 @@ pytest_plugins = ["s3server", "kits", "prefect_server", "reference"]
 # flows 106, phases 81, launcher 59, slurm 50, dcpio 47, ui 43, cli 42.
 HEAVY_FIRST = ("test_stages", "test_schedule", "test_phases", "test_hangs", "test_flows", "test_cli", "test_faults",
                "test_retention", "test_evaluate", "test_launcher", "test_preflight", "test_security", "test_dcpio",
-               "test_slurm", "test_promotion", "test_packaging", "test_footprint", "test_algorithms", "test_tracking", "test_ui",
-               "test_keys", "test_packing", "test_fastgen", "test_benchmarks", "test_exports", "test_lease",
+               "test_slurm", "test_promotion", "test_packaging", "test_footprint", "test_algorithms", "test_tracking",
+               "test_ui", "test_keys", "test_packing", "test_fastgen", "test_benchmarks", "test_exports", "test_lease",
                "test_determinism", "test_store", "test_blueprint", "test_lora", "test_dpo_core", "test_pool",
                "test_multinode", "test_postgres", "test_k8s", "test_verify")
 
