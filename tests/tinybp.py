@@ -12,8 +12,8 @@ BASE = {
     "algorithm.ppo_mini_batch_size": 2, "algorithm.ppo_micro_batch_size_per_gpu": 4, "algorithm.lr": 3e-3,
     "resources.nproc_per_node": 2, "resources.stage_timeout_s": 300, "iterations": 1,
     "tracking.backends": [],  # the tracking tests turn it on: an MLflow store per run costs seconds
-    # One torchrun job per pipeline: a fresh job per stage costs ~10 s of imports per rank (torch, DTensor's sympy,
-    # transformers), 5x the tiny pipeline's own work. Tests of a stage job's life (kills, hangs, timeouts,
+    # One torchrun job per pipeline: a fresh job per stage costs ~5 s of imports per rank (torch, DTensor's sympy,
+    # transformers, verl; ~10 s where the venv is not byte-compiled), more than the tiny pipeline's own work. Tests of a stage job's life (kills, hangs, timeouts,
     # process trees) ask for FRESH_JOBS; backends other than one local node get it by themselves.
     "resources.warm_workers": True,
 }
