@@ -431,9 +431,13 @@ class FastGen:
         """Put left-padded prompts ids (n, P) (``pad`` (n,) pad slots each) into cache rows ``rows`` (n,): prefill
         them, sample each one's first token, and set the rows' decode state so the next step continues them."""
         P = ids.shape[1]
+        every = len(rows) == self.B  # all rows (a micro-batch): plain slices, not an index_put over the cache
         for c in (self.kc + self.vc):
-            c[rows, :, P:] = 0  # slots past the prompt: no stale non-finite values under a zero weight
-        h = self._prefill(ids, pad, rows)
+            if every:
+                c[:, :, P:].zero_()  # slots past the prompt: no stale non-finite values under a zero weight
+            else:
+                c[rows, :, P:] = 0
+        h = self._prefill(ids, pad, None if every else rows)
         w = self.w
         logits = _logits(h, w.norm_w, w.lm_w, w.norm_eps, w.spec.norm32, w.final_cap)
         fn = self._fn if len(rows) == self.B else self._eager
