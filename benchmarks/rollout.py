@@ -116,8 +116,12 @@ def floors(model, batch: int, lens: torch.Tensor, new: int, hbm_tbs: float, peak
             "compute_floor_ms": comp_ms, "gflop_per_step": flops / 1e9}
 
 
-def run_hf(model, ids, mask, new, cfg: SamplingConfig, eos, pad, dev, seed=0):
+def run_hf(model, ids, mask, new, cfg: SamplingConfig, eos, pad, dev, seed=0, static=False):
+    """HF ``generate``: its dynamic cache, or (``static``) its static cache, with which transformers compiles the
+    decode forward itself (CUDA)."""
     kw = dict(max_new_tokens=new, pad_token_id=pad, eos_token_id=eos, use_cache=True)
+    if static:
+        kw["cache_implementation"] = "static"
     if cfg.greedy:
         kw.update(do_sample=False)
     else:
@@ -269,6 +273,18 @@ def micro_sampler(B, V, dtype, dev, prof_path: Path | None = None) -> dict:
         return torch.multinomial(x.masked_fill(rm, float("-inf")).softmax(-1), 1)
 
     out["top_p0.95/hf_sort+multinomial"] = bench_cuda(hf_sort, iters=10) * 1e3
+    try:  # the nucleus-mass pass's launch settings (its default: chunk 2048, sub 1024, 8 warps)
+        from verlflow.core.ml.fastgen.kernels import member_mass_triton
+
+        cfg = cases["top_p0.95"]
+        m = (logits.float().amax(-1) / cfg.temperature).contiguous()
+        xc = logits.gather(1, torch.randint(0, V, (B, cfg.candidates()), device=dev))
+        for chunk, sub, warps in ((2048, 1024, 8), (1024, 512, 4), (1024, 256, 4), (2048, 512, 4), (4096, 512, 8),
+                                  (512, 256, 2), (512, 512, 4), (8192, 1024, 8)):
+            out[f"member_mass/chunk{chunk}_sub{sub}_w{warps}"] = bench_cuda(
+                lambda: member_mass_triton(logits, cfg.temperature, m, xc, chunk, sub, warps), iters=20) * 1e3
+    except Exception as e:  # noqa: BLE001
+        out["member_mass"] = f"{type(e).__name__}: {e}"[:200]
     if prof_path is not None:  # kernels of the compiled top_p sampler
         from torch.profiler import ProfilerActivity, profile
 
@@ -394,11 +410,22 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
         with torch.no_grad():  # HF warm-up (cuBLAS handles, allocator)
             model.generate(input_ids=ids[:8], attention_mask=mask[:8], max_new_tokens=4, do_sample=False,
                            pad_token_id=pad, eos_token_id=eos)
-        hf_s = attempt("hf_sampled", lambda: run_hf(model, ids, mask, N, scfg, eos, pad, dev))
+        hf_s = None if args.no_hf_dynamic else attempt("hf_sampled", lambda: run_hf(model, ids, mask, N, scfg, eos,
+                                                                                    pad, dev))
+        if cuda and not args.no_hf_static:  # the first call compiles (and is the set-up); the second is timed
+            def hf_static():
+                t0 = time.perf_counter()
+                run_hf(model, ids, mask, N, scfg, eos, pad, dev, static=True)
+                setup = time.perf_counter() - t0
+                resp, st = run_hf(model, ids, mask, N, scfg, eos, pad, dev, static=True)
+                return resp, {**st, "first_call_s": setup}
+            hf_st = attempt("hf_static_sampled", hf_static)
+        else:
+            hf_st = None
         if args.hf_greedy_full:
             attempt("hf_greedy", lambda: run_hf(model, ids, mask, N, gcfg, eos, pad, dev))
     else:
-        hf_s = None
+        hf_s = hf_st = None
     # greedy agreement with HF on a slice (bf16 on GPU: expect divergence after a while; exact on CPU fp32)
     nr, nn = min(B, 32), min(N, 32)
     hfg = attempt("hf_greedy_slice", lambda: run_hf(model, ids[:nr], mask[:nr], nn, gcfg, eos, pad, dev))
@@ -458,6 +485,12 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
                      f"{g(h, 'ms_per_step') / g(o, 'ms_per_step'):.1f}x" if o and h else "-", fl["mem_floor_ms"]))
         rows.append((f"prefill s, {label}", g(h, "prefill_s"), g(o, "prefill_s"), "-", "-"))
         rows.append((f"wall s for {B}x{N} tokens, {label}", g(h, "total_s"), g(o, "total_s"), "-", "-"))
+        if hf_st:  # the stronger baseline: HF's own static cache, compiled
+            t_st = g(hf_st, "tokens") / g(hf_st, "total_s")
+            rows.append((f"generated tok/s, {label}, HF static cache + compile (baseline column)", t_st, t_o,
+                         f"{t_o / t_st:.1f}x" if t_o else "-", floor_tps))
+            rows.append((f"decode ms/step, {label}, HF static cache + compile", g(hf_st, "ms_per_step"),
+                         g(o, "ms_per_step"), "-", fl["mem_floor_ms"]))
     if ours_g:
         t_o = g(ours_g, "tokens") / g(ours_g, "total_s")
         hgf = r.get("hf_greedy")
@@ -521,6 +554,8 @@ def main(argv=None):
     ap.add_argument("--sampler", default="auto", choices=["auto", "torch", "triton"], help="sampler of ours")
     ap.add_argument("--tf-rows", type=int, default=16, help="rows of the teacher-forced check")
     ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--no-hf-dynamic", action="store_true", help="skip HF generate with its dynamic cache")
+    ap.add_argument("--no-hf-static", action="store_true", help="skip HF generate with its static cache + compile")
     ap.add_argument("--hf-greedy-full", action="store_true", help="also time HF greedy at the full shape")
     ap.add_argument("--no-variants", action="store_true", help="skip the ablations (no graphs / no compile / sdpa)")
     ap.add_argument("--no-micro", action="store_true")

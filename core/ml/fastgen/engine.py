@@ -147,11 +147,18 @@ class FastGen:
             kv = min(self.T, (cur // self.bucket + 1) * self.bucket)
             bias = torch.zeros(B, 1, 1, kv, dtype=w.dtype, device=dev)
 
-            def timed(fn, reps=20):
+            def graphed(fn, reps=20):  # timed as the step runs them: replayed from a CUDA graph. Timed eagerly,
+                # the Python launch of a Triton kernel (~50 us) hid its GPU time (~25 us) and sdpa always won
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for _ in range(reps):
+                        fn()
+                return g
+
+            def timed(g, reps=20):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
-                for _ in range(reps):
-                    fn()
+                g.replay()
                 b.record()
                 torch.cuda.synchronize(dev)
                 return a.elapsed_time(b) / reps * 1e3  # us
@@ -163,16 +170,23 @@ class FastGen:
                 # the compiled step (~4 us on the H200): timing it eagerly here would count its launches
                 fns[f"triton{i}"] = (4.0, lambda cfg=cfg: decode_attention_triton(q, kc, vc, pad, slot, w.scaling,
                                                                                   w.nkv, **cfg, **variant))
-            for _, fn in fns.values():  # compile everything, then ~100 ms of work so the clocks are up
-                fn()
+            side = torch.cuda.Stream(device=dev)  # compile everything off the capture, as the step's warm-up does
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _, fn in fns.values():
+                    fn()
+            torch.cuda.current_stream(dev).wait_stream(side)
+            torch.cuda.synchronize(dev)
+            graphs = {k: (extra, graphed(fn)) for k, (extra, fn) in fns.items()}
             t0 = time.perf_counter()
-            first = next(iter(fns.values()))[1]
-            while time.perf_counter() - t0 < 0.1:
+            first = next(iter(graphs.values()))[1]
+            while time.perf_counter() - t0 < 0.1:  # ~100 ms of work so the clocks are up
                 timed(first)
             times: dict = {}
             for _ in range(3):  # interleaved rounds, best of each
-                for k, (extra, fn) in fns.items():
-                    times[k] = min(times.get(k, float("inf")), extra + timed(fn))
+                for k, (extra, g) in graphs.items():
+                    times[k] = min(times.get(k, float("inf")), extra + timed(g))
+            del graphs
             best = min(times, key=times.get)
             self.attn_timings = {k: round(v, 1) for k, v in times.items()}
             if best == "sdpa":
@@ -258,7 +272,7 @@ class FastGen:
                 x = fn["layer"](x, L, self.kc[i], self.vc[i], self.slot, cos, sin, bias[self.windows[i]], S, kv_len,
                                 self.attn)
         logits = fn["logits"](x, w.norm_w, w.lm_w, w.norm_eps, S.norm32, w.final_cap)
-        self._advance(self._sample(logits, cfg), logits, cfg)
+        self._advance(*self._sample(logits, cfg))
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         x = F.embedding(ids, self.w.embed)
@@ -266,19 +280,21 @@ class FastGen:
             x = x * self.w.embed_scale
         return x
 
-    def _sample(self, logits: torch.Tensor, cfg: SamplingConfig, fn: dict | None = None) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, cfg: SamplingConfig, fn: dict | None = None):
+        """The next tokens and their fp32 log-probs under the sampling logits (logits / T; greedy: T = 1): the
+        rollout's old log-probs. The Triton sampler has them from its own block pass; otherwise one more pass over
+        the vocabulary."""
         fn = fn or self._fn
         u = None if cfg.greedy else torch.rand(logits.shape[0], cfg.candidates(), 2, device=logits.device)
         if self.sampler == "triton" and cfg.method(logits.shape[1]) == "reject":
             return sample_logits_triton(logits, cfg, u, fn["cands"], fn["pick"])
-        return fn["sample"](logits, cfg, u)
+        nxt = fn["sample"](logits, cfg, u)
+        return nxt, fn["logp"](logits, nxt, sampling_temperature(cfg.temperature))
 
-    def _advance(self, nxt: torch.Tensor, logits: torch.Tensor, cfg: SamplingConfig):
-        """Emit the sampled tokens of the unfinished rows with their log-probs under the sampling logits (the
-        rollout's old log-probs: one more pass over the vocabulary per step, small against the step). A finished
+    def _advance(self, nxt: torch.Tensor, logp: torch.Tensor):
+        """Emit the sampled tokens of the unfinished rows with their log-probs. A finished
         row stands still (its column, position and slot stay; it is fed pad_id) until it is refilled or the
         batch ends; it finishes at an EOS or at its token budget ``limit``."""
-        logp = self._fn["logp"](logits, nxt, sampling_temperature(cfg.temperature))
         live = self.unfinished
         nxt = torch.where(live, nxt, self.pad_id)
         col = self.col.clamp(max=self.max_new - 1).unsqueeze(1)  # a row at its budget rewrites its last column
@@ -441,8 +457,7 @@ class FastGen:
         w = self.w
         logits = _logits(h, w.norm_w, w.lm_w, w.norm_eps, w.spec.norm32, w.final_cap)
         fn = self._fn if len(rows) == self.B else self._eager
-        first = self._sample(logits, cfg, fn)
-        logp = fn["logp"](logits, first, sampling_temperature(cfg.temperature))
+        first, logp = self._sample(logits, cfg, fn)
         self.out[rows] = self.pad_id
         self.out_logp[rows] = 0.0
         self.out[rows, 0] = first

@@ -204,17 +204,24 @@ def _cands_from_stats(logits, bmax, bsum_local, u, temperature: float):
     return cand, xc, m.squeeze(-1).contiguous(), z, top * K + inner
 
 
-def _pick(cand, le, z, fallback, top_p: float):
-    return _first_accepted(cand, le > (1.0 - top_p) * z, fallback)
+def _logp_from_stats(logits, tok, m, z, temperature: float):
+    """log_softmax(logits / T)[tok] in fp32 from what the sampler's block pass already has: the row max m of
+    logits / T and the mass z = sum exp(logits / T - m); saves the step a full-vocabulary logsumexp pass."""
+    return logits.gather(1, tok.view(-1, 1)).squeeze(1).float() * (1.0 / temperature) - m - torch.log(z.squeeze(-1))
+
+
+def _pick(cand, le, z, fallback, top_p: float, logits, m, temperature: float):
+    tok = _first_accepted(cand, le > (1.0 - top_p) * z, fallback)
+    return tok, _logp_from_stats(logits, tok, m, z, temperature)
 
 
 def sample_logits_triton(logits, cfg: SamplingConfig, u, cands_fn=_cands_from_stats, pick_fn=_pick):
-    """``sample_logits`` for the "reject" method with the two full-vocabulary passes as Triton kernels."""
+    """``sample_logits`` for the "reject" method with the two full-vocabulary passes as Triton kernels; returns
+    the tokens and their log-probs under logits / T (fp32)."""
     bmax, bsl = block_stats_triton(logits, cfg.temperature)
     cand, xc, m, z, fallback = cands_fn(logits, bmax, bsl, u, cfg.temperature)
     if cfg.top_p >= 1.0:
-        return cand[:, 0]
+        tok = cand[:, 0]
+        return tok, _logp_from_stats(logits, tok, m, z, cfg.temperature)
     le = member_mass_triton(logits, cfg.temperature, m, xc)
-    return pick_fn(cand, le, z, fallback, cfg.top_p)
-
-
+    return pick_fn(cand, le, z, fallback, cfg.top_p, logits, m, cfg.temperature)
