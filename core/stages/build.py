@@ -13,9 +13,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from verlflow.core.errors import InputError
-from verlflow.core.ml import checkpoint, model as M
+from verlflow.core.ml import checkpoint, model as M, ppo
 from verlflow.core.ml.modeldir import model_dir_problems
 from verlflow.core.ml.optim import make_optimizer
+from verlflow.core.stages import modelcache
 from verlflow.core.stages.common import StageContext, stage_main
 
 log = logging.getLogger("verlflow.build")
@@ -49,7 +50,9 @@ def run(ctx: StageContext) -> dict:
         with ctx.timed(f"{role}_load_s"):
             # FSDP2: ranks > 0 start from meta and receive rank 0's weights through the load below.
             meta = bp.fsdp.version == 2 and ctx.rank > 0
-            module = M.build_module(src, bp, critic=critic, meta=meta, adapters=role == "policy")
+            # packed as the update builds its modules: in a warm pool this very module is the first update's
+            module = M.build_module(src, bp, critic=critic, meta=meta, adapters=role == "policy",
+                                    packed=bp.algorithm.use_remove_padding)
             full = None if meta else module.state_dict()
             trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)  # model.lora: the adapters
         with ctx.timed(f"{role}_wrap_s"):
@@ -74,6 +77,12 @@ def run(ctx: StageContext) -> dict:
         opt = make_optimizer(model, bp, critic=critic) if role != "ref" else None
         with ctx.timed(f"{role}_save_s"):
             checkpoint.save(ctx.out / role, model, opt, state)
+        # A warm pool keeps the policy (and critic) for the first rollout and update, which would read these
+        # files back (core/stages/modelcache.py); the reference is the policy's weights until an update trains it.
+        if role == "policy":
+            modelcache.put("policy", ctx.identity(), (model, opt, state))
+        elif role == "critic":
+            modelcache.put("critic", ctx.identity(), ppo.Trainee(model, opt))
         del model, opt
     log.info("build: %s", json.dumps(metrics))
     return metrics
