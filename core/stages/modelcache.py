@@ -2,7 +2,8 @@
 
 Only inside a warm pool (VERLFLOW_WARM_POOL=1, set by verlflow.core.orchestrate.pool): an update keeps its FSDP policy and optimizer
 (and the frozen reference, and the critic) in memory after committing them, and the next rollout, checkpoint and
-update use those instead of reading the checkpoint back. An entry is keyed by the committed stage it equals (store
+update use those instead of reading the checkpoint back; the build leaves its policy (and critic) the same way for the
+first rollout and update. An entry is keyed by the committed stage it equals (store
 path and key) and the blueprint sections that shape the module. A failed stage ends the pool and its memory, so
 an entry never outlives the process that committed it. Every rank holds its own shards; whether an entry is used
 is agreed across the ranks (a rank that alone missed would load, and wait in collectives the others skip).
