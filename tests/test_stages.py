@@ -233,6 +233,7 @@ def test_architectures_fsdp_versions_and_estimators(tiny_kit, tiny_llama_kit, tm
         assert not [k for k in keys if k.startswith("optim.state.lm_head")]
     want = ["critic", "policy", "ref"] if estimator == "gae" else ["policy", "ref"]
     assert results[6].manifest["metrics"]["warm_cache_hits"] == want  # update[2] started from memory
+    assert update["warm_cache_hits"] == [r for r in want if r != "ref"]  # update[1] from the build's models
 
 
 # ---- bad input: a clear error naming the field, nothing committed -------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from verlflow.core.errors import InputError
-from verlflow.core.ml import checkpoint, model as M, ppo
+from verlflow.core.ml import checkpoint, model as M
 from verlflow.core.ml.modeldir import model_dir_problems
 from verlflow.core.ml.optim import make_optimizer
 from verlflow.core.stages import modelcache
@@ -79,10 +79,11 @@ def run(ctx: StageContext) -> dict:
             checkpoint.save(ctx.out / role, model, opt, state)
         # A warm pool keeps the policy (and critic) for the first rollout and update, which would read these
         # files back (core/stages/modelcache.py); the reference is the policy's weights until an update trains it.
+        # (Plain tuples: importing the update's maths here would make editing it rerun the build.)
         if role == "policy":
             modelcache.put("policy", ctx.identity(), (model, opt, state))
         elif role == "critic":
-            modelcache.put("critic", ctx.identity(), ppo.Trainee(model, opt))
+            modelcache.put("critic", ctx.identity(), (model, opt))
         del model, opt
     log.info("build: %s", json.dumps(metrics))
     return metrics

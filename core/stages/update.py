@@ -85,8 +85,9 @@ def _models(ctx: StageContext, meta_dir) -> tuple[ppo.Models, dict]:
     apply_hparams(policy.optimizer, bp)
     critic = None
     if bp.algorithm.adv_estimator == "gae":
-        critic = modelcache.get("critic", ctx.identity("policy")) or load_trainee(
-            ctx, meta_dir, ctx.input("policy"), "critic", base=None)
+        cached = modelcache.get("critic", ctx.identity("policy"))
+        critic = ppo.Trainee(*cached) if cached else load_trainee(ctx, meta_dir, ctx.input("policy"), "critic",
+                                                                   base=None)
         apply_hparams(critic.optimizer, bp, critic=True)
     return ppo.Models(policy, critic, step=state["step"]), state
 
@@ -97,7 +98,7 @@ def _save(ctx: StageContext, models: ppo.Models, state: dict) -> None:
     modelcache.put("policy", ctx.identity(), (policy.model, policy.optimizer, state))
     if critic is not None:
         checkpoint.save(ctx.out / "critic", critic.model, critic.optimizer, state, ctx.background())
-        modelcache.put("critic", ctx.identity(), critic)
+        modelcache.put("critic", ctx.identity(), (critic.model, critic.optimizer))
 
 
 def run(ctx: StageContext) -> dict:
