@@ -273,18 +273,6 @@ def micro_sampler(B, V, dtype, dev, prof_path: Path | None = None) -> dict:
         return torch.multinomial(x.masked_fill(rm, float("-inf")).softmax(-1), 1)
 
     out["top_p0.95/hf_sort+multinomial"] = bench_cuda(hf_sort, iters=10) * 1e3
-    try:  # the nucleus-mass pass's launch settings (its default: chunk 2048, sub 1024, 8 warps)
-        from verlflow.core.ml.fastgen.kernels import member_mass_triton
-
-        cfg = cases["top_p0.95"]
-        m = (logits.float().amax(-1) / cfg.temperature).contiguous()
-        xc = logits.gather(1, torch.randint(0, V, (B, cfg.candidates()), device=dev))
-        for chunk, sub, warps in ((2048, 1024, 8), (1024, 512, 4), (1024, 256, 4), (2048, 512, 4), (4096, 512, 8),
-                                  (512, 256, 2), (512, 512, 4), (8192, 1024, 8)):
-            out[f"member_mass/chunk{chunk}_sub{sub}_w{warps}"] = bench_cuda(
-                lambda: member_mass_triton(logits, cfg.temperature, m, xc, chunk, sub, warps), iters=20) * 1e3
-    except Exception as e:  # noqa: BLE001
-        out["member_mass"] = f"{type(e).__name__}: {e}"[:200]
     if prof_path is not None:  # kernels of the compiled top_p sampler
         from torch.profiler import ProfilerActivity, profile
 
@@ -397,7 +385,7 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
         attempt("micro_sampler_us", lambda: micro_sampler(B, c.vocab_size, dtype, dev,
                                                           out_dir / f"profile_{shape}_sampler.txt" if out_dir else None))
 
-    # ours, main variant: graphs + compile (on CUDA), bmm attention
+    # ours, main variant: graphs + compile (on CUDA), attention and sampler as the engine picks them
     eng = FastGen(model, B, P, N, attn=args.attn, sampler=args.sampler)
     ours_s = attempt("ours_sampled", lambda: run_ours(eng, ids, mask, scfg, eos, pad, dev))
     ours_g = attempt("ours_greedy", lambda: run_ours(eng, ids, mask, gcfg, eos, pad, dev))
