@@ -224,6 +224,10 @@ class AlgorithmSpec(Section):
         False, description="Policy log-probs and entropies from the hidden states a chunk of tokens at a time "
         "(verl's FusedLinearForPPO), never holding fp32 logits over the whole vocabulary: less memory, so bigger "
         "token budgets fit. Same maths; the chunk's logits are recomputed in the backward.")
+    fused_kernels_backend: Literal["torch", "triton"] = Field(
+        "torch", description="With use_fused_kernels: torch (verl's FusedLinearForPPO: chunks of fp32 logits) or "
+        "triton (verl's linear_cross_entropy kernels, fp32 logits never leave the chip; CUDA only, hidden size a "
+        "multiple of 128). verl's actor.fused_kernel_options.impl_backend.")
     lr: float = Field(1e-6, gt=0.0, description="AdamW learning rate of the policy.")
     weight_decay: float = Field(0.01, ge=0.0, description="AdamW weight decay (policy and critic).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas (policy and critic).")
@@ -755,6 +759,17 @@ class Blueprint(Section):
                 f"algorithm.old_logprobs=rollout needs untruncated sampling, got rollout.top_p={r.top_p} and "
                 f"rollout.top_k={r.top_k}: set rollout.top_p=1.0 and rollout.top_k=0, or "
                 "algorithm.old_logprobs=recompute")
+        return self
+
+    @model_validator(mode="after")
+    def _fused_backend_fits(self):
+        a = self.algorithm
+        if a.fused_kernels_backend == "triton" and not a.use_fused_kernels:
+            raise ValueError("algorithm.fused_kernels_backend=triton is the backend of the fused head: set "
+                             "algorithm.use_fused_kernels=true, or fused_kernels_backend=torch")
+        if a.fused_kernels_backend == "triton" and self.resources.device != "cuda":
+            raise ValueError(f"algorithm.fused_kernels_backend=triton runs verl's Triton kernels, which need CUDA; "
+                             f"resources.device is {self.resources.device}: set algorithm.fused_kernels_backend=torch")
         return self
 
     @model_validator(mode="after")

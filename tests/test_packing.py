@@ -7,6 +7,7 @@ import pytest
 import torch
 from tinybp import tiny_blueprint
 
+from verlflow.core.errors import BlueprintError
 from verlflow.core.ml import fusedhead, model as M, packing, ppo
 from verlflow.core.ml.placement import Placement
 
@@ -158,3 +159,34 @@ def test_fused_head_leaves_the_critic_alone(models, tiny_kit):
     bp, _ = models[True]
     critic = M.build_module(tiny_kit["model_dir"], bp, critic=True, packed=True)
     assert not ppo._fused(fusedhead.install(critic))
+
+
+def test_triton_backend_is_refused_where_it_cannot_run(tiny_kit, tmp_path):
+    with pytest.raises(BlueprintError, match="fused_kernels_backend=triton is the backend of the fused head"):
+        tiny_blueprint(tiny_kit, tmp_path, "algorithm.fused_kernels_backend=triton")
+    with pytest.raises(BlueprintError, match="need CUDA; resources.device is cpu"):
+        tiny_blueprint(tiny_kit, tmp_path, "algorithm.use_fused_kernels=true", "algorithm.fused_kernels_backend=triton")
+    with pytest.raises(ValueError, match="fused_kernels_backend='nope'"):
+        fusedhead.head("nope")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="verl's Triton head kernels need CUDA")
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_triton_head_equals_the_torch_head_on_cuda(temperature):
+    """verl's linear_cross_entropy kernels against FusedLinearForPPO: the same log-probs, entropies and gradients
+    (bf16 inputs, fp32 logits in both; tolerances of bf16 gradients)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    K, H, V = 3000, 256, 5003  # a ragged token count and a vocabulary that is no multiple of a tile
+    h0 = torch.randn(K, H, device="cuda", generator=g).bfloat16()
+    w0 = (torch.randn(V, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
+    labels = torch.randint(0, V, (K,), device="cuda", generator=g)
+    dl, de = torch.randn(K, device="cuda", generator=g), torch.randn(K, device="cuda", generator=g)
+    out = {}
+    for backend in fusedhead.BACKENDS:
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        logp, ent = fusedhead.head(backend)(h, w, labels, temperature)
+        (logp.float() * dl + ent.float() * de).sum().backward()
+        out[backend] = logp.float(), ent.float(), h.grad.float(), w.grad.float()
+    for name, a, b in zip(("logp", "entropy", "d_hidden", "d_weight"), out["torch"], out["triton"]):
+        scale = a.abs().max().item()
+        assert (a - b).abs().max().item() <= 2e-2 * max(scale, 1.0), (name, (a - b).abs().max().item(), scale)

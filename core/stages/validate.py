@@ -114,6 +114,11 @@ def check_layers(ctx: StageContext, r: Report):
     trainable = sum(p.numel() for p in meta.parameters() if p.requires_grad)
     if bp.model.lora is not None:
         r.add("lora", True, f"{trainable:,} adapter parameters")
+    if bp.algorithm.fused_kernels_backend == "triton":
+        hidden = meta.config.hidden_size
+        r.add("fused_kernels_backend", hidden % 128 == 0,
+              f"triton: hidden size {hidden}" + ("" if hidden % 128 == 0 else " is not a multiple of 128, which verl's "
+                                                 "kernels need; set algorithm.fused_kernels_backend=torch"))
     check_memory(ctx, r, sum(p.numel() for p in meta.parameters()), trainable, meta.config)
 
 
