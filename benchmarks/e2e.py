@@ -181,7 +181,8 @@ def stage_row(res) -> dict:
     row = {"wall_s": round(res.seconds, 3), "skipped": res.skipped,
            **{k: v for k, v in t.items() if isinstance(v, (int, float))}}
     metrics = res.manifest.get("metrics", {})
-    for k in ("warm_cache_hits", "ref_source"):  # whether models came from a warm pool's memory
+    # whether models came from a warm pool's memory; whether the update's save went to the background
+    for k in ("warm_cache_hits", "ref_source", "save_in_background"):
         if k in metrics:
             row[k] = metrics[k]
     if metrics.get("mini_batches"):  # the first step's policy is the rollout's: its PPO KL is the log-prob mismatch
@@ -200,7 +201,8 @@ def summary(its: list[dict]) -> dict:
     gpus_tps = sum(it["tok_per_s_per_gpu"] for it in its) / n
     stages: dict = {}
     for s in ITER_STAGES:
-        keys = {k for it in its for k, v in it["stages"][s].items() if isinstance(v, (int, float))}
+        keys = {k for it in its for k, v in it["stages"][s].items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)}
         stages[s] = {k: round(sum(it["stages"][s].get(k, 0.0) for it in its) / n, 3) for k in sorted(keys)}
     return {"iterations": [it["iteration"] for it in its], "wall_s": round(wall, 3), "tokens": round(tokens),
             "tok_per_s_per_gpu": round(gpus_tps, 1), "stages": stages}

@@ -40,10 +40,10 @@ def _options(model: nn.Module, **kw) -> StateDictOptions:
 
 
 def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict,
-         background=None) -> None:
+         background=None) -> bool:
     """Every rank writes its shards; rank 0 writes state.json. With `background` (a warm pool's
-    verlflow.core.stages.committer.Committer) the state is copied to CPU memory here and written by the stage's background
-    commit, before the manifest."""
+    verlflow.core.stages.committer.Committer) the state is copied to CPU memory here and written by the stage's
+    background commit, before the manifest. Returns whether the write went to the background."""
     options = _options(model)
     if optimizer is not None:
         msd, osd = get_state_dict(model, optimizer, options=options)
@@ -59,8 +59,20 @@ def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
     # swallow them, pytorch/pytorch#191391). Inline, the threads copy their tensors off the GPU themselves.
     if background is None:
         dcpio.save(sd, str(folder / "dcp"))
-    else:
-        background.save(sd, str(folder / "dcp"), role=folder.name)
+        return False
+    return background.save(sd, str(folder / "dcp"), role=folder.name)
+
+
+def trained_state_bytes(model: nn.Module) -> int:
+    """At least the CPU copy (dcpio.copy_bytes) of this rank's part of what save() writes for `model` with an
+    AdamW that has stepped: the weights (of an adapted model its adapters), two moments and a step per trainable
+    parameter, and the buffers."""
+    adapted = lora.is_adapted(model)
+    total = sum(dcpio.local_bytes(b) for b in model.buffers())
+    for p in model.parameters():
+        n = dcpio.local_bytes(p)
+        total += (n if p.requires_grad or not adapted else 0) + (2 * n + dcpio.ALIGN if p.requires_grad else 0)
+    return total
 
 
 def _check_same_model(folder: Path, target: dict) -> None:

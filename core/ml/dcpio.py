@@ -243,7 +243,8 @@ class CpuCopy:
     for the whole state, instead of a pinned tensor per entry. Refill it with copy_from() for each save; it fits
     only state dicts of its layout."""
 
-    def __init__(self, state_dict: dict, *, pin: bool):
+    def __init__(self, state_dict: dict, *, pin: bool, slab: torch.Tensor | None = None):
+        """`slab`: one made beforehand (reserve_slab), at least copy_bytes(state_dict) long."""
         self.layout = layout(state_dict)
         self.device = cuda_device(state_dict)  # for the writer threads
         self.state_dict = _cpu_structure(state_dict)
@@ -251,8 +252,10 @@ class CpuCopy:
         offsets, total = [], 0
         for t in leaves:
             offsets.append(total)
-            total += -(-t.untyped_storage().nbytes() // ALIGN) * ALIGN
-        self.slab = _slab(max(total, 1), pin)
+            total += _aligned(t.untyped_storage().nbytes())
+        if slab is not None and slab.numel() < total:
+            raise ValueError(f"the reserved slab holds {slab.numel():,} bytes; this state needs {total:,}")
+        self.slab = slab if slab is not None else make_slab(max(total, 1), pin)
         self.pinned = pin
         storage = self.slab.untyped_storage()
         for t, at in zip(leaves, offsets):
@@ -277,9 +280,27 @@ class CpuCopy:
         return self.state_dict
 
 
-def _slab(nbytes: int, pin: bool) -> torch.Tensor:
-    """Pinned by registering pageable memory: torch's pinned allocator would round 19 GB up to 32 GB."""
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    """What a tensor's data on this rank takes in a slab (its storage's bytes: an unevenly sharded parameter's
+    local tensor is a view of a padded one)."""
+    return sum(_aligned(x.untyped_storage().nbytes()) for x in _locals(t))
+
+
+def copy_bytes(state_dict: dict) -> int:
+    """The slab a CpuCopy of `state_dict` takes."""
+    return sum(_aligned(t.untyped_storage().nbytes()) for t in _leaves(state_dict))
+
+
+def make_slab(nbytes: int, pin: bool, *, touch: bool = True) -> torch.Tensor:
+    """Pinned by registering pageable memory: torch's pinned allocator would round 19 GB up to 32 GB. `touch`:
+    fault the pages in first, on every core (a fill is parallel); cudaHostRegister would fault them one by one."""
     slab = torch.empty(nbytes, dtype=torch.uint8)
+    if pin and touch:
+        slab.zero_()
     if pin:
         cudart = torch.cuda.cudart()
         ptr = slab.data_ptr()

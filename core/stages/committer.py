@@ -29,6 +29,8 @@ from verlflow.core.errors import NO_SPACE_FIX, StoreError, is_no_space
 from verlflow.core.ml import dcpio
 from verlflow.core.stages.agree import any_rank
 
+log = logging.getLogger("verlflow.committer")
+
 
 class CommitFailed(RuntimeError):
     pass
@@ -41,6 +43,7 @@ class Committer:
         self._done: dict[str, threading.Event] = {}
         self._written: dict[str, threading.Event] = {}  # its files are all on disk (its commit may still be queued)
         self._staged: dict[str, Future] = {}  # role -> its CPU copy (a Future: made in a thread after the 1st save)
+        self._reserved: dict[str, Future] = {}  # role -> a slab made ahead of its first save (reserve())
         self._writes: list[Callable[[], object]] = []  # this stage's writes, handed to its commit
         self.error: BaseException | None = None
         self._failed_stage: str | None = None
@@ -49,8 +52,16 @@ class Committer:
         thread.start()
         _tag_records(thread, lambda: self._current)
 
-    def save(self, state_dict: dict, checkpoint_id: str, role: str) -> None:
+    def reserve(self, role: str, nbytes: int) -> None:
+        """Start making `role`'s slab now, in a thread, ahead of its first save: that save is then copied into it
+        and written in the background instead of inline (a warm pool's build reserves the first update's, so the
+        page-locking runs beside the first rollout rather than inside the update and the export after it)."""
+        if role not in self._staged and role not in self._reserved:
+            self._reserved[role] = _in_thread(lambda: dcpio.make_slab(nbytes, pin=torch.cuda.is_available()))
+
+    def save(self, state_dict: dict, checkpoint_id: str, role: str) -> bool:
         """Copy `state_dict` into this role's CPU copy now; the next submit()'s commit writes it with DCP first.
+        Returns whether the write went to the background (False: written now, inline).
 
         The copy lives in one slab of CPU memory kept for the pool's life (pinned on CUDA; verlflow.core.ml.dcpio.
         CpuCopy); the write is a multi-threaded dcp.save of that copy on the committer's thread and group. (DCP's
@@ -64,14 +75,17 @@ class Committer:
         if copy is not None and not copy.fits(state_dict):
             del self._staged[role]  # the old slab is freed before a new one is made
             copy = None
+        if copy is None and role in self._reserved:
+            copy = self._from_reserved(role, state_dict)
         # The inline write is collective: every rank takes it if any rank has no copy.
         if any_rank(copy is None):
             dcpio.save(state_dict, checkpoint_id)
             if copy is None:
                 self._staged[role] = self._make_copy(state_dict)
-            return
+            return False
         staged = copy.copy_from(state_dict)
         self._writes.append(lambda: dcpio.save(staged, checkpoint_id, process_group=self.group, device=copy.device))
+        return True
 
     def cpu_copy(self, role: str) -> dcpio.CpuCopy | None:
         """This role's CPU copy, once it is made (None before the role's first save)."""
@@ -80,16 +94,18 @@ class Committer:
 
     @staticmethod
     def _make_copy(state_dict: dict) -> Future:
-        done: Future = Future()
+        return _in_thread(lambda: dcpio.CpuCopy(state_dict, pin=torch.cuda.is_available()))
 
-        def make() -> None:
-            try:
-                done.set_result(dcpio.CpuCopy(state_dict, pin=torch.cuda.is_available()))
-            except BaseException as e:  # noqa: BLE001 - raised by the next save's cpu_copy()
-                done.set_exception(e)
-
-        threading.Thread(target=make, name="verlflow-cpu-copy", daemon=True).start()
-        return done
+    def _from_reserved(self, role: str, state_dict: dict) -> dcpio.CpuCopy | None:
+        slab = self._reserved.pop(role).result()  # a failed pinning raises here, as a failed copy would
+        need = dcpio.copy_bytes(state_dict)
+        if slab.numel() < need:
+            log.info("the %.2f GB reserved for %s's copy is short of its %.2f GB: made anew", slab.numel() / 1e9,
+                     role, need / 1e9)
+            return None
+        copy = dcpio.CpuCopy(state_dict, pin=torch.cuda.is_available(), slab=slab)
+        self._staged[role] = _in_thread(lambda: copy, wait=True)
+        return copy
 
     def add_write(self, write: Callable[[], object]) -> None:
         """A write of the running stage's own (e.g. an HF export of a CPU copy the stage made): the stage's commit
@@ -148,6 +164,24 @@ class Committer:
                     self.error, self._failed_stage, self._failed_where = e, name, where
             if self.error is None:
                 self._done[output].set()
+
+
+def _in_thread(make: Callable[[], object], *, wait: bool = False) -> Future:
+    """`make()`'s result as a Future, made on a thread of its own (or here, with `wait`); its exception is raised by
+    the Future's result()."""
+    done: Future = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(make())
+        except BaseException as e:  # noqa: BLE001 - raised by whoever takes the result
+            done.set_exception(e)
+
+    if wait:
+        run()
+    else:
+        threading.Thread(target=run, name="verlflow-cpu-copy", daemon=True).start()
+    return done
 
 
 def _tag_records(thread: threading.Thread, current: Callable[[], str | None]) -> None:

@@ -92,13 +92,16 @@ def _models(ctx: StageContext, meta_dir) -> tuple[ppo.Models, dict]:
     return ppo.Models(policy, critic, step=state["step"]), state
 
 
-def _save(ctx: StageContext, models: ppo.Models, state: dict) -> None:
+def _save(ctx: StageContext, models: ppo.Models, state: dict) -> bool:
+    """Returns whether the policy's write went to the background (False: written inline, as a role's first save
+    is when no CPU copy was reserved for it)."""
     policy, critic = models.policy, models.critic
-    checkpoint.save(ctx.out / "policy", policy.model, policy.optimizer, state, ctx.background())
+    queued = checkpoint.save(ctx.out / "policy", policy.model, policy.optimizer, state, ctx.background())
     modelcache.put("policy", ctx.identity(), (policy.model, policy.optimizer, state))
     if critic is not None:
         checkpoint.save(ctx.out / "critic", critic.model, critic.optimizer, state, ctx.background())
         modelcache.put("critic", ctx.identity(), (critic.model, critic.optimizer))
+    return queued
 
 
 def run(ctx: StageContext) -> dict:
@@ -120,9 +123,10 @@ def run(ctx: StageContext) -> dict:
     new_state = {**state, "step": models.step, "data_cursor": state["data_cursor"] + consumed,
                  "iteration": it}
     with ctx.timed("save_s"):
-        _save(ctx, models, new_state)
+        saved_behind = _save(ctx, models, new_state)
     last = history[-1]
-    return {**adv_metrics, "step": models.step, "ref_source": ref_source, "mini_batches": history, "pg_loss": last["pg_loss"],
+    return {**adv_metrics, "step": models.step, "ref_source": ref_source, "save_in_background": saved_behind,
+            "mini_batches": history, "pg_loss": last["pg_loss"],
             "kl_loss": last["kl_loss"], "entropy": last["entropy"], "pg_clipfrac": last["pg_clipfrac"],
             "grad_norm": last["grad_norm"], "tokens_per_s": last["tokens_per_s"]}
 

@@ -6,7 +6,7 @@ The job file's `op`:
          `save_to`, save it there with `save_threads`
   stage  the background path: today's per-tensor staging (torch's _create_cpu_state_dict) saved to `ckpt`/old, the
          committer's slab copy saved to `ckpt`/one/policy and, after another step, to `ckpt`/two/policy (the same
-         slab, refilled);
+         slab, refilled); a role's first save into a slab reserved before the optimizer stepped to `ckpt`/three;
          each loaded back; full states to `out`; the slab's layout to `out`.json
   fail   save into `ckpt` (a filesystem too small for it) inline and through the committer; what each raised to `out`
 The model's sizes shard unevenly over 2 ranks; its state is the same at any world size (identical batches).
@@ -86,10 +86,11 @@ def save(folder: Path, model, opt, threads: int) -> None:
     dcpio.save(state_dict(model, opt), str(folder / "dcp"), threads=threads)
 
 
-def background(committer, folder: Path, model, opt) -> None:
-    checkpoint.save(folder, model, opt, {}, background=committer)
+def background(committer, folder: Path, model, opt) -> bool:
+    queued = checkpoint.save(folder, model, opt, {}, background=committer)
     committer.submit(str(folder), "probe", lambda: None, str(folder))
     committer.wait(str(folder))
+    return queued
 
 
 def stage(job: dict) -> None:
@@ -106,19 +107,29 @@ def stage(job: dict) -> None:
         (root / "old/state.json").write_text("{}")
     dcp.save(old, checkpoint_id=str(root / "old/dcp"))
     committer = new_committer()
-    background(committer, root / "one/policy", model, opt)  # one role: the second save refills the first's copy
+    queued = [background(committer, root / "one/policy", model, opt)]  # 1 role: the 2nd save refills the 1st's copy
     first = committer.cpu_copy("policy")  # made while the first save was written inline
     train(model, opt)
     write_full(model, opt, f"{out}.live2")
-    background(committer, root / "two/policy", model, opt)
+    queued.append(background(committer, root / "two/policy", model, opt))
     copy = committer.cpu_copy("policy")
-    for name in ("old", "one/policy", "two/policy"):
+    # A build's reservation: sized from a model whose AdamW has not stepped yet; the role's first save (after a
+    # step, as the first update's) goes to the background into that slab.
+    fresh, fresh_opt = build(0)
+    reserving = new_committer()
+    reserving.reserve("policy", checkpoint.trained_state_bytes(fresh))
+    train(fresh, fresh_opt)
+    write_full(fresh, fresh_opt, f"{out}.live3")
+    queued.append(background(reserving, root / "three/policy", fresh, fresh_opt))
+    for name in ("old", "one/policy", "two/policy", "three/policy"):
         write_full(*load_into_fresh(root / name, None), f"{out}.{name.split('/')[0]}")
     leaves = copy.tensors()
     lo, hi = copy.slab.data_ptr(), copy.slab.data_ptr() + copy.slab.numel()
+    reserved = reserving.cpu_copy("policy")
     report = {"leaves": len(leaves), "reused": copy is first,
               "in_slab": all(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for t in leaves),
-              "exact_storages": all(t.untyped_storage().nbytes() == t.nbytes for t in leaves)}
+              "exact_storages": all(t.untyped_storage().nbytes() == t.nbytes for t in leaves),
+              "queued": queued, "reserved_fits": dcpio.copy_bytes(state_dict(fresh, fresh_opt)) <= reserved.slab.numel()}
     if dist.get_rank() == 0:
         Path(f"{out}.json").write_text(json.dumps(report))
     dist.barrier()
