@@ -55,6 +55,17 @@ def main() -> None:
         out[f"copy_gbps_touch_{touch}"] = round(src.numel() / (time.perf_counter() - t) / 1e9, 2)
         del slab, src
         print(json.dumps(out), flush=True)
+    # The whole CPU copy of a GPU state of that size (what a role's first background save makes), then a refill.
+    n = 200
+    sd = {f"t{i}": torch.empty(nbytes // n // 4, dtype=torch.float32, device="cuda") for i in range(n)}
+    t = time.perf_counter()
+    copy = dcpio.CpuCopy(sd, pin=True)
+    out["cpu_copy_make_s"] = round(time.perf_counter() - t, 2)
+    t = time.perf_counter()
+    copy.copy_from(sd)
+    out["cpu_copy_refill_s"] = round(time.perf_counter() - t, 2)
+    del copy, sd
+    print(json.dumps(out), flush=True)
     gpu_loop(1.0)  # warm
     out["gpu_steps_per_s_alone"] = round(gpu_loop(5.0), 1)
     done = {}

@@ -373,6 +373,25 @@ def test_triton_samplers_logprobs_come_from_its_block_stats_and_equal_log_softma
     assert (logp > -50).all() and len(set(tok.tolist())) > 1  # real draws, not the argmax or an underflow
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton sampler's kernels run on CUDA")
+@pytest.mark.parametrize("top_p", [0.9, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_triton_samplers_logprobs_equal_log_softmax(top_p, dtype):
+    """The same as above with the real Triton kernels, at a vocabulary of Qwen's size."""
+    from verlflow.core.ml.fastgen import kernels
+    from verlflow.core.ml.generate import chosen_logprobs
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(64, 151936, generator=g, device="cuda") * 3).to(dtype)
+    cfg = SamplingConfig(0.7, top_p)
+    u = torch.rand(64, cfg.candidates(), 2, generator=g, device="cuda")
+    tok, logp = kernels.sample_logits_triton(logits, cfg, u)
+    want = chosen_logprobs(logits.float() / 0.7, tok)
+    assert logp.dtype == torch.float32 and tok.shape == logp.shape == (64,)
+    assert torch.allclose(logp, want, atol=1e-4), (logp - want).abs().max()
+    assert (logp > -50).all() and len(set(tok.tolist())) > 1
+
+
 def test_benchmark_smoke_prints_the_table():
     res, out = smoke("rollout.py")
     assert "| measure | baseline (HF generate) | ours (fastgen) | ratio | floor |" in out

@@ -187,6 +187,10 @@ def test_triton_head_equals_the_torch_head_on_cuda(temperature):
         logp, ent = fusedhead.head(backend)(h, w, labels, temperature)
         (logp.float() * dl + ent.float() * de).sum().backward()
         out[backend] = logp.float(), ent.float(), h.grad.float(), w.grad.float()
+        h.grad = None
+        logp, ent = fusedhead.head(backend)(h, w, labels, temperature)
+        logp.sum().backward()  # broadcast gradients, and none from the entropy: verl's kernels take them too
+        assert torch.isfinite(h.grad).all()
     for name, a, b in zip(("logp", "entropy", "d_hidden", "d_weight"), out["torch"], out["triton"]):
         scale = a.abs().max().item()
         assert (a - b).abs().max().item() <= 2e-2 * max(scale, 1.0), (name, (a - b).abs().max().item(), scale)

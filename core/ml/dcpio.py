@@ -225,15 +225,18 @@ def _leaves(state_dict) -> list[torch.Tensor]:
 
 def _cpu_structure(obj):
     """The same nesting with each tensor on CPU (DTensor and ShardedTensor keep their sharding): their data is
-    replaced by slab views next."""
+    replaced by slab views next, so none is copied (torch's own stager copies each tensor to fresh pageable
+    memory first: ~14 s for 19.5 GB on an H200 host, most of what making the copy cost)."""
     if isinstance(obj, dict):
         return {k: _cpu_structure(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(_cpu_structure(v) for v in obj)
     if isinstance(obj, torch.Tensor):
-        with torch.no_grad():  # a copy even on CPU: its storage is replaced next (as torch's own stager copies)
+        with torch.no_grad():
             if type(obj) is torch.Tensor or isinstance(obj, nn.Parameter):
-                return obj.detach().to("cpu", copy=True)
+                return torch.empty_like(obj.detach(), device="cpu")
+            if isinstance(obj, DTensor):  # the same placement spec around an empty CPU local tensor
+                return DTensor(torch.empty_like(obj.to_local(), device="cpu"), obj._spec, requires_grad=False)
             return copy.deepcopy(obj) if obj.device.type == "cpu" else obj.to("cpu")
     return copy.deepcopy(obj)
 

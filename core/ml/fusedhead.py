@@ -15,9 +15,23 @@ the embeddings in Qwen) only there. So `install` gives the policy a forward that
 labels, and leaves every other call (rollout's generate, the critic) on the model's original forward.
 """
 
+import torch
 from torch import nn
 
 BACKENDS = ("torch", "triton")
+
+
+class _ContiguousGrads(torch.autograd.Function):
+    """Identity whose backward hands on contiguous gradients: verl's Triton backward asserts them, and a loss
+    can give broadcast ones (the gradient of a sum is an expanded scalar)."""
+
+    @staticmethod
+    def forward(ctx, logp, ent):
+        return logp.view_as(logp), ent.view_as(ent)
+
+    @staticmethod
+    def backward(ctx, d_logp, d_ent):
+        return d_logp.contiguous(), d_ent.contiguous()
 
 
 def head(backend: str):
@@ -26,7 +40,8 @@ def head(backend: str):
         from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
 
         def triton_head(h, weight, labels, temperature):
-            return linear_cross_entropy(h.contiguous(), weight, labels.contiguous(), float(temperature), "none")
+            logp, ent = linear_cross_entropy(h.contiguous(), weight, labels.contiguous(), float(temperature), "none")
+            return _ContiguousGrads.apply(logp, ent) if torch.is_grad_enabled() else (logp, ent)
 
         return triton_head
     if backend == "torch":
