@@ -106,7 +106,7 @@ def overrides(args, kit: dict, store: Path, config: str) -> list[str]:
                      "data.batch_size": 4, "data.max_prompt_length": 64, "rollout.n": 2, "rollout.max_new_tokens": 8,
                      "rollout.micro_batch_size": 8, "algorithm.ppo_mini_batch_size": 2,
                      "algorithm.ppo_micro_batch_size_per_gpu": 2, "algorithm.ppo_max_token_len_per_gpu": 64,
-                     "algorithm.use_fused_kernels": "false"})
+                     "algorithm.use_fused_kernels": "false", "algorithm.fused_kernels_backend": "torch"})
     over.update(CONFIGS[config])
     for kv in args.set:
         k, v = kv.split("=", 1)

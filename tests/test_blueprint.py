@@ -49,7 +49,8 @@ def test_gpu_blueprint_passes_schema_validation():
     # the fast settings benchmarks/RESULTS.md measured: packed 32k-token micro-batches, fused head, compile, no AC,
     # layer weights kept from forward to backward
     assert bp.algorithm.use_remove_padding and bp.algorithm.ppo_max_token_len_per_gpu == 32768
-    assert bp.algorithm.use_fused_kernels and not bp.fsdp.reshard_after_forward
+    assert bp.algorithm.use_fused_kernels and bp.algorithm.fused_kernels_backend == "triton"
+    assert not bp.fsdp.reshard_after_forward
     assert bp.fsdp.compile and not bp.fsdp.activation_checkpointing
     assert bp.rollout.engine == "static" and bp.resources.warm_workers
     a, r = bp.algorithm, bp.rollout

@@ -68,8 +68,9 @@ def trained_state_bytes(model: nn.Module) -> int:
     AdamW that has stepped: the weights (of an adapted model its adapters), two moments and a step per trainable
     parameter, and the buffers."""
     adapted = lora.is_adapted(model)
-    total = sum(dcpio.local_bytes(b) for b in model.buffers())
-    for p in model.parameters():
+    # Every name: a tied head is one parameter but two state-dict entries (Qwen2.5-1.5B's 0.93 GB embedding).
+    total = sum(dcpio.local_bytes(b) for _, b in model.named_buffers(remove_duplicate=False))
+    for _, p in model.named_parameters(remove_duplicate=False):
         n = dcpio.local_bytes(p)
         total += (n if p.requires_grad or not adapted else 0) + (2 * n + dcpio.ALIGN if p.requires_grad else 0)
     return total

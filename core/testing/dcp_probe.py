@@ -44,6 +44,29 @@ def build(steps: int):
     return model, opt
 
 
+class Tied(nn.Module):
+    """A head tied to the embedding (as Qwen2.5-1.5B's): one parameter, two state-dict entries."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(101, 480)
+        self.body = nn.Sequential(nn.Linear(480, 333), nn.GELU(), nn.Linear(333, 480))
+        self.head = nn.Linear(480, 101, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.body(self.emb(ids)))
+
+
+def build_tied():
+    torch.manual_seed(0)
+    model = Tied()
+    for layer in (model.body[0], model.body[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
 def train(model, opt) -> None:
     ids = torch.arange(24).reshape(3, 8) % 101
     model(ids).square().mean().backward()
@@ -65,8 +88,9 @@ def write_full(model, opt, out: str) -> None:
     dist.barrier()
 
 
-def load_into_fresh(folder: Path, threads: int | None):
-    model, opt = build(1)  # the optimizer's state exists, with other values than the checkpoint's
+def load_into_fresh(folder: Path, threads: int | None, tied: bool = False):
+    model, opt = build_tied() if tied else build(0)
+    train(model, opt)  # the optimizer's state exists, with other values than the checkpoint's
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
@@ -113,16 +137,16 @@ def stage(job: dict) -> None:
     write_full(model, opt, f"{out}.live2")
     queued.append(background(committer, root / "two/policy", model, opt))
     copy = committer.cpu_copy("policy")
-    # A build's reservation: sized from a model whose AdamW has not stepped yet; the role's first save (after a
-    # step, as the first update's) goes to the background into that slab.
-    fresh, fresh_opt = build(0)
+    # A build's reservation: sized from a model (with a tied head) whose AdamW has not stepped yet; the role's first
+    # save (after a step, as the first update's) goes to the background into that slab.
+    fresh, fresh_opt = build_tied()
     reserving = new_committer()
     reserving.reserve("policy", checkpoint.trained_state_bytes(fresh))
     train(fresh, fresh_opt)
     write_full(fresh, fresh_opt, f"{out}.live3")
     queued.append(background(reserving, root / "three/policy", fresh, fresh_opt))
     for name in ("old", "one/policy", "two/policy", "three/policy"):
-        write_full(*load_into_fresh(root / name, None), f"{out}.{name.split('/')[0]}")
+        write_full(*load_into_fresh(root / name, None, tied=name == "three/policy"), f"{out}.{name.split('/')[0]}")
     leaves = copy.tensors()
     lo, hi = copy.slab.data_ptr(), copy.slab.data_ptr() + copy.slab.numel()
     reserved = reserving.cpu_copy("policy")
