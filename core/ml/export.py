@@ -31,14 +31,20 @@ def export_dtype(bp, model_dir: str | Path) -> str:
 
 
 def export_model(meta_dir: Path, bp, dtype: str, *, full: dict | None = None, policy_dir: Path | None = None,
-                 base_dir: Path | None = None):
+                 base_dir: Path | None = None, into=None):
     """An unsharded CPU model in `dtype` holding the policy's weights, from a full state dict (`full`) or from the
     DCP checkpoint in `policy_dir` (both cast on the copy into it; LoRA adapters merged into the base in
-    `base_dir`). A copy of its own: training may go on changing the source while it is written."""
+    `base_dir`). A copy of its own: training may go on changing the source while it is written. `into`: an earlier
+    export's model whose write is done, refilled from `full` (its pages are faulted in already: the steady state's
+    copy then costs the transfer alone)."""
     import torch
 
     from verlflow.core.ml import checkpoint, model as M
 
+    if into is not None and full is not None:
+        with torch.no_grad():
+            into.load_state_dict({k: v.to(M.DTYPES[dtype]) for k, v in full.items()})
+        return into
     # Cast while still on meta, then allocate uninitialised: no full-size model in the training dtype on the way.
     model = M.materialize(M.build_module(meta_dir, bp, meta=True).to(M.DTYPES[dtype]), "cpu")
     model.tie_weights()  # to_empty gives each module its own new tensor, untying a shared head

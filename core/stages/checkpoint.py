@@ -10,6 +10,7 @@ committer writes it (overlapping the next rollout) before the commit.
 """
 
 import logging
+import threading
 
 from verlflow.core.ml import checkpoint, export
 from verlflow.core.stages import modelcache
@@ -33,18 +34,24 @@ def run(ctx: StageContext) -> dict:
     if not ctx.is_main():  # one rank exports (this stage gets several only in a warm pool)
         return {}
     dtype = export.export_dtype(ctx.bp, meta_dir)
+    written = None
     with ctx.timed("export_copy_s"):
         if adapter_only:
             model = export.AdapterExport(ctx.bp, dtype, adapters=full, policy_dir=policy_dir)
         else:
+            # A warm pool keeps the export's CPU model: the next export refills it once this one is written.
+            key = (ctx.identity("build"), dtype)
+            idle = modelcache.local("export", key, usable=lambda kept: kept[1].is_set()) if full is not None else None
             model = export.export_model(meta_dir, ctx.bp, dtype, full=full, policy_dir=policy_dir,
-                                        base_dir=build / "ref")
+                                        base_dir=build / "ref", into=idle[0] if idle else None)
+            written = threading.Event()
+            modelcache.put("export", key, (model, written))
     del full
     background = ctx.background()
     if background is None:
-        _write(ctx, model, meta_dir, dtype)
+        _write(ctx, model, meta_dir, dtype, written)
     else:
-        background.add_write(lambda: _write(ctx, model, meta_dir, dtype))
+        background.add_write(lambda: _write(ctx, model, meta_dir, dtype, written))
     state = checkpoint.read_state(policy_dir) if cached is None else cached[2]
     # An sft/dpo phase's export has no rollout: its phase's own metrics instead.
     scored = ctx.input_manifest("rollout").metrics if "rollout" in ctx.job.inputs else {}
@@ -52,13 +59,17 @@ def run(ctx: StageContext) -> dict:
             "reward_std": scored.get("reward_std"), "export_dtype": dtype}
 
 
-def _write(ctx: StageContext, model, meta_dir, dtype: str) -> None:
+def _write(ctx: StageContext, model, meta_dir, dtype: str, written: threading.Event | None = None) -> None:
     faults.kill_point("export", ctx.rank)  # test hook: a crash while the export is written
-    with ctx.timed("export_s"):
-        if isinstance(model, export.AdapterExport):
-            model.write(meta_dir, ctx.out / "hf")
-        else:
-            export.write_export(model, meta_dir, ctx.out / "hf", dtype)
+    try:
+        with ctx.timed("export_s"):
+            if isinstance(model, export.AdapterExport):
+                model.write(meta_dir, ctx.out / "hf")
+            else:
+                export.write_export(model, meta_dir, ctx.out / "hf", dtype)
+    finally:
+        if written is not None:  # the model may be refilled now (the next export overwrites all of it)
+            written.set()
 
 
 def after_commit(ctx: StageContext, manifest: dict) -> None:

@@ -30,6 +30,16 @@ def get(role: str, identity: tuple):
     return entry[1]
 
 
+def local(role: str, identity: tuple, usable=lambda value: True):
+    """The entry on this rank alone, if `usable(value)`, with no agreement: only for what a single rank uses and no
+    collective depends on (rank 0's CPU copy of the export)."""
+    entry = _ENTRIES.get(role)
+    if not enabled() or entry is None or entry[0] != identity or not usable(entry[1]):
+        return None
+    hits.append(role)
+    return entry[1]
+
+
 def put(role: str, identity: tuple, value) -> None:
     if enabled():
         _ENTRIES[role] = (identity, value)  # one per role: the previous iteration's models are freed
