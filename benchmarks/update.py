@@ -66,6 +66,10 @@ CONFIGS = {  # name -> blueprint overrides on top of BASE (the baseline is BASE 
     "fused_32k_foreach": {"algorithm.use_remove_padding": True, "fsdp.activation_checkpointing": False,
                           "fsdp.compile": True, "algorithm.ppo_max_token_len_per_gpu": 32768,
                           "algorithm.use_fused_kernels": True, "_foreach_adamw": True},  # the optimizer's share
+    "fused_32k_keep_triton": {"algorithm.use_remove_padding": True, "fsdp.activation_checkpointing": False,
+                              "fsdp.compile": True, "algorithm.ppo_max_token_len_per_gpu": 32768,
+                              "algorithm.use_fused_kernels": True, "fsdp.reshard_after_forward": False,
+                              "algorithm.fused_kernels_backend": "triton"},  # the GPU blueprint's settings
     "best_defer": {"algorithm.use_remove_padding": True, "fsdp.activation_checkpointing": False, "fsdp.compile": True,
                    "fsdp.defer_grad_sync": True},
     "best_ac": {"algorithm.use_remove_padding": True, "fsdp.compile": True},
