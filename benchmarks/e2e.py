@@ -181,8 +181,8 @@ def stage_row(res) -> dict:
     row = {"wall_s": round(res.seconds, 3), "skipped": res.skipped,
            **{k: v for k, v in t.items() if isinstance(v, (int, float))}}
     metrics = res.manifest.get("metrics", {})
-    # whether models came from a warm pool's memory; whether the update's save went to the background
-    for k in ("warm_cache_hits", "ref_source", "save_in_background"):
+    # whether models came from a warm pool's memory; how the update's background save got its CPU copy
+    for k in ("warm_cache_hits", "ref_source", "save_copy"):
         if k in metrics:
             row[k] = metrics[k]
     if metrics.get("mini_batches"):  # the first step's policy is the rollout's: its PPO KL is the log-prob mismatch

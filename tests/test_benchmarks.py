@@ -117,6 +117,6 @@ def test_e2e_benchmark_smoke(tmp_path):
         assert its[1]["stages"]["update"]["warm_cache_hits"] == ["policy", "ref"]  # steady state: from memory
         # iteration 1 starts from the build's policy, whose weights the reference has: no reference to read
         assert [it["stages"]["update"]["ref_source"] for it in its] == ["policy", "cache"]
-        # the build reserved the first update's CPU copy: no inline save in iteration 1 either
-        assert [it["stages"]["update"]["save_in_background"] for it in its] == [True, True]
+        # the build reserved the first update's CPU copy, and the second refills it
+        assert [it["stages"]["update"]["save_copy"] for it in its] == ["reserved", "refilled"]
     assert not res["configs"]["rollout_logprobs"]["setup"]["build"]["skipped"]  # each config builds its own

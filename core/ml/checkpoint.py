@@ -40,10 +40,11 @@ def _options(model: nn.Module, **kw) -> StateDictOptions:
 
 
 def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict,
-         background=None) -> bool:
+         background=None) -> str:
     """Every rank writes its shards; rank 0 writes state.json. With `background` (a warm pool's
     verlflow.core.stages.committer.Committer) the state is copied to CPU memory here and written by the stage's
-    background commit, before the manifest. Returns whether the write went to the background."""
+    background commit, before the manifest. Returns "inline", or how the background's CPU copy came (Committer.save).
+    """
     options = _options(model)
     if optimizer is not None:
         msd, osd = get_state_dict(model, optimizer, options=options)
@@ -59,7 +60,7 @@ def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
     # swallow them, pytorch/pytorch#191391). Inline, the threads copy their tensors off the GPU themselves.
     if background is None:
         dcpio.save(sd, str(folder / "dcp"))
-        return False
+        return "inline"
     return background.save(sd, str(folder / "dcp"), role=folder.name)
 
 

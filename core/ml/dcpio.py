@@ -247,7 +247,7 @@ class CpuCopy:
     only state dicts of its layout."""
 
     def __init__(self, state_dict: dict, *, pin: bool, slab: torch.Tensor | None = None):
-        """`slab`: one made beforehand (reserve_slab), at least copy_bytes(state_dict) long."""
+        """`slab`: one made beforehand (make_slab), at least copy_bytes(state_dict) long."""
         self.layout = layout(state_dict)
         self.device = cuda_device(state_dict)  # for the writer threads
         self.state_dict = _cpu_structure(state_dict)

@@ -75,5 +75,4 @@ def install(model: nn.Module, backend: str = "torch") -> nn.Module:
 
     model.forward = forward
     model._verlflow_fused = True
-    model._verlflow_fused_backend = backend
     return model

@@ -145,7 +145,8 @@ def wrap_fsdp(model: nn.Module, bp: Blueprint, device: torch.device) -> tuple[nn
     if bp.algorithm.use_fused_kernels:
         from verlflow.core.ml import fusedhead
 
-        fusedhead.install(model, bp.algorithm.fused_kernels_backend)  # before wrapping: FSDP1's wrapper calls the inner module's forward
+        # before wrapping: FSDP1's wrapper calls the inner module's forward
+        fusedhead.install(model, bp.algorithm.fused_kernels_backend)
     if f.compile:
         # The forward only: FSDP's hooks stay outside the graph and parameter names keep no _orig_mod prefix, so
         # checkpoints are the same with compile on or off. dynamic: packed rows change length every micro-batch.

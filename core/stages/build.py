@@ -78,8 +78,8 @@ def run(ctx: StageContext) -> dict:
         with ctx.timed(f"{role}_save_s"):
             checkpoint.save(ctx.out / role, model, opt, state)
         if opt is not None and ctx.background() is not None:
-            # The first update's save then goes to the background: page-locking its CPU copy (~20 s for 19.5 GB
-            # at 1.5B) runs beside the first rollout, not inline in the update and under the first export's copy.
+            # The first update's background save then only fills its CPU copy: the page-locking runs beside the
+            # first rollout (core/stages/committer.py).
             ctx.background().reserve(role, checkpoint.trained_state_bytes(model))
         # A warm pool keeps the policy (and critic) for the first rollout and update, which would read these
         # files back (core/stages/modelcache.py); the reference is the policy's weights until an update trains it.

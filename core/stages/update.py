@@ -92,16 +92,15 @@ def _models(ctx: StageContext, meta_dir) -> tuple[ppo.Models, dict]:
     return ppo.Models(policy, critic, step=state["step"]), state
 
 
-def _save(ctx: StageContext, models: ppo.Models, state: dict) -> bool:
-    """Returns whether the policy's write went to the background (False: written inline, as a role's first save
-    is when no CPU copy was reserved for it)."""
+def _save(ctx: StageContext, models: ppo.Models, state: dict) -> str:
+    """How the policy was saved: "inline", or through a CPU copy "refilled", "reserved" (by the build) or "made"."""
     policy, critic = models.policy, models.critic
-    queued = checkpoint.save(ctx.out / "policy", policy.model, policy.optimizer, state, ctx.background())
+    how = checkpoint.save(ctx.out / "policy", policy.model, policy.optimizer, state, ctx.background())
     modelcache.put("policy", ctx.identity(), (policy.model, policy.optimizer, state))
     if critic is not None:
         checkpoint.save(ctx.out / "critic", critic.model, critic.optimizer, state, ctx.background())
         modelcache.put("critic", ctx.identity(), (critic.model, critic.optimizer))
-    return queued
+    return how
 
 
 def run(ctx: StageContext) -> dict:
@@ -123,9 +122,9 @@ def run(ctx: StageContext) -> dict:
     new_state = {**state, "step": models.step, "data_cursor": state["data_cursor"] + consumed,
                  "iteration": it}
     with ctx.timed("save_s"):
-        saved_behind = _save(ctx, models, new_state)
+        save_copy = _save(ctx, models, new_state)
     last = history[-1]
-    return {**adv_metrics, "step": models.step, "ref_source": ref_source, "save_in_background": saved_behind,
+    return {**adv_metrics, "step": models.step, "ref_source": ref_source, "save_copy": save_copy,
             "mini_batches": history, "pg_loss": last["pg_loss"],
             "kl_loss": last["kl_loss"], "entropy": last["entropy"], "pg_clipfrac": last["pg_clipfrac"],
             "grad_norm": last["grad_norm"], "tokens_per_s": last["tokens_per_s"]}

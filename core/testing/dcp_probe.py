@@ -110,11 +110,11 @@ def save(folder: Path, model, opt, threads: int) -> None:
     dcpio.save(state_dict(model, opt), str(folder / "dcp"), threads=threads)
 
 
-def background(committer, folder: Path, model, opt) -> bool:
-    queued = checkpoint.save(folder, model, opt, {}, background=committer)
+def background(committer, folder: Path, model, opt) -> str:
+    how = checkpoint.save(folder, model, opt, {}, background=committer)
     committer.submit(str(folder), "probe", lambda: None, str(folder))
     committer.wait(str(folder))
-    return queued
+    return how
 
 
 def stage(job: dict) -> None:
@@ -131,11 +131,11 @@ def stage(job: dict) -> None:
         (root / "old/state.json").write_text("{}")
     dcp.save(old, checkpoint_id=str(root / "old/dcp"))
     committer = new_committer()
-    queued = [background(committer, root / "one/policy", model, opt)]  # 1 role: the 2nd save refills the 1st's copy
-    first = committer.cpu_copy("policy")  # made while the first save was written inline
+    how = [background(committer, root / "one/policy", model, opt)]  # 1 role: the 2nd save refills the 1st's copy
+    first = committer.cpu_copy("policy")
     train(model, opt)
     write_full(model, opt, f"{out}.live2")
-    queued.append(background(committer, root / "two/policy", model, opt))
+    how.append(background(committer, root / "two/policy", model, opt))
     copy = committer.cpu_copy("policy")
     # A build's reservation: sized from a model (with a tied head) whose AdamW has not stepped yet; the role's first
     # save (after a step, as the first update's) goes to the background into that slab.
@@ -144,7 +144,7 @@ def stage(job: dict) -> None:
     reserving.reserve("policy", checkpoint.trained_state_bytes(fresh))
     train(fresh, fresh_opt)
     write_full(fresh, fresh_opt, f"{out}.live3")
-    queued.append(background(reserving, root / "three/policy", fresh, fresh_opt))
+    how.append(background(reserving, root / "three/policy", fresh, fresh_opt))
     for name in ("old", "one/policy", "two/policy", "three/policy"):
         write_full(*load_into_fresh(root / name, None, tied=name == "three/policy"), f"{out}.{name.split('/')[0]}")
     leaves = copy.tensors()
@@ -153,7 +153,7 @@ def stage(job: dict) -> None:
     report = {"leaves": len(leaves), "reused": copy is first,
               "in_slab": all(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for t in leaves),
               "exact_storages": all(t.untyped_storage().nbytes() == t.nbytes for t in leaves),
-              "queued": queued, "reserved_fits": dcpio.copy_bytes(state_dict(fresh, fresh_opt)) <= reserved.slab.numel()}
+              "how": how, "reserved_fits": dcpio.copy_bytes(state_dict(fresh, fresh_opt)) <= reserved.slab.numel()}
     if dist.get_rank() == 0:
         Path(f"{out}.json").write_text(json.dumps(report))
     dist.barrier()
@@ -179,7 +179,7 @@ def fail(job: dict) -> None:
         shutil.rmtree(root / "inline", ignore_errors=True)
     dist.barrier()
     committer = new_committer()
-    background(committer, Path(job["roomy"]) / "background", model, opt)  # the role's first save: written inline
+    background(committer, Path(job["roomy"]) / "background", model, opt)  # the role's first save: its copy made
     try:
         background(committer, root / "background", model, opt)  # the second through the committer's CPU copy
         report["background"] = None
