@@ -615,20 +615,22 @@ def test_two_runs_of_one_blueprint_at_once(prefect_server, ref, tmp_path):
             code = CHILD_FLOW.format(pin=code_pin(), bp=str(tmp_path / "bp.json"), run=run)
             children.append(subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=logs[-1],
                                              stderr=subprocess.STDOUT))
-        jobs_seen, most = set(), 0
+        jobs_seen, most, at_most = set(), 0, {}
         deadline = time.monotonic() + 400
         while any(c.poll() is None for c in children):
             assert time.monotonic() < deadline, "the two runs did not finish"
-            now = set()
-            for c in children:
+            now = {}
+            for run, c in zip(runs, children):
                 try:
                     for p in psutil.Process(c.pid).children(recursive=True):
-                        if "torch.distributed.run" in _cmdline(p) and _alive(p):
-                            now.add(p.pid)
+                        cmd = _cmdline(p)
+                        if "torch.distributed.run" in cmd and _alive(p):
+                            now[p.pid] = (run, next((a for a in cmd if a.startswith("verlflow.")), cmd[-2:]))
                 except psutil.Error:
                     pass
-            jobs_seen |= now
-            most = max(most, len(now))
+            jobs_seen |= set(now)
+            if len(now) > most:  # which jobs overlapped, should they (a flake seen once in CI, not reproduced)
+                most, at_most = len(now), {**now, "at_s": round(time.monotonic() - deadline + 400, 1)}
             time.sleep(0.1)
     finally:
         for c in children:
@@ -638,7 +640,7 @@ def test_two_runs_of_one_blueprint_at_once(prefect_server, ref, tmp_path):
             f.close()
     outs = {run: (tmp_path / f"{run}.log").read_text() for run in runs}
     assert [c.returncode for c in children] == [0, 0], {r: o[-3000:] for r, o in outs.items()}
-    assert most == 1, f"{most} stage jobs ran at once under a 1-slot limit"
+    assert most == 1, f"{most} stage jobs ran at once under a 1-slot limit: {at_most}"
     assert len(jobs_seen) == 4, jobs_seen  # update and checkpoint of each run
     limit = httpx.get(f"{prefect_server.url}/v2/concurrency_limits/verlflow-{pool}-slots", timeout=30).json()
     assert limit["limit"] == 1 and limit["active_slots"] == 0
