@@ -139,6 +139,9 @@ def run_config(args, kit: dict, store: Path, config: str) -> dict:
     except Exception:
         print("\n".join(lines[-80:]), flush=True)  # the failing stage's own output
         raise
+    finally:
+        if args.log:  # the stages' own output (compiles, the engine's set-up parts), one file per config
+            args.log.with_suffix(f".{config}.log").write_text("\n".join(lines) + "\n")
     end_bytes = store_bytes(store)
     by = {(r.manifest["stage"], r.manifest["iteration"]): r for r in results}
     out = {"config": config, "overrides": CONFIGS[config], "gpus": gpus, "device": bp.resources.device,
@@ -182,7 +185,7 @@ def stage_row(res) -> dict:
            **{k: v for k, v in t.items() if isinstance(v, (int, float))}}
     metrics = res.manifest.get("metrics", {})
     # whether models came from a warm pool's memory; how the update's background save got its CPU copy
-    for k in ("warm_cache_hits", "ref_source", "save_copy"):
+    for k in ("warm_cache_hits", "ref_source", "save_copy", "compiles"):
         if k in metrics:
             row[k] = metrics[k]
     if metrics.get("mini_batches"):  # the first step's policy is the rollout's: its PPO KL is the log-prob mismatch
@@ -253,6 +256,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the store and kit (default: the store is removed at "
                     "the end when it is under --root)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--log", type=Path, help="write each config's stage output to LOG.<config>.log")
     ap.add_argument("--smoke", action="store_true", help="the tiny kit on CPU, 2 iterations")
     args = ap.parse_args(argv)
     if args.smoke:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.errors import NO_SPACE_FIX, StoreError, is_no_space
 from verlflow.core.job import InputRecord, JobSpec
+from verlflow.core.ml import compiletime
 from verlflow.core.ml.placement import Placement
 from verlflow.core.stages import modelcache
 from verlflow.core.stages import committer as committers
@@ -257,8 +258,13 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
                        timings=_launch_timings(job, t_start, pool_ready_at))
     faults.hang_point(job.stage, rank)  # test hook: VERLFLOW_FAULT=hang_in_<stage>, barrier_hang_in_<stage>
     modelcache.hits.clear()
+    compiled = compiletime.snapshot()
     with _no_space_named(ctx):
         metrics = run(ctx) or {}
+    n, seconds = (a - b for a, b in zip(compiletime.snapshot(), compiled))
+    if n:  # a first iteration's excess: how much of it was torch.compile (its other timings include it)
+        ctx.timings["compile_s"] = round(seconds, 3)
+        metrics["compiles"] = n
     if modelcache.hits:
         metrics["warm_cache_hits"] = sorted(set(modelcache.hits))
     # Whether a commit is still running is a per-rank fact (one rank's committer thread may lag under load); the

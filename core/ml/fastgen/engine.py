@@ -114,10 +114,15 @@ class FastGen:
         self.last_stats: dict = {}
         self.attn_cfg: dict = {}
         self.attn_timings: dict = {}
+        # where the set-up goes (logged by prepare): the kernel checks and attention timing, the decode steps'
+        # compiles and captures, the refills' prefill compile
+        self.setup_parts = {"checks_s": 0.0, "captures": 0, "capture_s": 0.0, "refill_compile_s": 0.0}
+        t0 = time.perf_counter()
         if cuda and "triton" in (self.attn, self.sampler):
             self._self_check()
         if cuda and attn_auto and self.attn == "triton":
             self._pick_attention()
+        self.setup_parts["checks_s"] = round(time.perf_counter() - t0, 3)
 
     def _set_fns(self, compiled: bool):
         fns = dict(layer=_decode_layer, pre=_pre_attn, post=_post_attn, logits=_logits, sample=sample_logits,
@@ -337,7 +342,10 @@ class FastGen:
             self._step(kv_len, cfg)
         torch.cuda.synchronize(self.device)
         self._graphs[key] = g
-        log.info("fastgen: captured decode step for kv_len=%d %s in %.1fs", kv_len, cfg, time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        self.setup_parts["captures"] += 1
+        self.setup_parts["capture_s"] = round(self.setup_parts["capture_s"] + took, 3)
+        log.info("fastgen: captured decode step for kv_len=%d %s in %.1fs", kv_len, cfg, took)
         return g
 
     def _kv_len(self, slot: int) -> int:
@@ -430,13 +438,19 @@ class FastGen:
             self.warmup(width, cfg, every_slot)
             torch.cuda.set_rng_state(rng, self.device)
         if every_slot and self.compile and not self._refill_ready:  # compile the refills' prefill (any rows, any
+            t1 = time.perf_counter()
             for n, p in ((2, 3), (3, 5), (1, 4)):  # width) now, in the set-up: two shapes make it dynamic; one row
                 # is a shape of its own (dynamo specialises sizes of 1), as in the last refills of a call
                 rows = torch.arange(n, device=self.device)
                 self._prefill(torch.zeros(n, p, dtype=torch.long, device=self.device), torch.zeros_like(rows), rows)
             self._refill_ready = True
+            self._sync()
+            self.setup_parts["refill_compile_s"] = round(time.perf_counter() - t1, 3)
         self._sync()
-        return time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        if took > 0.05:
+            log.info("fastgen: set-up %.1fs in prepare (%s)", took, self.setup_parts)
+        return took
 
     def _sync(self):
         if _on_cuda(self.device):
