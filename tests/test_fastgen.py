@@ -140,6 +140,37 @@ def test_continuous_batching_greedy_equals_hf_generate_prompt_by_prompt(models, 
     assert stats["refills"] >= 5 and stats["tokens"] == sum(map(len, ours))  # rows were reused mid-generation
 
 
+def test_compiled_engine_compiles_the_decode_step_once_for_every_cache_bucket(models):
+    """The compiled engine (dynamo with the aot_eager backend: the same tracing and guards as inductor, without the
+    code generation) through three cache buckets and refills of 1-3 rows at several widths: the decode layer is
+    compiled twice, not once per bucket (the GPU blueprint's rollout compiled it six times), and the tokens are the
+    eager engine's."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from verlflow.core.ml.fastgen.layers import _decode_layer, _prefill_layer
+
+    torch._dynamo.reset()
+    model = models["qwen2"]
+    lens = [5, 11, 3, 16, 8, 1, 13]
+    limits = [120, 3, 70, 7, 120, 20, 1]
+    prompts = prompts_of(lens, seed=5)
+    runs = {}
+    for compiled in (False, True):
+        eng = FastGen(model, batch_size=3, max_prompt_len=16, max_new_tokens=120, attn="sdpa", check_every=2,
+                      compile=compiled, compile_backend="aot_eager")
+        assert eng.bucket == 64  # buckets of 64, 128 and 136 cache slots
+        runs[compiled] = eng.generate_many(prompts, SamplingConfig(temperature=0.0), [], PAD, limits=limits,
+                                           refill_min=1)[0]  # no EOS: the budgets decide the lengths
+        assert eng.last_stats["refills"] >= 3
+    assert max(map(len, runs[True])) > 64 + 16  # rows reached the second bucket, and past it
+    assert runs[True] == runs[False]
+    # one graph for the buckets shorter than the cache, one for the whole cache (a contiguous view)
+    assert len(_debug_get_cache_entry_list(_decode_layer.__code__)) == 2
+    # one for every (rows, width) >= 2, one each for a single row and a one-token width (sizes of 1 specialise)
+    assert len(_debug_get_cache_entry_list(_prefill_layer.__code__)) <= 3
+    torch._dynamo.reset()
+
+
 def test_continuous_batching_sampled_logprobs_are_the_models_and_a_seed_reproduces(models):
     """Sampled with temperature and top_p through refilled rows: each token's saved log-prob is the model's own
     log_softmax(logits / T) at that token, recomputed from prompt + response alone (a stale cache slot, position
@@ -445,3 +476,28 @@ def test_rollout_logprobs_equal_the_updates_recomputed_ones(tiny_kit, tmp_path, 
     rollout_bp = tiny_blueprint(tiny_kit, tmp_path, algorithm__old_logprobs="rollout", resources__nproc_per_node=1)
     assert torch.equal(ppo.old_logprobs(model, batch, rollout_bp, at), got)
     assert torch.equal(ppo.old_logprobs(model, batch, bp, at), want)  # recompute, the default
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="attn='auto' times its candidates on CUDA")
+def test_cuda_attention_choice_is_timed_once_per_machine_and_shape(models, tmp_path, monkeypatch):
+    """The decode attention an engine timed is kept in the machine's cache folder: a second engine of the same shape
+    takes it without timing (a pool's first rollout spent 3.5 s in the checks and timing), another shape times
+    again, and an unreadable file only means timing again."""
+    import copy
+    import json
+
+    monkeypatch.setenv("VERLFLOW_CACHE_DIR", str(tmp_path))
+    model = copy.deepcopy(models["qwen2"]).to("cuda", torch.bfloat16)
+    kept = tmp_path / "fastgen/attention.json"
+    first = FastGen(model, batch_size=8, max_prompt_len=16, max_new_tokens=32)
+    if first.attn_timings == {}:
+        pytest.skip(f"no timing on this machine (attn {first.attn})")
+    assert len(json.loads(kept.read_text())) == 1
+    again = FastGen(model, batch_size=8, max_prompt_len=16, max_new_tokens=32)
+    assert (again.attn, again.attn_cfg, again.attn_timings) == (first.attn, first.attn_cfg, first.attn_timings)
+    assert again.setup_parts["checks_s"] < first.setup_parts["checks_s"]
+    FastGen(model, batch_size=16, max_prompt_len=16, max_new_tokens=32)
+    assert len(json.loads(kept.read_text())) == 2
+    kept.write_text("{not json")
+    assert FastGen(model, batch_size=8, max_prompt_len=16, max_new_tokens=32).attn_timings
+    assert len(json.loads(kept.read_text())) == 1

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from sysdeps import small_tmpfs
 from tinybp import tiny_blueprint
 
@@ -186,6 +187,24 @@ def test_stage_jobs_share_a_persistent_compile_cache(monkeypatch, tmp_path):
     assert _worker_env(2)["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/mine")
     assert "TORCHINDUCTOR_CACHE_DIR" not in _worker_env(2)  # inherited from the environment as it is
+
+
+def test_compile_meter_counts_frames_and_lazy_backward_compiles():
+    """What a stage's manifest reports as compile_s / compiles: dynamo's frame compile and the backward compiled at
+    the first backward both count; a call that finds its compiled graph counts nothing (this would catch torch
+    renaming the timers the meter reads)."""
+    from verlflow.core.ml.compiletime import Meter
+
+    lin = torch.nn.Linear(4, 4)
+    f = torch.compile(lambda x: lin(x).relu().sum(), backend="aot_eager")
+    meter = Meter()
+    f(torch.randn(2, 4)).backward()
+    n, seconds, parts = meter.read()
+    assert n == 2 and seconds > 0, (n, seconds)
+    assert "bytecode_tracing" in parts or seconds < 0.5, parts  # the phases it names are dynamo's own
+    again = Meter()
+    f(torch.randn(2, 4)).backward()
+    assert again.read()[:2] == (0, 0.0)
 
 
 def test_a_pool_waiting_for_gpus_does_not_block_the_other_pools(tmp_path):

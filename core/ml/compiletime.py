@@ -3,11 +3,26 @@ the first backward. A stage's first run pays them inside ref_s, train_s or the e
 them apart (compile_s, compiles), so a first iteration's excess says how much of it was compiling."""
 
 KEYS = ("_compile.compile_inner", "backward._backward_impl")
+# dynamo's timers nest; these do not contain one another: tracing, guards, the cache's loads, code generation
+PHASES = ("bytecode_tracing", "build_guards", "aot_collect_metadata", "AOTAutogradCache.inductor_load",
+          "fx_codegen_and_compile", "async_compile.wait")
 
 
-def snapshot() -> tuple[int, float]:
-    """(compiles, seconds) since the process started."""
+def _totals() -> dict[str, tuple[int, float]]:
     from torch._dynamo.utils import compilation_time_metrics
 
-    runs = [t for k in KEYS for t in compilation_time_metrics.get(k, ())]
-    return len(runs), sum(runs)
+    return {k: (len(v), sum(v)) for k, v in list(compilation_time_metrics.items())}
+
+
+class Meter:
+    """Compiles between start and `read()`: (count, seconds, where they went: PHASES and any autotuning)."""
+
+    def __init__(self):
+        self._start = _totals()
+
+    def read(self) -> tuple[int, float, dict[str, float]]:
+        now = _totals()
+        spent = {k: s - self._start.get(k, (0, 0.0))[1] for k, (_, s) in now.items()}
+        n = sum(now.get(k, (0, 0.0))[0] - self._start.get(k, (0, 0.0))[0] for k in KEYS)
+        parts = {k: round(v, 2) for k, v in spent.items() if (k in PHASES or "autotune" in k) and v > 0.05}
+        return n, sum(spent.get(k, 0.0) for k in KEYS), parts

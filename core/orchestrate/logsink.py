@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from verlflow.core.cachedir import cache_root
 from verlflow.core.store.artifacts import ArtifactStore, safe_run_id
 
 # The launcher's lines: "[rank3] text" or "[torchrun] text".
@@ -31,7 +32,7 @@ _MAX_BLOCK = 2000  # lines: a runaway block is emitted in parts
 
 
 def log_folder(store: ArtifactStore, run_id: str) -> Path:
-    cache = Path(os.environ.get("VERLFLOW_CACHE_DIR") or Path.home() / ".cache" / "verlflow")
+    cache = cache_root()
     return cache / "logs" / store.protocol / store.root.lstrip("/") / safe_run_id(run_id)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from verlflow.core.cachedir import cache_root
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.errors import StoreError
 from verlflow.core.job import InputRecord, InputRef, JobSpec, ManifestDraft
@@ -427,7 +428,7 @@ def _worker_env(nproc: int) -> dict:
     """Quiet, offline workers; threads split between the ranks of this node (torchrun would pick 1)."""
     import os
 
-    cache = Path(os.environ.get("VERLFLOW_CACHE_DIR") or Path.home() / ".cache" / "verlflow")
+    cache = cache_root()
     env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)), "HF_HUB_OFFLINE": "1",
            "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false",
            # fsdp.compile's kernels survive the job (and /tmp cleaning): the next stage job loads them

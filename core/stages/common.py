@@ -258,13 +258,14 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
                        timings=_launch_timings(job, t_start, pool_ready_at))
     faults.hang_point(job.stage, rank)  # test hook: VERLFLOW_FAULT=hang_in_<stage>, barrier_hang_in_<stage>
     modelcache.hits.clear()
-    compiled = compiletime.snapshot()
+    compiles = compiletime.Meter()
     with _no_space_named(ctx):
         metrics = run(ctx) or {}
-    n, seconds = (a - b for a, b in zip(compiletime.snapshot(), compiled))
+    n, seconds, parts = compiles.read()
     if n:  # a first iteration's excess: how much of it was torch.compile (its other timings include it)
         ctx.timings["compile_s"] = round(seconds, 3)
         metrics["compiles"] = n
+        log.info("%s: %d torch.compile runs took %.1f s (%s)", job.name, n, seconds, parts)
     if modelcache.hits:
         metrics["warm_cache_hits"] = sorted(set(modelcache.hits))
     # Whether a commit is still running is a per-rank fact (one rank's committer thread may lag under load); the

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 
 import fsspec
 
+from verlflow.core.cachedir import cache_root
 from verlflow.core.errors import ChecksumError, PrunedError, StoreError, UnsafeKeyError, VerlflowError
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -684,7 +685,7 @@ class ArtifactStore:
         if self.is_local:
             folder = Path(self._path(stage_key))
         else:
-            cache = Path(os.environ.get("VERLFLOW_CACHE_DIR") or Path.home() / ".cache" / "verlflow")
+            cache = cache_root()
             folder = Path(local_dir) if local_dir is not None else cache / self.root / stage_key
         for rel, expected in files.items():
             key, dst = f"{stage_key}/{safe_key(rel)}", folder / rel

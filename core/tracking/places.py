@@ -4,9 +4,9 @@ s3:// stores (a SQLite database and event files need a local disk) in $VERLFLOW_
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from verlflow.core.cachedir import cache_root
 from verlflow.core.store.artifacts import ArtifactStore
 
 MLFLOW_DB = "mlflow.db"
@@ -20,7 +20,7 @@ def local_root(store: ArtifactStore) -> Path:
     """The folder that holds the embedded MLflow store, TensorBoard's event files and W&B's run folders."""
     if store.is_local:
         return store.local_path("tracking")
-    cache = Path(os.environ.get("VERLFLOW_CACHE_DIR") or Path.home() / ".cache" / "verlflow")
+    cache = cache_root()
     return cache / "tracking" / store.root.strip("/")
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from verlflow.core.ml.fastgen.kernels import (HAVE_TRITON, _cands_from_stats, _pick, block_stats_triton, combine_splits,
                                     decode_attention_triton, member_mass_triton, reference_decode_attention,
                                     sample_logits_triton)
+from verlflow.core.ml.fastgen import choices
 from verlflow.core.ml.fastgen.layers import _decode_layer, _logits, _post_attn, _pre_attn, _prefill_layer, _Weights
 from verlflow.core.ml.fastgen.sampling import SamplingConfig, _Stats, sample_logits
 from verlflow.core.ml.generate import chosen_logprobs, sampling_temperature
@@ -51,7 +52,8 @@ class FastGen:
 
     def __init__(self, model, batch_size: int, max_prompt_len: int, max_new_tokens: int, *,
                  use_graphs: bool | None = None, compile: bool | None = None, bucket: int = 64,
-                 check_every: int = 16, attn: str = "auto", sampler: str = "auto", prefill_tokens: int = 32768):
+                 check_every: int = 16, attn: str = "auto", sampler: str = "auto", prefill_tokens: int = 32768,
+                 compile_backend: str = "inductor"):
         self.w = _Weights(model)
         self.device = self.w.device
         cuda = _on_cuda(self.device)
@@ -85,6 +87,7 @@ class FastGen:
         self.bucket = max(int(bucket), math.ceil(self.T / 8 / 64) * 64)
         self.check_every = max(1, int(check_every))
         self.prefill_tokens = int(prefill_tokens)
+        self.compile_backend = compile_backend  # inductor; the tests count recompiles on a faster backend
         w, dev, dt = self.w, self.device, self.w.dtype
         self.kc = [torch.zeros(self.B, w.nkv, self.T, w.hd, dtype=dt, device=dev) for _ in range(w.n_layers)]
         self.vc = [torch.zeros(self.B, w.nkv, self.T, w.hd, dtype=dt, device=dev) for _ in range(w.n_layers)]
@@ -118,18 +121,32 @@ class FastGen:
         # compiles and captures, the refills' prefill compile
         self.setup_parts = {"checks_s": 0.0, "captures": 0, "capture_s": 0.0, "refill_compile_s": 0.0}
         t0 = time.perf_counter()
+        timing_key = None
+        if cuda and attn_auto and self.attn == "triton":  # what an engine of this shape timed on this machine before
+            timing_key = choices.key(dev, rows=self.B, slots=self.T, bucket=self.bucket, heads=w.nh, kv_heads=w.nkv,
+                                     head_dim=w.hd, dtype=dt, windows=sorted(set(self.windows)), softcap=w.spec.softcap)
+            kept = choices.load(timing_key)
+            if kept is not None:
+                self.attn, self.attn_cfg = kept["attn"], dict(kept.get("cfg") or {})
+                self.attn_timings = dict(kept.get("timings") or {})
+                log.info("fastgen: decode attention %s %s, as timed before on this machine (%s)", self.attn,
+                         self.attn_cfg, choices.where())
+                timing_key = None
         if cuda and "triton" in (self.attn, self.sampler):
             self._self_check()
-        if cuda and attn_auto and self.attn == "triton":
+        if timing_key is not None and self.attn == "triton":  # (a Triton kernel that failed its check is not timed)
             self._pick_attention()
+            if self.attn_timings:
+                choices.store(timing_key, {"attn": self.attn, "cfg": self.attn_cfg, "timings": self.attn_timings})
         self.setup_parts["checks_s"] = round(time.perf_counter() - t0, 3)
 
     def _set_fns(self, compiled: bool):
         fns = dict(layer=_decode_layer, pre=_pre_attn, post=_post_attn, logits=_logits, sample=sample_logits,
                    cands=_cands_from_stats, pick=_pick, prefill=_prefill_layer, logp=_sampled_logp)
         self._eager = dict(fns)  # a refill's first tokens: a new row count each time, not worth a compile each
-        if compiled:  # the prefill sees a new (rows, width) per micro-batch: one dynamic-shape compile
-            fns = {k: torch.compile(f, dynamic=(k == "prefill"), fullgraph=k not in ("sample",))
+        if compiled:  # the prefill sees a new (rows, width) per micro-batch: _prefill marks those two dims dynamic
+            # (dynamic=True would make every size and float symbolic: a slower compile, even from the cache)
+            fns = {k: torch.compile(f, fullgraph=k not in ("sample",), backend=self.compile_backend)
                    for k, f in fns.items()}
         self._fn = fns
 
@@ -272,10 +289,11 @@ class FastGen:
                 ok = valid & (s > cur - win) if win else valid
                 bias[win] = torch.zeros(ok.shape, dtype=torch.float32, device=x.device).masked_fill_(
                     ~ok, float("-inf"))
+                if self.compile:  # one compile for every cache bucket, not one each
+                    torch._dynamo.maybe_mark_dynamic(bias[win], 1)
             for i, L in enumerate(w.layers):
                 cos, sin = rope[w.rope_of[i]]
-                x = fn["layer"](x, L, self.kc[i], self.vc[i], self.slot, cos, sin, bias[self.windows[i]], S, kv_len,
-                                self.attn)
+                x = fn["layer"](x, L, self.kc[i], self.vc[i], self.slot, cos, sin, bias[self.windows[i]], S, self.attn)
         logits = fn["logits"](x, w.norm_w, w.lm_w, w.norm_eps, S.norm32, w.final_cap)
         self._advance(*self._sample(logits, cfg))
 
@@ -400,6 +418,10 @@ class FastGen:
             masks = {win: mask & ((ar.view(1, 1, P, 1) - ar.view(1, 1, 1, P)) < win) if win else mask
                      for win in set(self.windows)}  # sliding-window layers: the banded causal mask
             x = self._embed(pid)
+            if self.compile:  # rows and width vary; the rest is the model's (one compile, not one per shape)
+                for t, dims in ((x, (0, 1)), *((t, (0, 2)) for cs in rope for t in cs),
+                                *((m, (0, 2, 3)) for m in masks.values())):
+                    torch._dynamo.maybe_mark_dynamic(t, dims)
             for i, L in enumerate(w.layers):
                 cos, sin = rope[w.rope_of[i]]
                 args = (L, cos, sin, masks[self.windows[i]], w.spec)

@@ -154,11 +154,12 @@ def _logits(x, norm_w, lm_w, eps: float, f32: bool = False, cap: float = 0.0):
     return y
 
 
-def _decode_layer(x, L, kc, vc, slot, cos, sin, bias, S: Spec, kv_len: int, attn: str = "bmm"):
+def _decode_layer(x, L, kc, vc, slot, cos, sin, bias, S: Spec, attn: str = "bmm"):
     """One decoder layer for one new token per row. x (B, H); kc/vc (B, nkv, T, hd) written at ``slot``
     ((B,) long: each row's own); bias (B, kv_len) float: 0 where the slot is valid for the row (and inside the layer's
-    sliding window), -inf elsewhere."""
-    B = x.shape[0]
+    sliding window), -inf elsewhere. The cache bucket's length kv_len is bias's: a dynamic size, so one compile
+    serves every bucket."""
+    B, kv_len = x.shape[0], bias.shape[-1]
     q = _pre_attn(x, L, kc, vc, slot, cos, sin, S)
     K = kc[:, :, :kv_len]
     V = vc[:, :, :kv_len]
