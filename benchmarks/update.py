@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout import SHAPES  # noqa: E402  (one table of model shapes for both benchmarks)
 
 from verlflow.core.blueprint import load_blueprint  # noqa: E402
-from verlflow.core.ml import model as M, ppo  # noqa: E402
+from verlflow.core.ml import compiletime, model as M, ppo  # noqa: E402
 from verlflow.core.ml.optim import make_optimizer  # noqa: E402
 from verlflow.core.ml.placement import Placement  # noqa: E402
 
@@ -184,9 +184,12 @@ def run_config(name: str, args, mdir: Path, at: Placement) -> dict:
         return t1 - t0, time.perf_counter() - t1, batch
 
     t = time.perf_counter()
+    compiles = compiletime.Meter()
     for w in range(args.warmup):
         one(100 + w, 1)
     out["warmup_s"] = round(time.perf_counter() - t, 1)
+    n, seconds, parts = compiles.read()  # what the first steps spent compiling (fsdp.compile), and where
+    out.update(compiles=n, compile_s=round(seconds, 2), compile_parts=parts)
     score_s, train_s, batch = one(1, args.steps)
     f_train, f_score = flops(cfg, batch)
     peak = args.peak_tflops * 1e12 * world

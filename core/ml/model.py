@@ -11,6 +11,7 @@ from torch import nn
 
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.errors import InputError
+from verlflow.core.ml import packing
 
 log = logging.getLogger("verlflow.model")
 
@@ -53,8 +54,6 @@ def build_module(model_dir: str | Path, bp: Blueprint, *, critic: bool = False, 
     cls = AutoModelForTokenClassification if critic else AutoModelForCausalLM
     attn = bp.model.attn_implementation
     if packed:
-        from verlflow.core.ml import packing
-
         attn = packing.register()
     kw = dict(dtype=DTYPES[bp.model.dtype], attn_implementation=attn,
               trust_remote_code=bp.model.trust_remote_code)
@@ -149,15 +148,36 @@ def wrap_fsdp(model: nn.Module, bp: Blueprint, device: torch.device) -> tuple[nn
         fusedhead.install(model, bp.algorithm.fused_kernels_backend)
     if f.compile:
         # The forward only: FSDP's hooks stay outside the graph and parameter names keep no _orig_mod prefix, so
-        # checkpoints are the same with compile on or off. dynamic: packed rows change length every micro-batch.
+        # checkpoints are the same with compile on or off. Micro-batches change length: a pre-hook marks those sizes
+        # dynamic (dynamic=True made every size symbolic: 4 s of tracing per graph on the H200, twice per pool).
         for layer in layers:
-            layer.forward = torch.compile(layer.forward, dynamic=True)
+            layer.forward = torch.compile(layer.forward)
+            layer.register_forward_pre_hook(_lengths_dynamic, with_kwargs=True)
     if f.version == 2:
         model, units = _fsdp2(model, layers, f, device)
     else:
         model, units = _fsdp1(model, layer_cls, f, device)
     local = _local_numel(model)
     return model, ShardReport(units, len(layers), local, total, dist.get_world_size())
+
+
+# A decoder layer's inputs whose sizes change between micro-batches, and which of their dims do: rows and tokens
+# (the packed row's tokens; the padded layout's rows and width), never the hidden or head size.
+_VARYING = {"hidden_states": (0, 1), "position_ids": (0, 1), "attention_mask": (0, 1, 2, 3),
+            "cu_seq_lens_q": (0,), "cu_seq_lens_k": (0,), packing.LENGTH_KW: (1,)}
+
+
+def _lengths_dynamic(module, args, kwargs):
+    """Forward pre-hook of a compiled decoder layer: one graph for every micro-batch length, with the model's own sizes
+    static (maybe_: a size of 1 may still specialise)."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    named = dict(kwargs, hidden_states=args[0]) if args else kwargs
+    for name, dims in _VARYING.items():
+        t = named.get(name)
+        if isinstance(t, torch.Tensor):
+            mark(t, tuple(d for d in dims if d < t.dim()))
+    for t in kwargs.get("position_embeddings") or ():  # (cos, sin): [rows, tokens, head_dim]
+        mark(t, (0, 1))
 
 
 def _fsdp2(model, layers, f, device):

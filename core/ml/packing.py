@@ -18,6 +18,7 @@ import torch.nn.functional as F
 log = logging.getLogger("verlflow.packing")
 
 ATTN = "verlflow_varlen"
+LENGTH_KW = "verlflow_max_len"  # the packed row's longest sample, as a (0, max_len) tensor (model_kwargs)
 
 
 @dataclass
@@ -35,9 +36,11 @@ class Packed:
         return Packed(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()})
 
     def model_kwargs(self) -> dict:
-        return dict(input_ids=self.input_ids, position_ids=self.position_ids, attention_mask=None,
-                    cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.cu_seqlens,
-                    max_length_q=self.max_len, max_length_k=self.max_len)
+        # The longest sample travels as the width of an empty tensor (LENGTH_KW): fsdp.compile marks that width
+        # dynamic with the token count, where an int would be specialised (a recompile whenever it changes).
+        width = torch.empty(0, self.max_len, dtype=torch.int8, device=self.input_ids.device)
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "attention_mask": None,
+                "cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens, LENGTH_KW: width}
 
     def unpack(self, values: torch.Tensor, n: int, R: int) -> torch.Tensor:
         """[K] -> [n, R], zero where the response is padding (the masks exclude those anyway)."""
@@ -109,13 +112,15 @@ def plan(ids: list[int], sizes: dict[int, int], world: int, rank: int, max_token
 
 
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, cu_seq_lens_q=None,
-                     max_length_q=None, **kwargs):
+                     **kwargs):
     """HF attention interface over a packed row: query [1, Hq, T, D], key/value [1, Hkv, T, D] -> [1, T, Hq, D]."""
-    if cu_seq_lens_q is None:
-        raise ValueError("packed attention needs cu_seq_lens_q (the update stage passes it; see core/ml/packing.py)")
+    if cu_seq_lens_q is None or LENGTH_KW not in kwargs:
+        raise ValueError("packed attention needs cu_seq_lens_q and the longest sample (the update stage passes them: "
+                         "Packed.model_kwargs in core/ml/packing.py)")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        out = _flash_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu_seq_lens_q, max_length_q, scaling)
+        max_len = kwargs[LENGTH_KW].shape[1]  # a symbolic size under compile
+        out = _flash_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu_seq_lens_q, max_len, scaling)
     else:
         out = _sdpa_per_sample(q, k, v, cu_seq_lens_q, scaling)
     return out[None], None
