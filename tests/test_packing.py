@@ -194,3 +194,29 @@ def test_triton_head_equals_the_torch_head_on_cuda(temperature):
     for name, a, b in zip(("logp", "entropy", "d_hidden", "d_weight"), out["torch"], out["triton"]):
         scale = a.abs().max().item()
         assert (a - b).abs().max().item() <= 2e-2 * max(scale, 1.0), (name, (a - b).abs().max().item(), scale)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_compiled_layers_trace_once_for_every_micro_batch_length(models, packed):
+    """fsdp.compile's layers (dynamo with the aot_eager backend: inductor's tracing and guards without its code
+    generation) over micro-batches of three lengths: one graph for all of them, so a packed row of another length
+    or a padded batch of another width is no recompile; and the values are the eager layers'."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    bp, eager = models[packed]
+    model = copy.deepcopy(eager)  # the fixture's model stays eager for the other tests
+    torch._dynamo.reset()
+    layers = [m for m in model.modules() if isinstance(m, M.decoder_layer_class(model, None))]
+    code = type(layers[0]).forward.__code__
+    M.compile_layers(layers, backend="aot_eager")
+    try:
+        for n in (3, 4, 5):
+            b = ragged_batch(model.config.vocab_size, n=n, P=n + 4, R=2 * n, seed=n)  # rows, widths, tokens vary
+            rows, idx = ppo.Rows.of(b), list(range(n))
+            with torch.no_grad():
+                got = ppo._micro_forward(model, rows, idx, bp, "cpu")[0]
+                want = ppo._micro_forward(eager, rows, idx, bp, "cpu")[0]
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert len(_debug_get_cache_entry_list(code)) == 1
+    finally:
+        torch._dynamo.reset()

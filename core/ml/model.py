@@ -147,18 +147,22 @@ def wrap_fsdp(model: nn.Module, bp: Blueprint, device: torch.device) -> tuple[nn
         # before wrapping: FSDP1's wrapper calls the inner module's forward
         fusedhead.install(model, bp.algorithm.fused_kernels_backend)
     if f.compile:
-        # The forward only: FSDP's hooks stay outside the graph and parameter names keep no _orig_mod prefix, so
-        # checkpoints are the same with compile on or off. Micro-batches change length: a pre-hook marks those sizes
-        # dynamic (dynamic=True made every size symbolic: 4 s of tracing per graph on the H200, twice per pool).
-        for layer in layers:
-            layer.forward = torch.compile(layer.forward)
-            layer.register_forward_pre_hook(_lengths_dynamic, with_kwargs=True)
+        compile_layers(layers)
     if f.version == 2:
         model, units = _fsdp2(model, layers, f, device)
     else:
         model, units = _fsdp1(model, layer_cls, f, device)
     local = _local_numel(model)
     return model, ShardReport(units, len(layers), local, total, dist.get_world_size())
+
+
+def compile_layers(layers: list[nn.Module], backend: str = "inductor") -> None:
+    """torch.compile each decoder layer's forward only: FSDP's hooks stay outside the graph and parameter names keep
+    no _orig_mod prefix, so checkpoints are the same with compile on or off. Micro-batches change length: a pre-hook
+    marks those sizes dynamic (dynamic=True made every size symbolic: 4 s of tracing per graph on the H200)."""
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, backend=backend)
+        layer.register_forward_pre_hook(_lengths_dynamic, with_kwargs=True)
 
 
 # A decoder layer's inputs whose sizes change between micro-batches, and which of their dims do: rows and tokens

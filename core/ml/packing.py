@@ -6,7 +6,6 @@ CUDA), so no FLOP is spent on padding and no sample attends into its neighbour. 
 response tokens are computed (HF's `logits_to_keep` with an index tensor).
 """
 
-import functools
 import inspect
 import logging
 import math
@@ -126,17 +125,22 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out[None], None
 
 
-@functools.cache
-def _varlen():
-    """torch's varlen_attn and its keyword names (they changed between torch 2.9 and 2.13); looked up once, not
-    per layer call."""
-    from torch.nn.attention.varlen import varlen_attn
+_VARLEN: tuple | None = None  # (torch's varlen_attn, its keyword names), set by register(): outside any graph
 
-    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+def _varlen() -> tuple:
+    """torch's varlen_attn and its keyword names (they changed between torch 2.9 and 2.13). register() looks them up
+    before the layers are compiled: traced, the lookup (inspect.signature) was part of every compile."""
+    global _VARLEN
+    if _VARLEN is None:
+        from torch.nn.attention.varlen import varlen_attn
+
+        _VARLEN = (varlen_attn, frozenset(inspect.signature(varlen_attn).parameters))
+    return _VARLEN
 
 
 def _flash_varlen(q, k, v, cu, max_len, scaling):  # max_len stays symbolic under compile
-    varlen_attn, params = _varlen()
+    varlen_attn, params = _VARLEN or _varlen()
     kw = {"scale": scaling}
     if "is_causal" in params:  # torch 2.9-2.11
         kw["is_causal"] = True
@@ -174,4 +178,6 @@ def register() -> str:
 
     AttentionInterface.register(ATTN, varlen_attention)
     AttentionMaskInterface.register(ATTN, _no_mask)
+    if torch.cuda.is_available():  # the flash path's kernel (CPU runs per-sample SDPA)
+        _varlen()
     return ATTN
