@@ -54,6 +54,16 @@ def test_pipeline_commits_every_stage(staged):
     assert len(set(norms)) == len(norms)  # changes from step to step
     pointer = json.loads((store / "pointers/runs/eq/latest.json").read_text())
     assert pointer["iteration"] == 2
+    # The build's optimizer never stepped: its checkpoint holds no optimizer state (all zeros: 2/3 of a full
+    # checkpoint's bytes), the first update starts a fresh one (test_staged_equals_monolithic: the same weights)
+    # and saves it.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    def optim_keys(stage):
+        meta = FileSystemReader(str(store / f"runs/eq/{stage}/policy/dcp")).read_metadata().state_dict_metadata
+        return [k for k in meta if k.startswith("optim.")]
+
+    assert optim_keys("init/build") == [] and optim_keys("1/update")
     # The export holds exactly the update's weights (it is written from an uninitialised model the load fills)...
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -317,10 +327,11 @@ def test_wrong_world_size_for_batch_is_refused_before_launch(tiny_kit, tmp_path)
 
 
 def test_blueprint_lr_overrides_the_checkpointed_optimizer(staged_copy):
-    """The optimizer state saved by build carries lr=3e-3; an update run with another lr must use it."""
+    """The optimizer state saved by update[1] carries lr=3e-3; an update run with another lr must use it. (The
+    build's checkpoint holds no optimizer state: it never stepped.)"""
     bp, store, _ = staged_copy
     other = bp.model_copy(deep=True)
     other.algorithm.lr = 1.5e-3
     res = run_stage(RunContext(other, "eq", **QUIET), "update", 8,
-                    {"build": "runs/eq/init/build", "policy": "runs/eq/init/build", "rollout": "runs/eq/1/rollout"})
+                    {"build": "runs/eq/init/build", "policy": "runs/eq/1/update", "rollout": "runs/eq/2/rollout"})
     assert {row["lr"] for row in res.manifest["metrics"]["mini_batches"]} == {1.5e-3}

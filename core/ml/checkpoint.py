@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from verlflow.core.errors import InputError
 from verlflow.core.ml import dcpio, lora
+from verlflow.core.stages.agree import any_rank
 
 log = logging.getLogger("verlflow.checkpoint")
 
@@ -46,10 +47,11 @@ def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
     background commit, before the manifest. Returns "inline", or how the background's CPU copy came (Committer.save).
     """
     options = _options(model)
-    if optimizer is not None:
+    # agreed: get_state_dict's collectives follow (every rank steps together, so this only guards a surprise)
+    if optimizer is not None and any_rank(bool(optimizer.state)):
         msd, osd = get_state_dict(model, optimizer, options=options)
         sd = {"model": msd, "optim": osd}
-    else:
+    else:  # an optimizer that never stepped (the build's) is all zeros: nothing to write; load() starts it afresh
         sd = {"model": get_model_state_dict(model, options=options)}
     if lora.is_adapted(model):
         state = {**state, "lora": lora.describe(model)}
@@ -77,10 +79,14 @@ def trained_state_bytes(model: nn.Module) -> int:
     return total
 
 
-def _check_same_model(folder: Path, target: dict) -> None:
+def _saved(folder: Path) -> dict:
+    return dcp.FileSystemReader(str(folder / "dcp")).read_metadata().state_dict_metadata
+
+
+def _check_same_model(folder: Path, target: dict, meta: dict | None = None) -> None:
     """DCP loads whatever keys the target asks for and ignores the rest, so a checkpoint of another architecture
     with overlapping names would load silently; compare the parameter sets and shapes first."""
-    meta = dcp.FileSystemReader(str(folder / "dcp")).read_metadata().state_dict_metadata
+    meta = _saved(folder) if meta is None else meta
     saved = {k[len("model."):]: tuple(v.size) for k, v in meta.items() if k.startswith("model.") and hasattr(v, "size")}
     want = {k: tuple(v.shape) for k, v in target.items() if hasattr(v, "shape")}
     extra, missing = sorted(set(saved) - set(want)), sorted(set(want) - set(saved))
@@ -102,7 +108,10 @@ def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
     if base is not None and lora.is_adapted(model):
         _load_base(base, model)
     options = _options(model)
-    _check_same_model(folder, get_model_state_dict(model, options=options))
+    meta = _saved(folder)
+    _check_same_model(folder, get_model_state_dict(model, options=options), meta)
+    if optimizer is not None and not any(k.startswith("optim.") for k in meta):
+        optimizer = None  # saved before its first step (save()): a fresh optimizer is that state exactly
     try:
         if optimizer is not None:
             msd, osd = get_state_dict(model, optimizer, options=options)
