@@ -89,8 +89,10 @@ class FastGen:
         self.prefill_tokens = int(prefill_tokens)
         self.compile_backend = compile_backend  # inductor; the tests count recompiles on a faster backend
         w, dev, dt = self.w, self.device, self.w.dtype
-        self.kc = [torch.zeros(self.B, w.nkv, self.T, w.hd, dtype=dt, device=dev) for _ in range(w.n_layers)]
-        self.vc = [torch.zeros(self.B, w.nkv, self.T, w.hd, dtype=dt, device=dev) for _ in range(w.n_layers)]
+        # One spare slot, never read or written: every bucket, the last too, is then a strided view of the cache,
+        # and one compiled decode step serves them all (a whole-cache view is contiguous: a graph of its own)
+        self.kc = [torch.zeros(self.B, w.nkv, self.T + 1, w.hd, dtype=dt, device=dev) for _ in range(w.n_layers)]
+        self.vc = [torch.zeros(self.B, w.nkv, self.T + 1, w.hd, dtype=dt, device=dev) for _ in range(w.n_layers)]
         pos = torch.arange(self.T, device=dev)
         self.rope = w.rope_tables(pos)  # [(cos, sin) (T, rot)] per distinct rotary table (Gemma-3: two)
         # each layer's sliding window; one at least as long as the cache is no window (Llama's path)
