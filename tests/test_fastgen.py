@@ -165,8 +165,8 @@ def test_compiled_engine_compiles_the_decode_step_once_for_every_cache_bucket(mo
     assert max(map(len, runs[True])) > 64 + 16  # rows reached the second bucket, and past it
     assert runs[True] == runs[False]
     assert len(_debug_get_cache_entry_list(_decode_layer.__code__)) == 1
-    # one for every (rows, width) >= 2, one each for a single row and a one-token width (sizes of 1 specialise)
-    assert len(_debug_get_cache_entry_list(_prefill_layer.__code__)) <= 3
+    # one for every (rows, width) >= 2, a single row included (it runs as two), and one for a one-token width
+    assert len(_debug_get_cache_entry_list(_prefill_layer.__code__)) <= 2
     torch._dynamo.reset()
 
 

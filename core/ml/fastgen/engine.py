@@ -411,6 +411,8 @@ class FastGen:
             pid = ids[r0:r1]
             po = pad[r0:r1]
             n = r1 - r0
+            if self.compile and n == 1:  # dynamo specialises a size of 1 (a graph of its own, compiled mid-call):
+                pid, po = pid.expand(2, -1), po.expand(2)  # the row twice takes the graph every other count takes
             posn = (ar.unsqueeze(0) - po.unsqueeze(1)).clamp_(min=0)
             rope = [(c[posn].unsqueeze(1), s[posn].unsqueeze(1)) for c, s in self.rope]  # (n, 1, P, rot)
             keyok = ar.unsqueeze(0) >= po.unsqueeze(1)  # (n, P)
@@ -438,9 +440,9 @@ class FastGen:
                     x2, k, v = _prefill_layer(x, *args)
                 x = x2
                 dst = slice(r0, r1) if rows is None else rows[r0:r1]
-                self.kc[i][dst, :, :P] = k
-                self.vc[i][dst, :, :P] = v
-            outs.append(x[:, -1])
+                self.kc[i][dst, :, :P] = k[:n]
+                self.vc[i][dst, :, :P] = v[:n]
+            outs.append(x[:n, -1])
         return torch.cat(outs)
 
     # ---- generate
@@ -463,8 +465,7 @@ class FastGen:
             torch.cuda.set_rng_state(rng, self.device)
         if every_slot and self.compile and not self._refill_ready:  # compile the refills' prefill (any rows, any
             t1 = time.perf_counter()
-            for n, p in ((2, 3), (3, 5), (1, 4)):  # width) now, in the set-up: two shapes make it dynamic; one row
-                # is a shape of its own (dynamo specialises sizes of 1), as in the last refills of a call
+            for n, p in ((2, 3), (3, 5)):  # width) now, in the set-up (a single row runs as two: _prefill)
                 rows = torch.arange(n, device=self.device)
                 self._prefill(torch.zeros(n, p, dtype=torch.long, device=self.device), torch.zeros_like(rows), rows)
             self._refill_ready = True
