@@ -199,9 +199,9 @@ def test_compile_meter_counts_frames_and_lazy_backward_compiles():
     f = torch.compile(lambda x: lin(x).relu().sum(), backend="aot_eager")
     meter = Meter()
     f(torch.randn(2, 4)).backward()
-    n, seconds, parts = meter.read()
+    n, seconds, parts = meter.read(min_s=0.0)
     assert n == 2 and seconds > 0, (n, seconds)
-    assert "bytecode_tracing" in parts or seconds < 0.5, parts  # the phases it names are dynamo's own
+    assert {"bytecode_tracing", "build_guards"} <= set(parts), parts  # the phases it names are dynamo's own
     again = Meter()
     f(torch.randn(2, 4)).backward()
     assert again.read()[:2] == (0, 0.0)

@@ -15,14 +15,15 @@ def _totals() -> dict[str, tuple[int, float]]:
 
 
 class Meter:
-    """Compiles between start and `read()`: (count, seconds, where they went: PHASES and any autotuning)."""
+    """Compiles between start and `read()`: (count, seconds, where they went: PHASES and any autotuning that took
+    at least `min_s`, so a log line names only what mattered)."""
 
     def __init__(self):
         self._start = _totals()
 
-    def read(self) -> tuple[int, float, dict[str, float]]:
+    def read(self, min_s: float = 0.05) -> tuple[int, float, dict[str, float]]:
         now = _totals()
         spent = {k: s - self._start.get(k, (0, 0.0))[1] for k, (_, s) in now.items()}
         n = sum(now.get(k, (0, 0.0))[0] - self._start.get(k, (0, 0.0))[0] for k in KEYS)
-        parts = {k: round(v, 2) for k, v in spent.items() if (k in PHASES or "autotune" in k) and v > 0.05}
+        parts = {k: round(v, 3) for k, v in spent.items() if (k in PHASES or "autotune" in k) and v >= min_s}
         return n, sum(spent.get(k, 0.0) for k in KEYS), parts
