@@ -264,6 +264,13 @@ def _grad_sync(model, bp: Blueprint, world: int, *, last: bool) -> None:
         model.set_requires_gradient_sync(last)
 
 
+def _alloc_retries(device) -> int | None:
+    """How often the CUDA caching allocator had to free its cache and retry a malloc (None off CUDA)."""
+    if torch.device(device).type != "cuda":
+        return None
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+
+
 def _clip(model, max_norm: float) -> torch.Tensor:
     if type(model).__name__ == "FullyShardedDataParallel":
         norm = model.clip_grad_norm_(max_norm)
@@ -287,7 +294,8 @@ def train(bp: Blueprint, models: Models, data: PPOBatch, at: Placement, progress
             history.append(row)
             if progress:
                 progress(f"epoch {epoch} mini-batch {m0 // mini}: pg_loss {row['pg_loss']:.4f} "
-                         f"kl {row['kl_loss']:.4f} grad_norm {row['grad_norm']:.4f} {row['tokens_per_s']:.0f} tok/s")
+                         f"kl {row['kl_loss']:.4f} grad_norm {row['grad_norm']:.4f} {row['tokens_per_s']:.0f} tok/s"
+                         + (f", {row['alloc_retries']} allocator retries" if row.get("alloc_retries") else ""))
     return history
 
 
@@ -306,7 +314,7 @@ class _Update:
 
     def mini_batch(self, models: Models, ids, epoch: int, index: int) -> dict:
         """One optimizer step of the policy (and critic) on the samples `ids`; its metrics, averaged over ranks."""
-        t0 = time.perf_counter()
+        t0, retries = time.perf_counter(), _alloc_retries(self.at.device)
         micro = micro_batches(self.bp, self.data.tensors, ids, self.at)
         info = {"dp_size": self.at.world, "batch_num_tokens": int(self.mask[ids].sum().item()),
                 "global_batch_size": len(ids)}
@@ -331,6 +339,8 @@ class _Update:
         row.update(epoch=epoch, mini_batch=index, step=models.step, grad_norm=round(float(grad_norm), 6),
                    lr=lr,
                    tokens_per_s=round(info["batch_num_tokens"] / max(dt, 1e-9), 1))
+        if retries is not None:  # a slow mini-batch with retries was short of GPU memory, not of compute
+            row["alloc_retries"] = _alloc_retries(self.at.device) - retries
         if not math.isfinite(row["pg_loss"]):
             raise NonFiniteError(f"update[{self.data.iteration}]: loss is {row['pg_loss']}; nothing was committed.")
         return row
