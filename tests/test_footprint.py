@@ -189,20 +189,21 @@ def _written(root: Path) -> Counter:
         if parts[0] != "runs":
             out["other"] += p.stat().st_size  # pointers, the key index
         elif parts[3] == "build":
-            out["training checkpoints" if parts[4] in ("policy", "critic") else "reference"] += p.stat().st_size
+            out["initial checkpoint" if parts[4] in ("policy", "critic") else "reference"] += p.stat().st_size
         else:
             out[term[parts[3]]] += p.stat().st_size
     return out
 
 
 def test_the_estimate_covers_what_the_stages_write(reference):
-    """Each term holds at least what its stages wrote and not much more (the weights' terms within 1.5x, all of it
+    """Each term holds at least what its stages wrote and not much more (the weights' terms within 1.25x, all of it
     within 3x): the guard that the estimate follows what the stages really write."""
     fp, written = estimate(reference.bp), _written(reference.root)
     actual = sum(written.values())
     for term in fp.terms:
         assert written[term.name] <= term.bytes, (term, written)
-    for name in ("training checkpoints", "reference", "HF exports"):
-        assert fp.term(name).bytes <= 1.5 * written[name], (fp.term(name), written)
+    for name in ("training checkpoints", "initial checkpoint", "reference", "HF exports"):
+        print(f"{name}: estimate {fp.term(name).bytes}, written {written[name]}")
+        assert fp.term(name).bytes <= 1.25 * written[name], (fp.term(name), written)
     assert actual <= fp.total <= 3 * actual, (fp.total, actual)
     print(f"estimate {fp.total} bytes, the reference store {actual}: {fp.total / actual:.2f}x")

@@ -4,8 +4,8 @@ preflight.py `check_space`).
 The parameter count is exact, from the model folder's safetensors headers (no weights read, no torch import: the
 CLI runs this before anything touches the store). Each term follows what a stage really writes:
 
-- training checkpoints: the build's initial policy (core/stages/build.py) and every update's (core/stages/
-  update.py), each the policy with its AdamW state (+ the critic with its own for adv_estimator gae), DCP in
+- training checkpoints: the build's initial policy (core/stages/build.py; its optimizer never stepped, so no
+  AdamW state) and every update's (core/stages/update.py), each the policy with its AdamW state (+ the critic with its own for adv_estimator gae), DCP in
   model.dtype (the master weights; AdamW's moments take their parameter's dtype). Retention (issue 15 item 1,
   core/store/retention.py) treats the build's as iteration 0 and keeps the last storage.keep_last_checkpoints,
   the best by storage.keep_best_metric and the one `latest` names (older than those when exports are further
@@ -255,12 +255,19 @@ def estimate(bp: Blueprint, size: ModelSize | None = None) -> Footprint:
     critic = size.critic().dcp_bytes(itemsize, world, optimizer=True) if bp.algorithm.adv_estimator == "gae" else 0
     reference = size.dcp_bytes(itemsize, world, optimizer=False)
     trained = f"{'LoRA adapters' if adapters else 'policy'}{' + critic' if critic else ''} + AdamW, {bp.model.dtype}"
+    # The build's initial checkpoint holds no AdamW state (its optimizer never stepped): at the peak only when the
+    # run is short enough that retention keeps every checkpoint (else the peak is held by updates alone).
+    initial = (adapters or size).dcp_bytes(itemsize, world, optimizer=False) + (
+        size.critic().dcp_bytes(itemsize, world, optimizer=False) if critic else 0)
+    checkpoints = checkpoints_at_once(bp)
+    build_held = checkpoints == bp.iterations + 1
     exported = export_itemsize(bp, model_dir)
     adapter_export = adapters is not None and bp.storage.export_lora == "adapter"
     export = adapters.export_bytes(exported) + size.meta_bytes if adapter_export else size.export_bytes(exported)
     phase_ckpts, phase_refs = phase_checkpoints(bp)
     return Footprint((
-        Term("training checkpoints", checkpoints_at_once(bp), policy + critic + 2 * STAGE_FILES, trained),
+        Term("training checkpoints", checkpoints - build_held, policy + critic + 2 * STAGE_FILES, trained),
+        Term("initial checkpoint", int(build_held), initial + STAGE_FILES, "the build's, no AdamW state"),
         Term("phase checkpoints", phase_ckpts, policy + 2 * STAGE_FILES, "sft/dpo epochs and phase starts"),
         Term("reference", 1 + phase_refs, reference + size.meta_bytes + STAGE_FILES,
              f"{bp.model.dtype}, with hf_meta"),
