@@ -257,7 +257,7 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
     ctx = StageContext(job, bp, store, rank, world, local_rank, device, out, committer=committer,
                        timings=_launch_timings(job, t_start, pool_ready_at))
     faults.hang_point(job.stage, rank)  # test hook: VERLFLOW_FAULT=hang_in_<stage>, barrier_hang_in_<stage>
-    modelcache.hits.clear()
+    modelcache.begin_job()
     compiles = compiletime.Meter()
     with _no_space_named(ctx):
         metrics = run(ctx) or {}
@@ -266,8 +266,8 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
         ctx.timings["compile_s"] = round(seconds, 3)
         metrics["compiles"] = n
         log.info("%s: %d torch.compile runs took %.1f s (%s)", job.name, n, seconds, parts)
-    if modelcache.hits:
-        metrics["warm_cache_hits"] = sorted(set(modelcache.hits))
+    if modelcache.hits():
+        metrics["warm_cache_hits"] = modelcache.hits()
     # Whether a commit is still running is a per-rank fact (one rank's committer thread may lag under load); the
     # path taken decides which group's collectives follow, so every rank must take the same one.
     if committer is not None and any_rank(committer.pending()):

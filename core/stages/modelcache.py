@@ -12,7 +12,7 @@ is agreed across the ranks (a rank that alone missed would load, and wait in col
 import os
 
 _ENTRIES: dict[str, tuple[tuple, object]] = {}
-hits: list[str] = []  # roles found since the pool's last job began (reported in the stage's metrics)
+_HITS: list[str] = []  # roles found since the pool's last job began (reported in the stage's metrics)
 
 
 def enabled() -> bool:
@@ -26,7 +26,7 @@ def get(role: str, identity: tuple):
     entry = _ENTRIES.get(role)
     if not enabled() or not every_rank(entry is not None and entry[0] == identity):
         return None
-    hits.append(role)
+    _HITS.append(role)
     return entry[1]
 
 
@@ -36,8 +36,18 @@ def local(role: str, identity: tuple, usable=lambda value: True):
     entry = _ENTRIES.get(role)
     if not enabled() or entry is None or entry[0] != identity or not usable(entry[1]):
         return None
-    hits.append(role)
+    _HITS.append(role)
     return entry[1]
+
+
+def begin_job() -> None:
+    """A stage starts: forget the roles the previous one found."""
+    _HITS.clear()
+
+
+def hits() -> list[str]:
+    """The roles found since `begin_job`, each once."""
+    return sorted(set(_HITS))
 
 
 def put(role: str, identity: tuple, value) -> None:
