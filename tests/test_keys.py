@@ -55,6 +55,10 @@ def test_editing_the_cli_backends_runner_and_store_keeps_every_key(pkg, bp):
     edit(pkg / "orchestrate/runner.py", "\nimport ", "\nRUNNER_NOTE = 'changed'\nimport ")
     edit(pkg / "store/artifacts.py", "\nimport ", "\nSTORE_NOTE = 'changed'\nimport ")
     edit(pkg / "orchestrate/launcher.py", "\nimport ", "\nLAUNCH_NOTE = 'changed'\nimport ")
+    # what a stage reports, where caches live, and what retention prunes: none of it computes a stage's outputs
+    edit(pkg / "ml/compiletime.py", "\nKEYS = ", "\nREPORT_NOTE = 'changed'\nKEYS = ")
+    edit(pkg / "cachedir.py", "\nimport ", "\nCACHE_NOTE = 'changed'\nimport ")
+    edit(pkg / "store/retention.py", "\nimport ", "\nPRUNE_NOTE = 'changed'\nimport ")
     assert plan_keys(bp, stage_code_versions(pkg)) == before
 
 

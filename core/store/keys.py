@@ -36,7 +36,8 @@ STAGE_VERSION = {"validate": 1, "build": 1, "rollout": 1, "update": 1, "evaluate
 PLUMBING = frozenset({PACKAGE} | {f"{PACKAGE}.{m}" for m in (
     "orchestrate", "store", "ml", "testing",
     "blueprint", "errors", "job", "store.artifacts", "orchestrate.launcher", "testing.faults", "stages.modelcache",
-    "orchestrate.pool", "orchestrate.devices", "stages", "stages.agree", "stages.committer", "stages.pool")})
+    "orchestrate.pool", "orchestrate.devices", "stages", "stages.agree", "stages.committer", "stages.pool",
+    "ml.compiletime", "cachedir", "store.retention")})  # a compile-time report, a folder's name, what is pruned
 
 
 def stage_code_versions(root: Path | None = None) -> dict[str, str]:
