@@ -248,7 +248,7 @@ def main(argv=None) -> int:
 
 
 def _hash_rate(folder: Path) -> float:
-    from verlflow.core.store.artifacts import file_digest
+    from verlflow.core.store.digests import file_digest
 
     files = [f for f in folder.rglob("*") if f.is_file()]
     t = time.perf_counter()

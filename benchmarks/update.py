@@ -188,8 +188,8 @@ def run_config(name: str, args, mdir: Path, at: Placement) -> dict:
     for w in range(args.warmup):
         one(100 + w, 1)
     out["warmup_s"] = round(time.perf_counter() - t, 1)
-    n, seconds, parts = compiles.read()  # what the first steps spent compiling (fsdp.compile), and where
-    out.update(compiles=n, compile_s=round(seconds, 2), compile_parts=parts)
+    count, seconds, parts = compiles.read()  # what the first steps spent compiling (fsdp.compile), and where
+    out.update(compiles=count, compile_s=round(seconds, 2), compile_parts=parts)
     score_s, train_s, batch = one(1, args.steps)
     f_train, f_score = flops(cfg, batch)
     peak = args.peak_tflops * 1e12 * world
@@ -198,7 +198,7 @@ def run_config(name: str, args, mdir: Path, at: Placement) -> dict:
                floor_s_per_step=round(f_train / peak / args.steps, 4),  # every FLOP at the peak rate
                score_s_per_step=round(score_s / args.steps, 4),
                train_mfu=round(f_train / train_s / peak, 4), score_mfu=round(f_score / score_s / peak, 4),
-               tokens_per_s_per_gpu=round(real / train_s / world), real_tokens=real,
+               tokens_per_s_per_gpu=round(real / train_s / world), real_tokens=real, samples=len(batch["responses"]),
                padded_tokens=int(batch["prompts"].numel() + batch["responses"].numel()))
     if dev.type == "cuda":
         out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 1)

@@ -25,6 +25,7 @@ def test_update_benchmark_smoke_two_ranks(tmp_path):
         assert "error" not in r, r
         assert r["world"] == 2 and r["train_flops_per_s_per_gpu"] > 0 and r["tokens_per_s_per_gpu"] > 0
         assert r["real_tokens"] < r["padded_tokens"]  # the batch is ragged, as RL batches are
+        assert r["samples"] == 8 * 2 * 1, r  # --smoke: 8 samples per GPU, 2 ranks, 1 timed step
 
 
 @pytest.mark.slow  # 5 min on 2 cores; the e2e smoke below runs the same warm-pool path through the pipeline

@@ -5,7 +5,8 @@ import json
 
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.job import JobSpec
-from verlflow.core.store.artifacts import ArtifactStore, file_digest
+from verlflow.core.store.artifacts import ArtifactStore
+from verlflow.core.store.digests import file_digest
 from verlflow.core.store.promote import promote
 from verlflow.core.store.retention import retain as prune
 

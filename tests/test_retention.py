@@ -11,7 +11,8 @@ from verlflow.core.errors import PrunedError
 from verlflow.core.orchestrate.pipeline import checkpoint_reads, run_pipeline
 from verlflow.core.orchestrate.launcher import StageFailure
 from verlflow.core.orchestrate.runner import open_store
-from verlflow.core.store.artifacts import ArtifactStore, bytes_digest
+from verlflow.core.store.artifacts import ArtifactStore
+from verlflow.core.store.digests import bytes_digest
 from verlflow.core.store.retention import retain
 
 pytest_plugins = ["s3server"]

@@ -30,7 +30,8 @@ from tinybp import tiny_blueprint
 
 from verlflow.core.errors import BlueprintError, UnsafeKeyError
 from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
-from verlflow.core.store.artifacts import ArtifactStore, file_digest
+from verlflow.core.store.artifacts import ArtifactStore
+from verlflow.core.store.digests import file_digest
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET = dict(on_line=lambda line: None)

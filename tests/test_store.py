@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from verlflow.core.errors import ChecksumError, StoreError, UnsafeKeyError
-from verlflow.core.store.artifacts import ArtifactStore, file_digest, safe_key, stage_key
+from verlflow.core.store.artifacts import ArtifactStore, safe_key, stage_key
+from verlflow.core.store.digests import digest_files, file_digest
 # Fixtures s3_endpoint / s3_bucket. The helper is a top-level module: pytest puts tests/ on sys.path (there is
 # no tests/__init__.py), and the name `tests` is taken by a package that verl installs into site-packages.
 
@@ -250,7 +251,7 @@ def test_big_files_get_a_parallel_chunked_digest_that_still_catches_a_flipped_by
                                                                                     request):
     """Above TREE_MIN (shrunk here) a file's digest is sha256 over its pieces' sha256s; a manifest written with
     plain sha256 (before chunking existed) still verifies."""
-    import verlflow.core.store.artifacts as S
+    import verlflow.core.store.digests as S
 
     monkeypatch.setattr(S, "TREE_MIN", 1 << 20)
     monkeypatch.setattr(S, "TREE_PIECE", 256 * 1024)
@@ -380,7 +381,7 @@ def test_local_quick_check_skips_untouched_files_and_catches_changed_ones(tmp_pa
     folder.mkdir(parents=True)
     for i in range(3):
         (folder / f"w{i}.bin").write_bytes(os.urandom(1 << 20))
-    files = S.digest_files(folder, ["w0.bin", "w1.bin", "w2.bin"], stamp=True)
+    files = digest_files(folder, ["w0.bin", "w1.bin", "w2.bin"], stamp=True)
     assert files["w1.bin"]["sha256"] == hashlib.sha256((folder / "w1.bin").read_bytes()).hexdigest()
     store.commit(STAGE, {"key": "quick"}, files)
     assert "mtime_ns" in store.read_manifest(STAGE)["files"]["w0.bin"]
@@ -407,7 +408,7 @@ def test_damage_checks_both_digests_without_a_local_copy(store, tmp_path, monkey
     the right size with one flipped bit is named, a deleted one too, and the listing check sees only the latter."""
     import io
 
-    import verlflow.core.store.artifacts as S
+    import verlflow.core.store.digests as S
 
     monkeypatch.setattr(S, "TREE_MIN", 1 << 20)
     monkeypatch.setattr(S, "TREE_PIECE", 256 * 1024)

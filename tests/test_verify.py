@@ -7,7 +7,8 @@ import shlex
 import pytest
 
 from verlflow.core.orchestrate.cli import main
-from verlflow.core.store.artifacts import ArtifactStore, file_digest
+from verlflow.core.store.artifacts import ArtifactStore
+from verlflow.core.store.digests import file_digest
 
 RUN = "r1"
 STAGES = (("init", "build"), ("1", "rollout"), ("1", "update"))

@@ -365,7 +365,7 @@ def _await_inputs(ctx: RunContext, pool: WarmPool | None, inputs: dict[str, str]
 
 def _await_commit(ctx: RunContext, run: _Attempt) -> StageResult:
     """A follower node (node_rank > 0) of a static multi-node run: node 0 runs a single-process stage alone."""
-    from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
+    from verlflow.core.orchestrate.launcher import FailureKind
 
     timeout_s = ctx.bp.resources.stage_timeout_s
     ctx.on_line(f"[verlflow] {run.name} runs on node 0 only: waiting for its commit at {ctx.store.uri(run.out)}")

@@ -29,7 +29,8 @@ from verlflow.core.stages import modelcache
 from verlflow.core.stages import committer as committers
 from verlflow.core.stages.agree import any_rank
 from verlflow.core.store import retention
-from verlflow.core.store.artifacts import ArtifactStore, digest_files
+from verlflow.core.store.artifacts import ArtifactStore
+from verlflow.core.store.digests import digest_files
 from verlflow.core.testing import faults
 
 log = logging.getLogger("verlflow.stage")

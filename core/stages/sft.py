@@ -7,7 +7,7 @@ the next phase, an rl phase's build and the checkpoint stage read it as they rea
 
 import logging
 
-from verlflow.core.ml import checkpoint, model as M, ppo, supervised
+from verlflow.core.ml import model as M, ppo, supervised
 from verlflow.core.ml.sft import encode_sft, load_sft_rows, sft_loss
 from verlflow.core.stages.common import StageContext, retention_pass, stage_main
 from verlflow.core.stages.phase import epoch_of, field_of, load_policy, save_policy

@@ -23,15 +23,16 @@ import re
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import fsspec
 
 from verlflow.core.cachedir import cache_root
 from verlflow.core.errors import ChecksumError, PrunedError, StoreError, UnsafeKeyError, VerlflowError
+from verlflow.core.store.digests import (DIGESTS, TREE_PIECE, algorithm_of, bytes_digest, file_digest, same_digest,
+                                         stream_digest, untouched)
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-CHUNK = 1 << 20
 MANIFEST = "manifest.json"
 _SECRET_OPTIONS = ("secret", "token", "key", "password", "aws_secret_access_key", "aws_session_token")
 
@@ -121,69 +122,6 @@ def _index_key(key: str) -> str:
     return f"index/{safe_key(key)}.json"
 
 
-# Files this big get a chunked digest: sha256 of the sha256s of their 64 MiB pieces, hashed in parallel threads
-# (one 18 GB policy checkpoint: ~11 s for a plain sha256 at 1.7 GB/s, ~2 s chunked on 8 cores).
-TREE_MIN, TREE_PIECE = 256 << 20, 64 << 20
-DIGESTS = ("sha256", "sha256_64m")  # the manifest records exactly one of these per file
-
-
-def file_digest(local_path: str | os.PathLike, algorithm: str | None = None) -> dict[str, Any]:
-    """{"sha256": hex, "size": bytes} of a local file, or {"sha256_64m": ...} above TREE_MIN bytes. `algorithm`
-    forces one (to check a file against a manifest written with it)."""
-    size = os.path.getsize(local_path)
-    algorithm = algorithm or ("sha256_64m" if size >= TREE_MIN else "sha256")
-    if algorithm == "sha256":
-        h = hashlib.sha256()
-        with open(local_path, "rb") as f:
-            while chunk := f.read(CHUNK):
-                h.update(chunk)
-        return {"sha256": h.hexdigest(), "size": size}
-    from concurrent.futures import ThreadPoolExecutor
-
-    def piece(offset: int) -> bytes:
-        h = hashlib.sha256()
-        with open(local_path, "rb") as f:
-            f.seek(offset)
-            left = min(TREE_PIECE, size - offset)
-            while left > 0 and (chunk := f.read(min(CHUNK * 8, left))):
-                h.update(chunk)
-                left -= len(chunk)
-        return h.digest()
-
-    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-        pieces = list(pool.map(piece, range(0, max(size, 1), TREE_PIECE)))
-    return {"sha256_64m": hashlib.sha256(b"".join(pieces)).hexdigest(), "size": size}
-
-
-def bytes_digest(data: bytes, algorithm: str = "sha256") -> dict[str, Any]:
-    if algorithm == "sha256":
-        return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-    pieces = [hashlib.sha256(data[i:i + TREE_PIECE]).digest() for i in range(0, max(len(data), 1), TREE_PIECE)]
-    return {"sha256_64m": hashlib.sha256(b"".join(pieces)).hexdigest(), "size": len(data)}
-
-
-def stream_digest(f, algorithm: str = "sha256") -> dict[str, Any]:
-    """file_digest of an open binary stream (an S3 object read piece by piece), with no local copy."""
-    h, size, in_piece, pieces = hashlib.sha256(), 0, 0, []
-    while chunk := f.read(CHUNK * 8):
-        size += len(chunk)
-        if algorithm == "sha256":
-            h.update(chunk)
-            continue
-        while chunk:
-            take = chunk[:TREE_PIECE - in_piece]
-            h.update(take)
-            in_piece, chunk = in_piece + len(take), chunk[len(take):]
-            if in_piece == TREE_PIECE:
-                pieces.append(h.digest())
-                h, in_piece = hashlib.sha256(), 0
-    if algorithm == "sha256":
-        return {"sha256": h.hexdigest(), "size": size}
-    if in_piece or not pieces:
-        pieces.append(h.digest())
-    return {"sha256_64m": hashlib.sha256(b"".join(pieces)).hexdigest(), "size": size}
-
-
 def repair_command(stage_key: str, blueprint: tuple[str, ...] = ("BLUEPRINT",)) -> str:
     """The rerun that rewrites the stage at `runs/<run>/<iteration>/<stage>` (and every later one), ready to paste
     into a shell; `blueprint` is the blueprint file and overrides."""
@@ -210,41 +148,6 @@ def _read_raced(exc: BaseException) -> bool:
     while chain[-1].__cause__ is not None and len(chain) < 8:
         chain.append(chain[-1].__cause__)
     return any(type(e).__name__ == "FileExpired" or _precondition_failed(e) for e in chain)
-
-
-def algorithm_of(entry: dict) -> str:
-    return next((a for a in DIGESTS if a in entry), "sha256")
-
-
-def same_digest(actual: dict | None, expected: dict) -> bool:
-    a = algorithm_of(expected)
-    return actual is not None and actual.get(a) == expected.get(a) and actual["size"] == expected["size"]
-
-
-def digest_files(folder: Path, rels: list[str], *, stamp: bool = False, workers: int = 8) -> dict[str, dict]:
-    """file_digest of many files at once (hashlib releases the GIL, so threads hash in parallel). `stamp` adds
-    each file's mtime_ns, which lets a local store skip re-hashing a file nobody has touched since."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def one(rel: str) -> dict:
-        d = file_digest(folder / rel)
-        if stamp:
-            d["mtime_ns"] = os.stat(folder / rel).st_mtime_ns
-        return d
-
-    with ThreadPoolExecutor(max(1, min(workers, len(rels)))) as pool:
-        return dict(zip(rels, pool.map(one, rels)))
-
-
-def _untouched(path: Path, expected: dict) -> bool:
-    """Same size and modification time as when committed: the quick check (VERLFLOW_VERIFY=full re-hashes)."""
-    if "mtime_ns" not in expected or os.environ.get("VERLFLOW_VERIFY") == "full":
-        return False
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return False
-    return st.st_size == expected["size"] and st.st_mtime_ns == expected["mtime_ns"]
 
 
 def carries_credentials(uri: str) -> bool:
@@ -689,7 +592,7 @@ class ArtifactStore:
             folder = Path(local_dir) if local_dir is not None else cache / self.root / stage_key
         for rel, expected in files.items():
             key, dst = f"{stage_key}/{safe_key(rel)}", folder / rel
-            if self.is_local and _untouched(dst, expected):
+            if self.is_local and untouched(dst, expected):
                 continue
             algorithm = algorithm_of(expected)
             actual = file_digest(dst, algorithm) if dst.is_file() else None

@@ -37,7 +37,7 @@ PLUMBING = frozenset({PACKAGE} | {f"{PACKAGE}.{m}" for m in (
     "orchestrate", "store", "ml", "testing",
     "blueprint", "errors", "job", "store.artifacts", "orchestrate.launcher", "testing.faults", "stages.modelcache",
     "orchestrate.pool", "orchestrate.devices", "stages", "stages.agree", "stages.committer", "stages.pool",
-    "ml.compiletime", "cachedir", "store.retention")})  # a compile-time report, a folder's name, what is pruned
+    "ml.compiletime", "cachedir", "store.retention", "store.digests")})  # a compile-time report, a folder's name, what is pruned
 
 
 def stage_code_versions(root: Path | None = None) -> dict[str, str]:
