@@ -93,6 +93,8 @@ class FastGen:
         # and one compiled decode step serves them all (a whole-cache view is contiguous: a graph of its own)
         self.kc = [torch.zeros(self.B, w.nkv, self.T + 1, w.hd, dtype=dt, device=dev) for _ in range(w.n_layers)]
         self.vc = [torch.zeros(self.B, w.nkv, self.T + 1, w.hd, dtype=dt, device=dev) for _ in range(w.n_layers)]
+        # the Triton kernel splits the slots it is given: without the spare one it runs no split of masked slots
+        self._kT, self._vT = [c[:, :, :self.T] for c in self.kc], [c[:, :, :self.T] for c in self.vc]
         pos = torch.arange(self.T, device=dev)
         self.rope = w.rope_tables(pos)  # [(cos, sin) (T, rot)] per distinct rotary table (Gemma-3: two)
         # each layer's sliding window; one at least as long as the cache is no window (Llama's path)
@@ -165,7 +167,7 @@ class FastGen:
             w, B, dev = self.w, self.B, self.device
             cur = min(self.T - 2, self.max_prompt + self.max_new // 2)
             q = torch.randn(B, w.nh, w.hd, device=dev).to(w.dtype)
-            kc, vc = self.kc[0], self.vc[0]
+            kc, vc = self._kT[0], self._vT[0]
             pad = torch.zeros(B, dtype=torch.long, device=dev)
             slot = torch.full((B,), cur, device=dev)
             kv = min(self.T, (cur // self.bucket + 1) * self.bucket)
@@ -279,7 +281,7 @@ class FastGen:
             for i, L in enumerate(w.layers):
                 cos, sin = rope[w.rope_of[i]]
                 q = fn["pre"](x, L, self.kc[i], self.vc[i], self.slot, cos, sin, S)
-                mp, lp, op = decode_attention_triton(q, self.kc[i], self.vc[i], self.pad_off, self.slot,
+                mp, lp, op = decode_attention_triton(q, self._kT[i], self._vT[i], self.pad_off, self.slot,
                                                      S.scaling, S.nkv, window=self.windows[i], softcap=S.softcap,
                                                      **self.attn_cfg)
                 x = fn["post"](x, mp, lp, op, L, S)
