@@ -203,20 +203,29 @@ def test_compiled_layers_trace_once_for_every_micro_batch_length(models, packed)
     or a padded batch of another width is no recompile; and the values are the eager layers'."""
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
+    from verlflow.core.ml.compiletime import Meter
+
     bp, eager = models[packed]
     model = copy.deepcopy(eager)  # the fixture's model stays eager for the other tests
     torch._dynamo.reset()
     layers = [m for m in model.modules() if isinstance(m, M.decoder_layer_class(model, None))]
     code = type(layers[0]).forward.__code__
     M.compile_layers(layers, backend="aot_eager")
+    compiles = []
     try:
-        for n in (3, 4, 5):
+        for n in (3, 4, 5, 6):
             b = ragged_batch(model.config.vocab_size, n=n, P=n + 4, R=2 * n, seed=n)  # rows, widths, tokens vary
             rows, idx = ppo.Rows.of(b), list(range(n))
+            meter = Meter()
             with torch.no_grad():
                 got = ppo._micro_forward(model, rows, idx, bp, "cpu")[0]
+            compiles.append(meter.read()[0])
+            with torch.no_grad():
                 want = ppo._micro_forward(eager, rows, idx, bp, "cpu")[0]
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert len(_debug_get_cache_entry_list(code)) == 1
+        # nor anything after the layer's own graph (the CPU packed path's per-sample attention is not traced: a
+        # graph per sample length was a recompile in every micro-batch): later lengths compile nothing
+        assert compiles[0] > 0 and compiles[2:] == [0, 0], compiles
     finally:
         torch._dynamo.reset()

@@ -155,6 +155,7 @@ def _flash_varlen(q, k, v, cu, max_len, scaling):  # max_len stays symbolic unde
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
 
 
+@torch.compiler.disable  # a loop over the sample bounds: traced, a graph per distinct length (recompiles every batch)
 def _sdpa_per_sample(q, k, v, cu, scaling):
     """Reference path (CPU, fp32): causal SDPA on each sample's slice."""
     bounds = cu.tolist()
