@@ -7,9 +7,10 @@ CLI runs this before anything touches the store). Each term follows what a stage
 - training checkpoints: the build's initial policy (core/stages/build.py; its optimizer never stepped, so no
   AdamW state) and every update's (core/stages/update.py), each the policy with its AdamW state (+ the critic
   with its own for adv_estimator gae), DCP in model.dtype (the master weights; AdamW's moments take their
-  parameter's dtype). Retention (issue 15 item 1, core/store/retention.py) treats the build's as iteration 0 and keeps the last storage.keep_last_checkpoints,
-  the best by storage.keep_best_metric and the one `latest` names (older than those when exports are further
-  apart); the newest is written before an older one is pruned, so one more at the peak.
+  parameter's dtype). Retention (issue 15 item 1, core/store/retention.py) treats the build's as iteration 0
+  and keeps the last storage.keep_last_checkpoints, the best by storage.keep_best_metric and the one `latest`
+  names (older than those when exports are further apart); the newest is written before an older one is pruned,
+  so one more at the peak.
 - the reference: the build's ref/ (model only, model.dtype) and hf_meta/, never pruned (every update reads them).
 - model.lora: a training checkpoint holds the adapters and their AdamW state only (the base is the reference's);
   storage.export_lora=adapter exports the adapters alone.
