@@ -266,11 +266,30 @@ def test_a_full_store_during_a_background_commit_says_so_and_leaves_no_partial_s
     msg = str(err.value)
     assert "no space left on device" in msg and str(small_fs / "store") in msg, msg
     assert "update[1]" in msg or "checkpoint[1]" in msg, msg
-    assert "Traceback" not in msg and err.value.kind is FailureKind.USER_ERROR
+    assert "Traceback" not in msg and err.value.kind is FailureKind.USER_ERROR, msg
     runs = small_fs / "store/runs/full"
     stages = {p.relative_to(runs).as_posix(): (p / "manifest.json").is_file() for p in runs.glob("*/*")}
     assert stages == {"init/validate": True, "init/build": True, "1/rollout": True}, stages
     assert _no_children()
+
+
+def test_commits_that_did_not_land_fail_with_the_pools_own_kind_and_cause_said_once():
+    """When every stage returned but background commits did not land (the pool failed while committing the last
+    ones: which of the two paths a full disk takes depends on timing), the failure has the pool's kind (a full disk
+    is USER_ERROR: no retry helps), names every stage, and says the cause once, without a traceback."""
+    from verlflow.core.orchestrate.pool import _not_landed
+
+    full = StageFailure(FailureKind.USER_ERROR, "rank 0 failed (exit code 1): StoreError: no space left on device: "
+                        "the background commit of update[1] could not write its files to /store", rank=0,
+                        traceback="Traceback (most recent call last): ...")
+    err = _not_landed([("runs/r/1/update", full), ("runs/r/1/checkpoint", full)])
+    msg = str(err)
+    assert err.kind is FailureKind.USER_ERROR and not err.retryable, msg
+    assert "runs/r/1/update, runs/r/1/checkpoint" in msg and msg.count("no space left on device") == 1, msg
+    assert "Traceback" not in msg, msg
+    crashed = _not_landed([("runs/r/2/update", RuntimeError("the pool's torchrun vanished"))])
+    assert crashed.kind is FailureKind.UNKNOWN and "the pool's torchrun vanished" in str(crashed)
+    assert _not_landed([("runs/r/2/update", None)]).kind is FailureKind.UNKNOWN
 
 
 def test_a_background_commit_logs_under_its_own_stage(tiny_kit, tmp_path):

@@ -141,7 +141,7 @@ class WarmPool:
 
     def close(self, grace_s: float = 30.0) -> list[str]:
         """Stop the pool once its background commits are done (they may take a checkpoint's write time); returns
-        the stages whose commit did not land, each with the pool's error."""
+        the stages whose commit did not land (`error` says why)."""
         if self.started and self.alive:
             self.n += 1
             self._send({"stop": True})
@@ -152,7 +152,7 @@ class WarmPool:
         lost = [name for name, b in self._pending.items() if not b.landed()]
         for b in self._pending.values():  # the pool is gone: no commit is still writing
             b.discard()
-        return [f"{name} ({self.error})" if self.error else name for name in lost]
+        return lost
 
 
 class WarmPools:
@@ -199,16 +199,17 @@ class WarmPools:
                     return pool, manifest
         return None
 
-    def close(self, abandon: bool) -> list[str]:
-        """Close every pool (abandon: kill it first); the stages whose background commit did not land."""
+    def close(self, abandon: bool) -> list[tuple[str, BaseException | None]]:
+        """Close every pool (abandon: kill it first); the stages whose background commit did not land, each with
+        its pool's error."""
         with self._lock:
             self._open, closing = False, list(self._pools.values())
             self._pools.clear()
-        lost: list[str] = []
+        lost: list[tuple[str, BaseException | None]] = []
         for pool in closing:
             if abandon:  # no waiting for a stop message a hung pool would never read, nor for its commits
                 pool.kill()
-            lost += pool.close()
+            lost += [(name, pool.error) for name in pool.close()]
         return lost
 
 
@@ -226,8 +227,19 @@ def warm_pools() -> Iterator[WarmPools]:
     finally:
         lost = pools.close(abandon)
     if lost:
-        raise StageFailure(FailureKind.UNKNOWN, "the warm worker pool's background commit did not land for "
-                           + ", ".join(lost) + "; those stages are not committed, and a rerun runs them again")
+        raise _not_landed(lost)
+
+
+def _not_landed(lost: list[tuple[str, BaseException | None]]) -> StageFailure:
+    """The failure of a block whose stages all returned but some background commits did not land: of the kind
+    the pool failed with (a full disk is the user's to fix, and no retry helps), its cause said once."""
+    cause = next((e for _, e in lost if e is not None), None)
+    known = isinstance(cause, StageFailure)
+    why = f": {cause.summary if known else cause}" if cause is not None else ""
+    return StageFailure(cause.kind if known else FailureKind.UNKNOWN,
+                        f"the warm worker pool's background commit did not land for {', '.join(n for n, _ in lost)}"
+                        f"{why}; those stages are not committed, and a rerun runs them again",
+                        traceback=cause.traceback if known else "")
 
 
 def _abandons(exc: BaseException) -> bool:
