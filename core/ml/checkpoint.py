@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from verlflow.core.errors import InputError
 from verlflow.core.ml import dcpio, lora
-from verlflow.core.stages.agree import any_rank
+from verlflow.core.agree import any_rank
 
 log = logging.getLogger("verlflow.checkpoint")
 

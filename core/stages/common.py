@@ -27,7 +27,7 @@ from verlflow.core.ml import compiletime
 from verlflow.core.ml.placement import Placement
 from verlflow.core.stages import modelcache
 from verlflow.core.stages import committer as committers
-from verlflow.core.stages.agree import any_rank
+from verlflow.core.agree import any_rank
 from verlflow.core.store import retention
 from verlflow.core.store.artifacts import ArtifactStore
 from verlflow.core.store.digests import digest_files
@@ -267,8 +267,8 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
         ctx.timings["compile_s"] = round(seconds, 3)
         metrics["compiles"] = n
         log.info("%s: %d torch.compile runs took %.1f s (%s)", job.name, n, seconds, parts)
-    if modelcache.hits():
-        metrics["warm_cache_hits"] = modelcache.hits()
+    if hits := modelcache.hits():
+        metrics["warm_cache_hits"] = hits
     # Whether a commit is still running is a per-rank fact (one rank's committer thread may lag under load); the
     # path taken decides which group's collectives follow, so every rank must take the same one.
     if committer is not None and any_rank(committer.pending()):

@@ -21,7 +21,7 @@ def enabled() -> bool:
 
 def get(role: str, identity: tuple):
     """The entry, on every rank or on none: a hit skips a load whose collectives the other ranks would enter."""
-    from verlflow.core.stages.agree import every_rank
+    from verlflow.core.agree import every_rank
 
     entry = _ENTRIES.get(role)
     if not enabled() or not every_rank(entry is not None and entry[0] == identity):

@@ -27,7 +27,8 @@ PACKAGE = "verlflow.core"
 STAGE_VERSION = {"validate": 1, "build": 1, "rollout": 1, "update": 1, "evaluate": 1, "checkpoint": 1,
                  "monolithic": 1, "sft": 1, "dpo": 1, "user": 1}
 
-# Modules a worker imports that move bytes or report, never compute outputs: their edits keep every key. The
+# Modules a worker imports that move bytes or report, never compute outputs: their edits keep every key (among
+# them the compile-time report, the cache folder's name, retention's pruning and the file digests). The
 # blueprint's *values* are in the key through its sections; the store verifies every file by its checksum; the
 # model cache returns what a load would (bit-identical, tested); faults are inert test hooks; the job spec is
 # the runner -> worker message.
@@ -36,8 +37,8 @@ STAGE_VERSION = {"validate": 1, "build": 1, "rollout": 1, "update": 1, "evaluate
 PLUMBING = frozenset({PACKAGE} | {f"{PACKAGE}.{m}" for m in (
     "orchestrate", "store", "ml", "testing",
     "blueprint", "errors", "job", "store.artifacts", "orchestrate.launcher", "testing.faults", "stages.modelcache",
-    "orchestrate.pool", "orchestrate.devices", "stages", "stages.agree", "stages.committer", "stages.pool",
-    "ml.compiletime", "cachedir", "store.retention", "store.digests")})  # a compile-time report, a folder's name, what is pruned
+    "orchestrate.pool", "orchestrate.devices", "stages", "agree", "stages.committer", "stages.pool",
+    "ml.compiletime", "cachedir", "store.retention", "store.digests")})
 
 
 def stage_code_versions(root: Path | None = None) -> dict[str, str]:
