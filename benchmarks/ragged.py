@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rollout import SHAPES, build_model, say, sync  # noqa: E402
 
+from verlflow.core.ml.compiletime import Meter  # noqa: E402
 from verlflow.core.ml.fastgen import FastGen, SamplingConfig  # noqa: E402
 
 
@@ -82,6 +83,7 @@ class GpuBusy:
 def run_waves(eng: FastGen, prompts, budgets, cfg, eos, pad, dev) -> dict:
     """Today's path (rollout.batching=micro_batches): left-padded micro-batches of the engine's rows, in order."""
     B, tokens, steps, gen_s = eng.B, 0, 0, 0.0
+    meter = Meter()
     with GpuBusy(dev) as busy:
         for s in range(0, len(prompts), B):
             chunk, lim = prompts[s:s + B], budgets[s:s + B]
@@ -95,10 +97,17 @@ def run_waves(eng: FastGen, prompts, budgets, cfg, eos, pad, dev) -> dict:
             st = eng.last_stats
             tokens, steps, gen_s = tokens + st["tokens"], steps + st["steps"], gen_s + st["prefill_s"] + st["decode_s"]
     return {"tokens": tokens, "seconds": gen_s, "tok_s": tokens / gen_s, "steps": steps,
-            "occupancy": tokens / (steps * B), "gpu_busy_pct": busy.mean}
+            "occupancy": tokens / (steps * B), "gpu_busy_pct": busy.mean, **compiled(meter)}
+
+
+def compiled(meter: Meter) -> dict:
+    """dynamo's compiles while a mode ran (a first call's extra seconds: compiles mid-generation, or not)"""
+    n, s, phases = meter.read(min_s=0)
+    return {"compiles": n, "compile_s": round(s, 3), "compile_phases": phases}
 
 
 def run_continuous(eng: FastGen, prompts, budgets, cfg, eos, pad, dev, refill_min=None) -> dict:
+    meter = Meter()
     with GpuBusy(dev) as busy:
         resp, _ = eng.generate_many(prompts, cfg, [eos], pad, limits=budgets, refill_min=refill_min)
     st = eng.last_stats
@@ -106,7 +115,7 @@ def run_continuous(eng: FastGen, prompts, budgets, cfg, eos, pad, dev, refill_mi
     assert st["tokens"] == sum(map(len, resp))
     return {"tokens": st["tokens"], "seconds": gen_s, "tok_s": st["tokens"] / gen_s, "steps": st["steps"],
             "occupancy": st["occupancy"], "refills": st["refills"], "prefill_s": st["prefill_s"],
-            "gpu_busy_pct": busy.mean}
+            "gpu_busy_pct": busy.mean, **compiled(meter)}
 
 
 def main(argv=None) -> dict:
@@ -148,13 +157,14 @@ def main(argv=None) -> dict:
         key = ("continuous" if rm is None else f"continuous_refill{rm}") + ("_again" if n and rm is None else "")
         res[key] = run_continuous(eng, prompts, budgets, cfg, eos, pad, dev, rm)
         say(key, res[key])
-    rows = [("mode", "tokens", "seconds", "tok/s", "steps", "row occupancy", "GPU busy %", "speed-up")]
+    rows = [("mode", "tokens", "seconds", "tok/s", "steps", "row occupancy", "GPU busy %", "compiles (s)", "speed-up")]
     base = res["waves"]["tok_s"]
     for key in [k for k in res if k == "waves" or k.startswith("continuous")]:
         r = res[key]
         busy = "n/a" if r["gpu_busy_pct"] is None else f"{r['gpu_busy_pct']:.0f}"
         rows.append((key, str(r["tokens"]), f"{r['seconds']:.2f}", f"{r['tok_s']:.0f}", str(r["steps"]),
-                     f"{r['occupancy']:.2f}", busy, f"{r['tok_s'] / base:.2f}x"))
+                     f"{r['occupancy']:.2f}", busy, f"{r['compiles']} ({r['compile_s']:.1f})",
+                     f"{r['tok_s'] / base:.2f}x"))
     print("| " + " | ".join(rows[0]) + " |")
     print("|" + "---|" * len(rows[0]))
     for r in rows[1:]:

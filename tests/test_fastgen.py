@@ -170,6 +170,27 @@ def test_compiled_engine_compiles_the_decode_step_once_for_every_cache_bucket(mo
     torch._dynamo.reset()
 
 
+def test_set_up_with_grad_enabled_compiles_what_generation_runs(models):
+    """prepare() called by a caller with grad on (benchmarks/ragged.py did) compiles the graphs generation uses:
+    dynamo guards on grad mode, and generation runs without grad, so a set-up with grad compiled every prefill,
+    sampler and logits function a second time in the first generation (3 compiles, 3 s on the H200)."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from verlflow.core.ml.fastgen.layers import _prefill_layer
+
+    torch._dynamo.reset()
+    eng = FastGen(models["qwen2"], batch_size=3, max_prompt_len=12, max_new_tokens=8, attn="sdpa", check_every=2,
+                  compile=True, compile_backend="aot_eager")
+    assert torch.is_grad_enabled()
+    eng.prepare([], PAD, SamplingConfig(temperature=0.0), 4, every_slot=True)
+    assert len(_debug_get_cache_entry_list(_prefill_layer.__code__)) == 1
+    eng.generate_many(prompts_of([5, 11, 4, 12, 8], seed=2), SamplingConfig(temperature=0.0), [], PAD,
+                      limits=[8, 2, 5, 3, 8], refill_min=1)
+    assert eng.last_stats["refills"] >= 2
+    assert len(_debug_get_cache_entry_list(_prefill_layer.__code__)) == 1  # no second graph for grad mode
+    torch._dynamo.reset()
+
+
 def test_continuous_batching_sampled_logprobs_are_the_models_and_a_seed_reproduces(models):
     """Sampled with temperature and top_p through refilled rows: each token's saved log-prob is the model's own
     log_softmax(logits / T) at that token, recomputed from prompt + response alone (a stale cache slot, position
@@ -436,11 +457,11 @@ def test_ragged_benchmark_smoke_same_tokens_fewer_steps():
     """benchmarks/ragged.py on CPU: both modes honour the same budgets (same tokens); continuous batching needs
     fewer decode steps for them (rows refilled instead of idling until a micro-batch's longest row ends)."""
     res, out = smoke("ragged.py")
-    assert "| mode | tokens | seconds | tok/s | steps | row occupancy | GPU busy % | speed-up |" in out
+    assert "| mode | tokens | seconds | tok/s | steps | row occupancy | GPU busy % | compiles (s) | speed-up |" in out
     waves, cont = res["waves"], res["continuous"]
     assert cont["tokens"] == waves["tokens"] > 0
     assert cont["steps"] < waves["steps"] and cont["occupancy"] > waves["occupancy"] and cont["refills"] > 1
-
+    assert all(isinstance(res[k]["compiles"], int) for k in ("waves", "continuous", "continuous_again"))
 
 @pytest.mark.parametrize("engine", ["hf", "static"])
 def test_rollout_logprobs_equal_the_updates_recomputed_ones(tiny_kit, tmp_path, engine):
