@@ -170,6 +170,32 @@ def test_compiled_engine_compiles_the_decode_step_once_for_every_cache_bucket(mo
     torch._dynamo.reset()
 
 
+def test_static_bucket_compile_compiles_the_decode_step_once_per_bucket(models):
+    """bucket_compile="static" (the A/B against one dynamic compile: benchmarks/rollout.py --ab-static-buckets)
+    gives every cache bucket a graph of its own, with its length a constant, and the same tokens as eager. The
+    engine has two rows: the set-up's refill compile indexed a third row before."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from verlflow.core.ml.fastgen.layers import _decode_layer
+
+    with pytest.raises(ValueError, match="bucket_compile must be"):
+        FastGen(models["qwen2"], batch_size=2, max_prompt_len=4, max_new_tokens=4, bucket_compile="per-bucket")
+    torch._dynamo.reset()
+    prompts, limits = prompts_of([5, 11, 3, 16], seed=5), [120, 3, 70, 7]
+    runs, kvs = {}, set()
+    for compiled in (False, True):
+        eng = FastGen(models["qwen2"], batch_size=2, max_prompt_len=16, max_new_tokens=120, attn="sdpa",
+                      check_every=2, compile=compiled, compile_backend="aot_eager", bucket_compile="static")
+        kv_len = eng._kv_len
+        eng._kv_len = lambda slot: kvs.add(kv_len(slot)) or kv_len(slot)  # the buckets the steps ran
+        runs[compiled] = eng.generate_many(prompts, SamplingConfig(temperature=0.0), [], PAD, limits=limits,
+                                           refill_min=1)[0]
+    assert runs[True] == runs[False]
+    assert kvs == {64, 128, 136}
+    assert len(_debug_get_cache_entry_list(_decode_layer.__code__)) == len(kvs)
+    torch._dynamo.reset()
+
+
 def test_set_up_with_grad_enabled_compiles_what_generation_runs(models):
     """prepare() called by a caller with grad on (benchmarks/ragged.py did) compiles the graphs generation uses:
     dynamo guards on grad mode, and generation runs without grad, so a set-up with grad compiled every prefill,
