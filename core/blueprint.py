@@ -398,6 +398,10 @@ class KubernetesSpec(Section):
     )
     pvc: Optional[str] = Field(None, description="PersistentVolumeClaim mounted at pvc_mount (file:// stores, models).")
     pvc_mount: str = Field("/data", description="Where the pvc is mounted in the pods.")
+    cache_dir: Optional[str] = Field(
+        None, description="Absolute folder in the pods for compiled kernels (torch.compile, Triton) and the static "
+        "engine's timed choices, which a stage's pod reuses from earlier pods. Default: <pvc_mount>/.verlflow-cache "
+        "when a pvc is mounted; else the pod's scratch, and every stage's pod compiles again.")
     node_selector: dict[str, str] = Field({}, description="nodeSelector of the pods (label: value).")
     tolerations: list[dict[str, Any]] = Field([], description="Tolerations of the pods, as in a pod spec.")
     labels: dict[str, str] = Field({}, description="Extra labels on the Job and its pods.")
@@ -406,6 +410,19 @@ class KubernetesSpec(Section):
     ttl_seconds_after_finished: int = Field(3600, ge=0, description="Kubernetes deletes a finished Job after this "
                                             "many seconds.")
     context: Optional[str] = Field(None, description="kubeconfig context; default: in-cluster, else the current one.")
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _absolute_cache_dir(cls, v):
+        if v is not None and not v.startswith("/"):
+            raise ValueError(f"{v!r} is not an absolute path in the pods; give one like /data/.verlflow-cache")
+        return v
+
+    def pod_cache_dir(self, scratch: str) -> str:
+        """Where the pods keep their caches: cache_dir, else on the pvc, else the pod's own scratch."""
+        if self.cache_dir:
+            return self.cache_dir
+        return f"{self.pvc_mount.rstrip('/')}/.verlflow-cache" if self.pvc else f"{scratch}/cache"
 
 
 class ResourcesSpec(Section):

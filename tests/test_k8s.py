@@ -92,6 +92,30 @@ def test_manifests_match_the_kubernetes_schemas(tmp_path):
     assert {"name": "data", "persistentVolumeClaim": {"claimName": "verlflow-data"}} in pod["volumes"]
 
 
+def test_pods_keep_compiled_kernels_on_the_pvc_not_at_the_submitters_path(tmp_path):
+    """Each stage is a new pod: its compile caches (torch.compile's, Triton's, the static engine's timings) go on
+    the pvc where there is one, so the next stage's pod reuses what this one compiled, instead of the submitter's
+    own cache path (a folder on another machine) inside the pod's throw-away disk."""
+    job_file = tmp_path / "job.json"
+    job_file.write_text("{}")
+    submitter = {"TORCHINDUCTOR_CACHE_DIR": "/home/me/.cache/verlflow/inductor", "HF_HUB_OFFLINE": "1"}
+
+    def cache_env(**cfg):
+        spec = LaunchSpec("verlflow.core.stages.update", [str(job_file)], job_arg=0, env=dict(submitter))
+        c = render(spec, _cfg(**cfg), "vf-update-1", "r")["job"]["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["HF_HUB_OFFLINE"] == "1"
+        return {k: env[k] for k in ("VERLFLOW_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+
+    assert cache_env() == {"VERLFLOW_CACHE_DIR": "/data/.verlflow-cache",
+                           "TORCHINDUCTOR_CACHE_DIR": "/data/.verlflow-cache/inductor",
+                           "TRITON_CACHE_DIR": "/data/.verlflow-cache/triton"}
+    assert cache_env(pvc=None)["TORCHINDUCTOR_CACHE_DIR"] == "/scratch/cache/inductor"  # the pod's emptyDir
+    assert cache_env(cache_dir="/mnt/kernels")["TRITON_CACHE_DIR"] == "/mnt/kernels/triton"
+    with pytest.raises(ValueError, match="(?s)cache_dir.*not an absolute path"):
+        _cfg(cache_dir="cache")
+
+
 def test_schema_check_catches_a_misspelled_field(tmp_path):
     m = render(LaunchSpec("verlflow.core.testing.probe", [], nnodes=2), _cfg(), "vf-probe-1", "r")
     bad = json.loads(json.dumps(m["job"]))
@@ -272,7 +296,8 @@ class FakeCluster:
             host, port = cmd[i + 1].rsplit(":", 1)
             assert host == f"{name}-0.{name}.{job['metadata']['namespace']}.svc" and port == "29400"
             cmd[i + 1] = f"127.0.0.1:{self.rdzv_port}"  # no cluster DNS here
-            env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+            env = {e["name"]: e["value"].replace("/scratch", f"{root}/scratch") for e in container["env"]
+                   if "value" in e}  # the pod's scratch (its caches too) is this pod's folder here
             env.update(JOB_COMPLETION_INDEX=str(index), VERLFLOW_NODE_NAME=pod.node)
             threading.Thread(target=self._run, args=(pod, cmd, {**os.environ, **env}), daemon=True).start()
 

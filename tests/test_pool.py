@@ -178,13 +178,15 @@ def test_cancel_kills_the_pool(tiny_kit, tmp_path, monkeypatch):
 
 
 def test_stage_jobs_share_a_persistent_compile_cache(monkeypatch, tmp_path):
-    """fsdp.compile's kernels are cached under VERLFLOW_CACHE_DIR (not /tmp), so the next stage job reuses them;
-    a TORCHINDUCTOR_CACHE_DIR of the user's own wins."""
+    """Compiled kernels (inductor's, Triton's) are cached under VERLFLOW_CACHE_DIR (not /tmp), so the next stage job
+    reuses them; a TORCHINDUCTOR_CACHE_DIR of the user's own wins."""
     from verlflow.core.orchestrate.runner import _worker_env
 
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("VERLFLOW_CACHE_DIR", str(tmp_path))
     assert _worker_env(2)["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    assert _worker_env(2)["TRITON_CACHE_DIR"] == str(tmp_path / "triton")  # Triton's kernels in the same folder
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/mine")
     assert "TORCHINDUCTOR_CACHE_DIR" not in _worker_env(2)  # inherited from the environment as it is
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from verlflow.core.cachedir import cache_root
+from verlflow.core.cachedir import cache_root, compile_cache_env
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.errors import StoreError
 from verlflow.core.job import InputRecord, InputRef, JobSpec, ManifestDraft
@@ -428,11 +428,10 @@ def _worker_env(nproc: int) -> dict:
     """Quiet, offline workers; threads split between the ranks of this node (torchrun would pick 1)."""
     import os
 
-    cache = cache_root()
     env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)), "HF_HUB_OFFLINE": "1",
            "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false",
-           # fsdp.compile's kernels survive the job (and /tmp cleaning): the next stage job loads them
-           "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+           # compiled kernels survive the job (and /tmp cleaning): the next stage job loads them
+           **compile_cache_env(cache_root())}
     return {k: v for k, v in env.items() if k not in os.environ}
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from verlflow.core.cachedir import compile_cache_env
 from verlflow.core.errors import VerlflowError
 from verlflow.core.orchestrate.backends.common import JobOutput, diagnose_job
 from verlflow.core.orchestrate.launcher import FailureKind, LaunchResult, LaunchSpec, StageFailure
@@ -80,7 +81,10 @@ def render(spec: LaunchSpec, cfg, name: str, rdzv_id: str) -> dict[str, dict]:
         return {"name": name, "namespace": ns, "labels": dict(labels)}
 
     rdzv = f"{name}-0.{name}.{ns}.svc:{cfg.rdzv_port}"
-    env = [{"name": k, "value": str(v)} for k, v in sorted(spec.env.items()) if k != "OMP_NUM_THREADS"]
+    # the submitter's core count is not the pod's; its cache folders are not the pod's either (a path on the
+    # submitter's disk): the pods' own, on the pvc where there is one, so later pods reuse compiled kernels
+    pod_env = {**spec.env, **compile_cache_env(cfg.pod_cache_dir(SCRATCH))}
+    env = [{"name": k, "value": str(v)} for k, v in sorted(pod_env.items()) if k != "OMP_NUM_THREADS"]
     env.append({"name": "PYTHONUNBUFFERED", "value": "1"})
     env.append({"name": "VERLFLOW_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
     limits: dict[str, str] = {}
