@@ -132,7 +132,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU-sized: tiny shape, 4 rows, 16 prompts, 2..64 new")
+    ap.add_argument("--no-cudnn-sdp", action="store_true", help="sdpa without its cuDNN backend (is the first call's "
+                    "extra prefill time cuDNN planning each new refill shape?)")
     args = ap.parse_args(argv)
+    if args.no_cudnn_sdp:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if args.smoke:
         args.shape, args.batch, args.prompts, args.prompt, args.min_len, args.new = "tiny", 4, 16, 8, 2, 64
         args.device = args.device or "cpu"
