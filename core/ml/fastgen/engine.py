@@ -456,11 +456,12 @@ class FastGen:
 
     # ---- generate
 
-    @torch.no_grad()  # as generate runs: dynamo guards on grad mode, so a set-up with grad on compiled graphs
+    # Without grad, as generation runs: dynamo guards on grad mode, and a set-up with grad on compiled graphs that
+    # generation could not use (benchmarks/ragged.py compiled three again in its first micro-batches: 3 s, H200)
+    @torch.no_grad()
     def prepare(self, eos_ids, pad_id: int, cfg: SamplingConfig, width: int, every_slot: bool = False) -> float:
         """Set the EOS ids and pad id; compile and capture what a generation from prompts of ``width`` slots needs
-        (``every_slot``: what continuous batching may need). Returns the seconds it took (set-up, not generation).
-        (generate compiled them again: 3 compiles, 3 s, in the first micro-batches of benchmarks/ragged.py)"""
+        (``every_slot``: what continuous batching may need). Returns the seconds it took (set-up, not generation)."""
         eos = sorted({int(e) for e in (eos_ids if isinstance(eos_ids, (list, tuple, set)) else [eos_ids])})
         if len(eos) > self.MAX_EOS:
             raise ValueError(f"fastgen: {len(eos)} EOS ids {eos}; the engine takes at most {self.MAX_EOS}")
