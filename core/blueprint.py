@@ -418,12 +418,6 @@ class KubernetesSpec(Section):
             raise ValueError(f"{v!r} is not an absolute path in the pods; give one like /data/.verlflow-cache")
         return v
 
-    def pod_cache_dir(self, scratch: str) -> str:
-        """Where the pods keep their caches: cache_dir, else on the pvc, else the pod's own scratch."""
-        if self.cache_dir:
-            return self.cache_dir
-        return f"{self.pvc_mount.rstrip('/')}/.verlflow-cache" if self.pvc else f"{scratch}/cache"
-
 
 class ResourcesSpec(Section):
     model_config = ConfigDict(title="resources")

@@ -261,14 +261,14 @@ def estimate(bp: Blueprint, size: ModelSize | None = None) -> Footprint:
     initial = (adapters or size).dcp_bytes(itemsize, world, optimizer=False) + (
         size.critic().dcp_bytes(itemsize, world, optimizer=False) if critic else 0)
     checkpoints = checkpoints_at_once(bp)
-    build_held = checkpoints == bp.iterations + 1
+    build_held = int(checkpoints == bp.iterations + 1)  # 1 when the initial one is among those held
     exported = export_itemsize(bp, model_dir)
     adapter_export = adapters is not None and bp.storage.export_lora == "adapter"
     export = adapters.export_bytes(exported) + size.meta_bytes if adapter_export else size.export_bytes(exported)
     phase_ckpts, phase_refs = phase_checkpoints(bp)
     return Footprint((
         Term("training checkpoints", checkpoints - build_held, policy + critic + 2 * STAGE_FILES, trained),
-        Term("initial checkpoint", int(build_held), initial + STAGE_FILES, "the build's, no AdamW state"),
+        Term("initial checkpoint", build_held, initial + STAGE_FILES, "the build's, no AdamW state"),
         Term("phase checkpoints", phase_ckpts, policy + 2 * STAGE_FILES, "sft/dpo epochs and phase starts"),
         Term("reference", 1 + phase_refs, reference + size.meta_bytes + STAGE_FILES,
              f"{bp.model.dtype}, with hf_meta"),

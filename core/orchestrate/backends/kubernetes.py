@@ -62,6 +62,13 @@ def job_name(spec: LaunchSpec) -> str:
     return f"vf-{stage[:20]}-{uuid.uuid4().hex[:8]}"  # a DNS-1035 label; pods' host names add -<index>
 
 
+def _pod_cache_dir(cfg) -> str:
+    """Where the pods keep their caches: cache_dir, else on the pvc, else the pod's own scratch."""
+    if cfg.cache_dir:
+        return cfg.cache_dir
+    return f"{cfg.pvc_mount.rstrip('/')}/.verlflow-cache" if cfg.pvc else f"{SCRATCH}/cache"
+
+
 def render(spec: LaunchSpec, cfg, name: str, rdzv_id: str) -> dict[str, dict]:
     """The three manifests of one stage job (plain dicts, as the API takes them)."""
     ns = cfg.namespace
@@ -83,7 +90,7 @@ def render(spec: LaunchSpec, cfg, name: str, rdzv_id: str) -> dict[str, dict]:
     rdzv = f"{name}-0.{name}.{ns}.svc:{cfg.rdzv_port}"
     # the submitter's core count is not the pod's; its cache folders are not the pod's either (a path on the
     # submitter's disk): the pods' own, on the pvc where there is one, so later pods reuse compiled kernels
-    pod_env = {**spec.env, **compile_cache_env(cfg.pod_cache_dir(SCRATCH))}
+    pod_env = {**spec.env, **compile_cache_env(_pod_cache_dir(cfg))}
     env = [{"name": k, "value": str(v)} for k, v in sorted(pod_env.items()) if k != "OMP_NUM_THREADS"]
     env.append({"name": "PYTHONUNBUFFERED", "value": "1"})
     env.append({"name": "VERLFLOW_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
