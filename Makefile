@@ -13,6 +13,9 @@ PIP := $(BIN)/pip install -q --no-compile
 COMPILE := $(BIN)/python -m compileall -q -j 0 $(VENV)/lib core tasks flows >/dev/null 2>&1 || true
 # CPU machines take the local CPU wheel; a machine with CUDA keeps the torch it has (or pip's default build).
 TORCH_CPU := torch==2.13.0
+# ... and, for the tests, Triton (a CUDA build of torch brings its own): its interpreter runs the engine's kernels
+# and its compiler builds them for the H200 (tests/test_triton_kernels.py)
+TRITON_CPU := triton==3.6.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
 export HF_HUB_OFFLINE := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
@@ -34,6 +37,9 @@ endif
 
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PIP) -e '.[dev]'
+ifeq ($(HAS_GPU),)
+	$(PIP) $(TRITON_CPU)
+endif
 	$(COMPILE)
 	touch $@
 

@@ -214,6 +214,21 @@ def bench_cuda(fn, iters=20, warm=3):
     return s.elapsed_time(e) / iters
 
 
+def bench_graph(fn, reps=10) -> float:
+    """ms per call of fn replayed from a CUDA graph of ``reps`` calls, as the decode step runs it (timed eagerly,
+    a Triton kernel's Python launch, ~50 us, hides its GPU time)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compile off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    return bench_cuda(g.replay, iters=5, warm=2) / reps
+
+
 def micro_attention(B, nh, nkv, hd, T, dtype, dev) -> dict:
     import torch.nn.functional as F
 
@@ -272,6 +287,17 @@ def micro_sampler(B, V, dtype, dev, prof_path: Path | None = None) -> dict:
         return torch.multinomial(x.masked_fill(rm, float("-inf")).softmax(-1), 1)
 
     out["top_p0.95/hf_sort+multinomial"] = bench_cuda(hf_sort, iters=10) * 1e3
+    from verlflow.core.ml.fastgen.kernels import HAVE_TRITON, sample_logits_triton
+
+    if HAVE_TRITON:  # the engine's sampler, graph-replayed: the nucleus test in two passes against one
+        cfg = cases["top_p0.95"]
+        u = torch.rand(B, cfg.candidates(), 2, device=dev)
+        for mode in ("two_pass", "one_pass"):
+            try:
+                out[f"top_p0.95/triton_{mode}_graph"] = bench_graph(
+                    lambda two=mode == "two_pass": sample_logits_triton(logits, cfg, u, two_pass=two)) * 1e3
+            except Exception as e:  # noqa: BLE001
+                out[f"top_p0.95/triton_{mode}_graph"] = f"{type(e).__name__}: {e}"[:200]
     if prof_path is not None:  # kernels of the compiled top_p sampler
         from torch.profiler import ProfilerActivity, profile
 
@@ -393,8 +419,14 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
         eng_sb.attn_cfg = dict(eng.attn_cfg)
         attempt("ours_static_buckets_sampled", lambda: run_ours(eng_sb, ids, mask, scfg, eos, pad, dev))
         del eng_sb
+    if cuda and args.ab_nucleus and eng.sampler == "triton":  # the same engine, the one-pass nucleus test
+        eng_np = FastGen(model, B, P, N, attn=eng.attn, sampler=eng.sampler, nucleus="one_pass")
+        eng_np.attn_cfg = dict(eng.attn_cfg)
+        attempt("ours_one_pass_nucleus_sampled", lambda: run_ours(eng_np, ids, mask, scfg, eos, pad, dev))
+        del eng_np
     r["ours_engine"] = {"graphs": eng.use_graphs, "compile": eng.compile, "bucket": eng.bucket, "attn": eng.attn,
-                        "sampler": eng.sampler, "attn_cfg": eng.attn_cfg, "attn_timings_us": eng.attn_timings}
+                        "sampler": eng.sampler, "nucleus": eng.nucleus, "attn_cfg": eng.attn_cfg,
+                        "attn_timings_us": eng.attn_timings}
     say("ours engine:", r["ours_engine"])
 
     # baseline
@@ -490,10 +522,12 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
         rows.append(("generated tok/s, greedy", t_h, t_o, f"{t_o / t_h:.1f}x" if t_h else "-", floor_tps))
         rows.append(("decode ms/step, greedy", hgf.get("ms_per_step") if isinstance(hgf, dict) else None,
                      g(ours_g, "ms_per_step"), "-", fl["mem_floor_ms"]))
-    sb = r.get("ours_static_buckets_sampled")
-    if isinstance(sb, dict) and "ms_per_step" in sb:
-        rows.append(("decode ms/step, sampled, ours with a decode graph per cache bucket", "-", sb["ms_per_step"],
-                     "-", fl["mem_floor_ms"]))
+    for key, what in (("ours_static_buckets_sampled", "a decode graph per cache bucket"),
+                      ("ours_one_pass_nucleus_sampled", "the one-pass nucleus test")):
+        ab = r.get(key)
+        if isinstance(ab, dict) and "ms_per_step" in ab:
+            rows.append((f"decode ms/step, sampled, ours with {what}", "-", ab["ms_per_step"], "-",
+                         fl["mem_floor_ms"]))
     if ours_s:
         rows.append(("fraction of memory floor (floor ms / decode ms), sampled", "-",
                      f"{fl['mem_floor_ms'] / g(ours_s, 'ms_per_step'):.0%}", "-", "100%"))
@@ -555,6 +589,8 @@ def main(argv=None):
     ap.add_argument("--hf-greedy-full", action="store_true", help="also time HF greedy at the full shape")
     ap.add_argument("--no-variants", action="store_true", help="skip the ablations (no graphs / no compile / sdpa)")
     ap.add_argument("--no-micro", action="store_true")
+    ap.add_argument("--ab-nucleus", action="store_true",
+                    help="also time ours with the one-pass nucleus test of the Triton sampler (nucleus=one_pass)")
     ap.add_argument("--ab-static-buckets", action="store_true",
                     help="also time ours with one decode compile per cache bucket (bucket_compile=static)")
     ap.add_argument("--profile", action="store_true")

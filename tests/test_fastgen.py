@@ -420,7 +420,8 @@ def smoke(script: str) -> tuple[dict, str]:
 
 @pytest.mark.parametrize("top_p", [0.9, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_samplers_logprobs_come_from_its_block_stats_and_equal_log_softmax(monkeypatch, top_p, dtype):
+@pytest.mark.parametrize("two_pass", [True, False])
+def test_triton_samplers_logprobs_come_from_its_block_stats_and_equal_log_softmax(monkeypatch, top_p, dtype, two_pass):
     """The Triton sampler returns each token's log-prob from its own block pass (row max, total mass) instead of
     a second full-vocabulary pass. Its two full-vocabulary kernels need CUDA: here torch computes the same
     quantities (the engine's start-up self-check holds the kernels to them), so the composition is what is tested:
@@ -432,18 +433,20 @@ def test_triton_samplers_logprobs_come_from_its_block_stats_and_equal_log_softma
         st = _Stats(logits.float() / t)
         return st.bmax, st.bsum / torch.exp(st.bmax - st.m)  # each block's sum relative to its own max
 
-    def member_mass(logits, t, m, xc):
+    def member_mass(logits, t, m, xc, done=None):
         x = logits.float()
         w = torch.exp(x / t - m.unsqueeze(1))
-        return torch.stack([(w * (x <= xc[:, c:c + 1].float())).sum(1) for c in range(xc.shape[1])], 1)
+        le = torch.stack([(w * (x <= xc[:, c:c + 1].float())).sum(1) for c in range(xc.shape[1])], 1)
+        return le if done is None else torch.where(done.unsqueeze(1), 0.0, le)
 
     monkeypatch.setattr(kernels, "block_stats_triton", block_stats)
     monkeypatch.setattr(kernels, "member_mass_triton", member_mass)
+    monkeypatch.setattr(kernels, "first_mass_triton", lambda logits, t, m, xc: member_mass(logits, t, m, xc[:, :1]))
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(6, 3000, generator=g) * 3).to(dtype)
     cfg = SamplingConfig(0.7, top_p)
     u = torch.rand(6, cfg.candidates(), 2, generator=g)
-    tok, logp = kernels.sample_logits_triton(logits, cfg, u)
+    tok, logp = kernels.sample_logits_triton(logits, cfg, u, two_pass=two_pass)
     want = chosen_logprobs(logits.float() / 0.7, tok)
     assert logp.dtype == torch.float32 and tok.shape == logp.shape == (6,)
     assert torch.allclose(logp, want, atol=1e-5), (logp - want).abs().max()

@@ -11,9 +11,9 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from verlflow.core.ml.fastgen.kernels import (HAVE_TRITON, _cands_from_stats, _pick, block_stats_triton, combine_splits,
-                                    decode_attention_triton, member_mass_triton, reference_decode_attention,
-                                    sample_logits_triton)
+from verlflow.core.ml.fastgen.kernels import (HAVE_TRITON, _cands_from_stats, _first_decided, _pick, block_stats_triton,
+                                    combine_splits, decode_attention_triton, first_mass_triton, member_mass_triton,
+                                    reference_decode_attention, sample_logits_triton)
 from verlflow.core.ml.fastgen import choices
 from verlflow.core.ml.fastgen.layers import _decode_layer, _logits, _post_attn, _pre_attn, _prefill_layer, _Weights
 from verlflow.core.ml.fastgen.sampling import SamplingConfig, _Stats, sample_logits
@@ -53,7 +53,7 @@ class FastGen:
     def __init__(self, model, batch_size: int, max_prompt_len: int, max_new_tokens: int, *,
                  use_graphs: bool | None = None, compile: bool | None = None, bucket: int = 64,
                  check_every: int = 16, attn: str = "auto", sampler: str = "auto", prefill_tokens: int = 32768,
-                 compile_backend: str = "inductor", bucket_compile: str | None = None):
+                 compile_backend: str = "inductor", bucket_compile: str | None = None, nucleus: str | None = None):
         self.w = _Weights(model)
         self.device = self.w.device
         cuda = _on_cuda(self.device)
@@ -93,6 +93,11 @@ class FastGen:
         self.bucket_compile = bucket_compile or env.get("VERLFLOW_FASTGEN_BUCKET_COMPILE", "dynamic")
         if self.bucket_compile not in ("dynamic", "static"):
             raise ValueError(f"bucket_compile must be 'dynamic' or 'static', got {self.bucket_compile!r}")
+        # the Triton sampler's nucleus test: "two_pass" (each row's first candidate alone, then the rows it did not
+        # settle) or "one_pass" (every candidate of every row: the kernel ran 147 us a step at 1.5B, H200)
+        self.nucleus = nucleus or env.get("VERLFLOW_FASTGEN_NUCLEUS", "two_pass")
+        if self.nucleus not in ("two_pass", "one_pass"):
+            raise ValueError(f"nucleus must be 'two_pass' or 'one_pass', got {self.nucleus!r}")
         w, dev, dt = self.w, self.device, self.w.dtype
         # One spare slot, never read or written: every bucket, the last too, is then a strided view of the cache,
         # and one compiled decode step serves them all (a whole-cache view is contiguous: a graph of its own)
@@ -133,7 +138,8 @@ class FastGen:
         timing_key = None
         if cuda and attn_auto and self.attn == "triton":  # what an engine of this shape timed on this machine before
             timing_key = choices.key(dev, rows=self.B, slots=self.T, bucket=self.bucket, heads=w.nh, kv_heads=w.nkv,
-                                     head_dim=w.hd, dtype=dt, windows=sorted(set(self.windows)), softcap=w.spec.softcap)
+                                     head_dim=w.hd, dtype=dt, windows=sorted(set(self.windows)), softcap=w.spec.softcap,
+                                     configs=self._ATTN_CONFIGS)  # a new candidate is timed, not passed over
             kept = choices.load(timing_key)
             if kept is not None:
                 self.attn, self.attn_cfg = kept["attn"], dict(kept.get("cfg") or {})
@@ -151,7 +157,8 @@ class FastGen:
 
     def _set_fns(self, compiled: bool):
         fns = dict(layer=_decode_layer, pre=_pre_attn, post=_post_attn, logits=_logits, sample=sample_logits,
-                   cands=_cands_from_stats, pick=_pick, prefill=_prefill_layer, logp=_sampled_logp)
+                   cands=_cands_from_stats, pick=_pick, decided=_first_decided, prefill=_prefill_layer,
+                   logp=_sampled_logp)
         self._eager = dict(fns)  # a refill's first tokens: a new row count each time, not worth a compile each
         if compiled:  # the prefill sees a new (rows, width) per micro-batch: _prefill marks those two dims dynamic
             # (dynamic=True would make every size and float symbolic: a slower compile, even from the cache)
@@ -161,9 +168,14 @@ class FastGen:
 
     MAX_EOS = 8  # EOS ids a generation may stop at (a fixed-size buffer: captured steps need not change)
 
+    # the Triton kernel's configurations attn="auto" times; "bounded" skips the blocks of slots with none valid
+    # (past the row's slot, before its pad or window), which the others load as nothing but still compute
     _ATTN_CONFIGS = ({"split_n": 64, "block_n": 64, "num_warps": 4}, {"split_n": 128, "block_n": 64, "num_warps": 4},
                      {"split_n": 128, "block_n": 128, "num_warps": 4}, {"split_n": 128, "block_n": 128, "num_warps": 8},
-                     {"split_n": 64, "block_n": 32, "num_warps": 2})
+                     {"split_n": 64, "block_n": 32, "num_warps": 2},
+                     {"split_n": 64, "block_n": 64, "num_warps": 4, "bounded": True},
+                     {"split_n": 128, "block_n": 64, "num_warps": 4, "bounded": True},
+                     {"split_n": 256, "block_n": 64, "num_warps": 4, "bounded": True})
 
     def _pick_attention(self):
         """attn="auto" on CUDA: time one layer's decode attention at a mid-generation length for the Triton
@@ -199,6 +211,13 @@ class FastGen:
                 q.unsqueeze(2), kc[:, :, :kv], vc[:, :, :kv], attn_mask=bias, scale=w.scaling, enable_gqa=True))}
             for i, cfg in enumerate(self._ATTN_CONFIGS):  # + the split merge, fused into the next projection in
                 # the compiled step (~4 us on the H200): timing it eagerly here would count its launches
+                try:  # only a configuration that computes attention (and compiles here) is timed
+                    err = self._attn_error(cfg)
+                except Exception as e:  # noqa: BLE001 - Triton's compile errors vary by version
+                    err = f"{type(e).__name__}: {e}"
+                if not (isinstance(err, float) and err < self._attn_tol()):
+                    log.warning("fastgen: Triton decode attention %s failed its check (%s); not timed", cfg, err)
+                    continue
                 fns[f"triton{i}"] = (4.0, lambda cfg=cfg: decode_attention_triton(q, kc, vc, pad, slot, w.scaling,
                                                                                   w.nkv, **cfg, **variant))
             side = torch.cuda.Stream(device=dev)  # compile everything off the capture, as the step's warm-up does
@@ -228,26 +247,38 @@ class FastGen:
         except Exception as e:  # noqa: BLE001
             log.warning("fastgen: attention timing failed (%s); keeping %s", e, self.attn)
 
+    def _attn_tol(self) -> float:
+        return 1e-4 if self.w.dtype == torch.float32 else 2e-2  # fp32: IEEE dots, where TF32's error shows
+
+    def _attn_error(self, cfg: dict) -> float:
+        """The Triton decode attention with configuration ``cfg`` against the torch reference on small random
+        inputs (rows of their own pad and slot), every variant the layers use (window, soft-cap): max abs error."""
+        w, dev, dt = self.w, self.device, self.w.dtype
+        g = torch.Generator(device=dev).manual_seed(0)
+        B, T = 3, 200
+        q = torch.randn(B, w.nh, w.hd, generator=g, device=dev).to(dt)
+        kc = torch.randn(B, w.nkv, T, w.hd, generator=g, device=dev).to(dt)
+        vc = torch.randn(B, w.nkv, T, w.hd, generator=g, device=dev).to(dt)
+        pad = torch.tensor([0, 37, 150], device=dev)
+        slot = torch.tensor([170, 120, 199], device=dev)
+        errs = []
+        for win in sorted(set(self.windows)):
+            extra = dict(window=win, softcap=w.spec.softcap)
+            got = combine_splits(*decode_attention_triton(q, kc, vc, pad, slot, w.scaling, w.nkv, **cfg, **extra),
+                                 w.nh // w.nkv)
+            want = reference_decode_attention(q, kc, vc, pad, slot, w.scaling, **extra)
+            errs.append((got - want).abs().max())
+        return torch.stack(errs).max().item()  # NaN stays NaN (Python's max would drop it) and fails the check
+
     def _self_check(self):
         """The Triton kernels against the torch paths on small random inputs; a mismatch turns them off."""
         w, dev, dt = self.w, self.device, self.w.dtype
         g = torch.Generator(device=dev).manual_seed(0)
         if self.attn == "triton":
             try:
-                B, T = 3, 200
-                q = torch.randn(B, w.nh, w.hd, generator=g, device=dev).to(dt)
-                kc = torch.randn(B, w.nkv, T, w.hd, generator=g, device=dev).to(dt)
-                vc = torch.randn(B, w.nkv, T, w.hd, generator=g, device=dev).to(dt)
-                pad = torch.tensor([0, 37, 150], device=dev)
-                slot = torch.tensor([170, 120, 199], device=dev)  # each row its own
-                for win in sorted(set(self.windows)):  # every variant the layers use (window, soft-cap)
-                    extra = dict(window=win, softcap=w.spec.softcap)
-                    got = combine_splits(*decode_attention_triton(q, kc, vc, pad, slot, w.scaling, w.nkv, **extra),
-                                         w.nh // w.nkv)
-                    want = reference_decode_attention(q, kc, vc, pad, slot, w.scaling, **extra)
-                    err = (got - want).abs().max().item()
-                    if not err < (1e-4 if dt == torch.float32 else 2e-2):  # fp32: IEEE dots, TF32's error shows
-                        raise RuntimeError(f"max abs error {err:.3g} ({extra})")
+                err = self._attn_error(self.attn_cfg)
+                if not err < self._attn_tol():
+                    raise RuntimeError(f"max abs error {err:.3g} ({self.attn_cfg})")
             except Exception as e:  # noqa: BLE001
                 fallback = "bmm" if w.spec.softcap else "sdpa"
                 log.warning("fastgen: Triton decode attention failed its check (%s); using %s", e, fallback)
@@ -259,14 +290,25 @@ class FastGen:
                 bmax, bsl = block_stats_triton(logits, 0.7)
                 st = _Stats(logits.float() / 0.7)
                 cand = torch.randint(0, V, (4, 5), generator=g, device=dev)
-                le = member_mass_triton(logits, 0.7, st.m.squeeze(-1).contiguous(), logits.gather(1, cand))
+                cand[:, 0] = logits.argmax(-1)  # one candidate whose mass is the row's whole mass
+                m, raw = st.m.squeeze(-1).contiguous(), logits.gather(1, cand)
+                le = member_mass_triton(logits, 0.7, m, raw)
+                done = torch.tensor([True, False, True, False], device=dev)  # the two-pass sampler's second pass
+                gated = member_mass_triton(logits, 0.7, m, raw, done=done)
+                first = first_mass_triton(logits, 0.7, m, raw).sum(1)  # ... and its first
                 xc = st.xb.view(4, -1).gather(1, cand)
                 want = torch.stack([torch.where(st.xb <= xc[:, c].view(4, 1, 1), torch.exp(st.xb - st.m.unsqueeze(-1)),
                                                 0.0).sum((1, 2)) for c in range(5)], -1)
                 scale = torch.exp(bmax - st.m)
+
+                def close(got, want, z=st.z):  # masses as fractions of the row's total, as the nucleus test uses
+                    return torch.allclose(got / z, want / z, rtol=1e-3, atol=1e-6)
+
                 ok = (torch.allclose(bmax, st.bmax, rtol=1e-5, atol=1e-5)
                       and torch.allclose(bsl * scale, st.bsum, rtol=1e-3, atol=1e-6)
-                      and torch.allclose(le, want, rtol=1e-3, atol=1e-3))
+                      and close(le, want) and close(first.unsqueeze(1), want[:, :1])
+                      and torch.equal(gated[done], torch.zeros_like(gated[done]))
+                      and close(gated[~done], want[~done], st.z[~done]))
                 if not ok:
                     raise RuntimeError("block stats / nucleus mass differ from the torch path")
             except Exception as e:  # noqa: BLE001
@@ -321,7 +363,8 @@ class FastGen:
         fn = fn or self._fn
         u = None if cfg.greedy else torch.rand(logits.shape[0], cfg.candidates(), 2, device=logits.device)
         if self.sampler == "triton" and cfg.method(logits.shape[1]) == "reject":
-            return sample_logits_triton(logits, cfg, u, fn["cands"], fn["pick"])
+            return sample_logits_triton(logits, cfg, u, fn["cands"], fn["pick"], fn["decided"],
+                                        two_pass=self.nucleus == "two_pass")
         nxt = fn["sample"](logits, cfg, u)
         return nxt, fn["logp"](logits, nxt, sampling_temperature(cfg.temperature))
 

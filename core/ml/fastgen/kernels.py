@@ -23,16 +23,40 @@ except ImportError:  # pragma: no cover - depends on the install
 if HAVE_TRITON:
 
     @triton.jit
+    def _attn_block(q, K, V, base, n, ok, skt, d, scale, m_i, l_i, acc, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+        """Online softmax over one block of slots n (masked by ok): the running max, sum and output, updated."""
+        k = tl.load(K + base + n[:, None] * skt + d[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(V + base + n[:, None] * skt + d[None, :], mask=ok[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        if SOFTCAP > 0:  # tanh(y) = 1 - 2 / (exp(2y) + 1): exact limits at +-inf, no libdevice needed
+            s = SOFTCAP * (1.0 - 2.0 / (tl.exp(2.0 * (s / SOFTCAP)) + 1.0))
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _decode_attn_kernel(Q, K, V, PAD, SLOT, MP, LP, OP, scale,
                             sqb, sqh, skb, skh, skt, NKV, NSPLIT,
                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                             SPLIT_N: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-                            SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+                            SOFTCAP: tl.constexpr, IEEE: tl.constexpr, BOUNDED: tl.constexpr):
         """One (row, KV head, split of the cache): the group's G query heads against the shared K/V head,
         valid slots only ([pad_b, slot_b], and the last WINDOW of them when WINDOW > 0: sliding-window layers);
         scores soft-capped (SOFTCAP * tanh(s / SOFTCAP)) when SOFTCAP > 0; writes the split's running max, sum and
         unnormalised output. WINDOW and SOFTCAP are compile-time: 0 compiles the plain kernel. IEEE (fp32 caches):
-        the dots in full fp32, not TF32 (whose 10-bit mantissa tipped greedy near-ties away from HF's)."""
+        the dots in full fp32, not TF32 (whose 10-bit mantissa tipped greedy near-ties away from HF's). BOUNDED:
+        a block of slots with none valid is skipped (a split past the row's slot, or before its pad, runs none);
+        otherwise every block runs, its invalid slots masked (loaded as nothing, still computed)."""
         pid = tl.program_id(0)
         sp = tl.program_id(1)
         b = pid // NKV
@@ -49,26 +73,14 @@ if HAVE_TRITON:
         acc = tl.zeros([GP, D], dtype=tl.float32)
         base = b * skb + h * skh
         for n0 in range(0, SPLIT_N, BLOCK_N):  # masked loads of invalid slots fetch nothing
-            n = sp * SPLIT_N + n0 + tl.arange(0, BLOCK_N)
+            start = sp * SPLIT_N + n0
+            n = start + tl.arange(0, BLOCK_N)
             ok = (n >= pad) & (n <= cur)
-            k = tl.load(K + base + n[:, None] * skt + d[None, :], mask=ok[:, None], other=0.0)
-            v = tl.load(V + base + n[:, None] * skt + d[None, :], mask=ok[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            if BOUNDED:  # (a branch, not loop bounds from the loaded slots: Triton's interpreter cannot run those)
+                if (start <= cur) & (start + BLOCK_N > pad):
+                    m_i, l_i, acc = _attn_block(q, K, V, base, n, ok, skt, d, scale, m_i, l_i, acc, SOFTCAP, IEEE)
             else:
-                s = tl.dot(q, tl.trans(k)) * scale
-            if SOFTCAP > 0:  # tanh(y) = 1 - 2 / (exp(2y) + 1): exact limits at +-inf, no libdevice needed
-                s = SOFTCAP * (1.0 - 2.0 / (tl.exp(2.0 * (s / SOFTCAP)) + 1.0))
-            s = tl.where(ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+                m_i, l_i, acc = _attn_block(q, K, V, base, n, ok, skt, d, scale, m_i, l_i, acc, SOFTCAP, IEEE)
         row = (pid * NSPLIT + sp) * G  # only the G real query rows go out
         tl.store(MP + row + g, m_i, mask=g < G)
         tl.store(LP + row + g, l_i, mask=g < G)
@@ -88,22 +100,39 @@ if HAVE_TRITON:
         tl.store(BSUM + b * NB + blk, bs, mask=blk < NB)
 
     @triton.jit
-    def _member_kernel(X, sxb, V, inv_t, M, XC, LE, NCH, C: tl.constexpr, CP: tl.constexpr,
-                       CHUNK: tl.constexpr, SUB: tl.constexpr):
+    def _member_kernel(X, sxb, V, inv_t, M, XC, LE, NCH, DONE, C: tl.constexpr, CP: tl.constexpr,
+                       CHUNK: tl.constexpr, SUB: tl.constexpr, GATED: tl.constexpr):
         """For each candidate c of the row: sum of exp(x * inv_t - m) over this chunk's tokens whose raw
-        score is <= the candidate's raw score."""
+        score is <= the candidate's raw score. GATED: a row whose DONE flag is set reads nothing and writes 0."""
         b = tl.program_id(0)
         ch = tl.program_id(1)
         ci = tl.arange(0, CP)
         xc = tl.load(XC + b * C + ci, mask=ci < C, other=float("-inf")).to(tl.float32)
         m = tl.load(M + b)
         acc = tl.zeros([SUB, CP], dtype=tl.float32)
-        for s0 in range(0, CHUNK, SUB):
-            offs = ch * CHUNK + s0 + tl.arange(0, SUB)
-            xr = tl.load(X + b * sxb + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            w = tl.exp(xr * inv_t - m)
-            acc += tl.where(xr[:, None] <= xc[None, :], w[:, None], 0.0)
+        run = True
+        if GATED:
+            run = tl.load(DONE + b) == 0
+        if run:
+            for s0 in range(0, CHUNK, SUB):
+                offs = ch * CHUNK + s0 + tl.arange(0, SUB)
+                xr = tl.load(X + b * sxb + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+                w = tl.exp(xr * inv_t - m)
+                acc += tl.where(xr[:, None] <= xc[None, :], w[:, None], 0.0)
         tl.store(LE + (b * NCH + ch) * CP + ci, tl.sum(acc, 0))  # one cross-thread reduction per program
+
+    @triton.jit
+    def _first_mass_kernel(X, sxb, V, inv_t, M, XC, sxc, LE, NCH, BLK: tl.constexpr):
+        """The member sum for the row's first candidate alone, over BLK tokens: one compare a token (the
+        C-candidate kernel does C) and the block-stats kernel's shape, whose loads keep the memory busy."""
+        b = tl.program_id(0)
+        ch = tl.program_id(1)
+        offs = ch * BLK + tl.arange(0, BLK)
+        x = tl.load(X + b * sxb + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        xc = tl.load(XC + b * sxc).to(tl.float32)
+        m = tl.load(M + b)
+        w = tl.where(x <= xc, tl.exp(x * inv_t - m), 0.0)
+        tl.store(LE + b * NCH + ch, tl.sum(w, 0))
 
 
 def _pow2(n: int) -> int:
@@ -111,11 +140,12 @@ def _pow2(n: int) -> int:
 
 
 def decode_attention_triton(q, kc, vc, pad_off, slot, scale: float, nkv: int, split_n: int = 64,
-                            block_n: int = 64, num_warps: int = 4, window: int = 0, softcap: float = 0.0):
+                            block_n: int = 64, num_warps: int = 4, window: int = 0, softcap: float = 0.0,
+                            bounded: bool = False):
     """Partial results of decode attention (see ``_decode_attn_kernel``): (m, l, o) per split, for
     ``combine_splits``. q (B, nh, D); kc/vc (B, nkv, T, D), last dim contiguous; pad_off, slot (B,) long: row b
     attends to slots [pad_off[b], slot[b]]. window: a sliding-window
-    layer's window (0: off); softcap: attention logit soft-capping (0: off)."""
+    layer's window (0: off); softcap: attention logit soft-capping (0: off); bounded: loop over valid slots only."""
     B, nh, D = q.shape
     T = kc.shape[2]
     G = nh // nkv
@@ -127,7 +157,7 @@ def decode_attention_triton(q, kc, vc, pad_off, slot, scale: float, nkv: int, sp
     _decode_attn_kernel[(B * nkv, ns)](
         q, kc, vc, pad_off, slot, mp, lp, op, scale, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1),
         kc.stride(2), nkv, ns, G=G, GP=GP, D=D, SPLIT_N=split_n, BLOCK_N=block_n, WINDOW=int(window),
-        SOFTCAP=float(softcap), IEEE=kc.dtype == torch.float32, num_warps=num_warps)
+        SOFTCAP=float(softcap), IEEE=kc.dtype == torch.float32, BOUNDED=bool(bounded), num_warps=num_warps)
     return mp, lp, op
 
 
@@ -167,16 +197,30 @@ def block_stats_triton(logits: torch.Tensor, temperature: float, bpp: int = 16):
     return bmax, bsum
 
 
-def member_mass_triton(logits, temperature: float, m, xc, chunk: int = 2048, sub: int = 1024, num_warps: int = 8):
-    """(B, C): mass exp(x/T - m) of the tokens whose raw logit is <= each candidate's raw logit xc (B, C)."""
+def member_mass_triton(logits, temperature: float, m, xc, chunk: int = 2048, sub: int = 1024, num_warps: int = 8,
+                       done=None):
+    """(B, C): mass exp(x/T - m) of the tokens whose raw logit is <= each candidate's raw logit xc (B, C).
+    ``done`` (B,) bool: rows already decided, for which nothing is read and 0 is returned."""
     B, V = logits.shape
     C = xc.shape[1]
     CP = _pow2(C)
     nch = triton.cdiv(V, chunk)
     le = torch.empty(B, nch, CP, dtype=torch.float32, device=logits.device)
-    _member_kernel[(B, nch)](logits, logits.stride(0), V, 1.0 / temperature, m, xc.contiguous(), le, nch,
-                             C=C, CP=CP, CHUNK=chunk, SUB=sub, num_warps=num_warps)
+    gate = xc if done is None else done.contiguous().view(torch.uint8)
+    _member_kernel[(B, nch)](logits, logits.stride(0), V, 1.0 / temperature, m, xc.contiguous(), le, nch, gate,
+                             C=C, CP=CP, CHUNK=chunk, SUB=sub, GATED=done is not None, num_warps=num_warps)
     return le.sum(1)[:, :C]
+
+
+def first_mass_triton(logits, temperature: float, m, xc, blk: int = 2048, num_warps: int = 4):
+    """(B, nch) partial sums of the first candidate's member mass (``member_mass_triton``'s column 0, summed
+    over the chunks by the caller)."""
+    B, V = logits.shape
+    nch = triton.cdiv(V, blk)
+    parts = torch.empty(B, nch, dtype=torch.float32, device=logits.device)
+    _first_mass_kernel[(B, nch)](logits, logits.stride(0), V, 1.0 / temperature, m, xc, xc.stride(0), parts, nch,
+                                 BLK=blk, num_warps=num_warps)
+    return parts
 
 
 def _cands_from_stats(logits, bmax, bsum_local, u, temperature: float):
@@ -210,18 +254,37 @@ def _logp_from_stats(logits, tok, m, z, temperature: float):
     return logits.gather(1, tok.view(-1, 1)).squeeze(1).float() * (1.0 / temperature) - m - torch.log(z.squeeze(-1))
 
 
-def _pick(cand, le, z, fallback, top_p: float, logits, m, temperature: float):
+def _first_decided(parts, z, top_p: float):
+    """The first candidate's member mass (B,) from its partial sums, and whether it settles the row: accepted."""
+    le0 = parts.sum(1)
+    return le0, le0 > (1.0 - top_p) * z.squeeze(-1)
+
+
+def _pick(cand, le, z, fallback, top_p: float, logits, m, temperature: float, le0=None):
+    """The first accepted candidate (the argmax when none is) and its log-prob. ``le0``: the first candidate's
+    mass from the first pass (its column of ``le`` is then not read: 0 on the rows the first pass settled)."""
+    if le0 is not None:
+        le = torch.cat([le0.unsqueeze(1), le[:, 1:]], 1)
     tok = _first_accepted(cand, le > (1.0 - top_p) * z, fallback)
     return tok, _logp_from_stats(logits, tok, m, z, temperature)
 
 
-def sample_logits_triton(logits, cfg: SamplingConfig, u, cands_fn=_cands_from_stats, pick_fn=_pick):
-    """``sample_logits`` for the "reject" method with the two full-vocabulary passes as Triton kernels; returns
-    the tokens and their log-probs under logits / T (fp32)."""
+def sample_logits_triton(logits, cfg: SamplingConfig, u, cands_fn=_cands_from_stats, pick_fn=_pick,
+                         decided_fn=_first_decided, two_pass: bool = True):
+    """``sample_logits`` for the "reject" method with the full-vocabulary passes as Triton kernels; returns the
+    tokens and their log-probs under logits / T (fp32).
+
+    ``two_pass``: the nucleus test first for each row's first candidate alone (accepted with probability ~top_p),
+    then for all candidates on the rows it did not settle only; otherwise one pass for every candidate of every
+    row. Both pick the same token: the first accepted candidate."""
     bmax, bsl = block_stats_triton(logits, cfg.temperature)
     cand, xc, m, z, fallback = cands_fn(logits, bmax, bsl, u, cfg.temperature)
     if cfg.top_p >= 1.0:
         tok = cand[:, 0]
         return tok, _logp_from_stats(logits, tok, m, z, cfg.temperature)
-    le = member_mass_triton(logits, cfg.temperature, m, xc)
-    return pick_fn(cand, le, z, fallback, cfg.top_p, logits, m, cfg.temperature)
+    if not two_pass or xc.shape[1] == 1:
+        le = member_mass_triton(logits, cfg.temperature, m, xc)
+        return pick_fn(cand, le, z, fallback, cfg.top_p, logits, m, cfg.temperature)
+    le0, done = decided_fn(first_mass_triton(logits, cfg.temperature, m, xc), z, cfg.top_p)
+    le = member_mass_triton(logits, cfg.temperature, m, xc, done=done)
+    return pick_fn(cand, le, z, fallback, cfg.top_p, logits, m, cfg.temperature, le0)

@@ -1,0 +1,111 @@
+"""The static engine's Triton kernels on a machine without a GPU.
+
+* Run: Triton's interpreter executes them (tests/triton_interpreted.py, a process of its own with
+  TRITON_INTERPRET=1) against the torch references, inside the engine too.
+* Built: Triton's compiler and the ptxas its wheel ships turn every variant the engine may launch into an H200
+  (sm_90) binary, so a kernel that would not compile is found here, not in a GPU session.
+
+`make install-dev` installs Triton on CPU machines (GPU machines have torch's own)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sysdeps import unavailable
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(autouse=True)
+def _triton():
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        unavailable("Triton is not installed (`make install-dev` installs it on CPU machines)")
+
+
+def interpreted(check: str) -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, str(HERE / "triton_interpreted.py"), check], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_every_timed_attention_configuration_equals_the_reference():
+    """Each configuration attn="auto" may keep, the bounded ones (which skip blocks with no valid slot) among them,
+    at slots and pads on and beside block edges, with windows and soft-capping."""
+    from verlflow.core.ml.fastgen import FastGen
+
+    errors = interpreted("attention")["max_abs_error"]
+    assert len(errors) == len(FastGen._ATTN_CONFIGS) and any('"bounded": true' in k for k in errors)
+    bad = {cfg: err for cfg, err in errors.items() if not err < 1e-5}
+    assert not bad, bad
+
+
+def test_two_pass_nucleus_test_picks_the_one_pass_and_torch_samplers_tokens():
+    """The first pass settles most rows (its candidate is accepted); the rest take the second pass. Either way the
+    token is the first accepted candidate: the one-pass kernel's and the torch sampler's, for the same uniforms."""
+    for case in interpreted("nucleus")["cases"]:
+        assert case["two_eq_one"] and case["two_eq_torch"] and case["logp_diff"] == 0.0, case
+        assert 0 < case["settled"] < case["rows"], case  # both passes decided some rows
+        assert case["distinct"] > case["rows"] // 2, case  # real draws
+
+
+def test_engine_on_the_triton_paths_and_its_self_check():
+    res = interpreted("engine")
+    assert res["greedy_equals_hf"]  # bounded attention under continuous batching, a sliding-window layer
+    assert res["sampled_two_eq_one"] and res["sampled_two_eq_torch"] and res["sampled_differs_from_greedy"]
+    assert res["logp_diff"] < 1e-5
+    assert res["self_check_keeps"] == ["triton", "triton"]
+    assert res["self_check_after_breaking_the_sampler"] == ["triton", "torch"]  # a first pass 1 % off
+    assert res["self_check_after_breaking_attention"] == ["sdpa", "torch"]  # attention over one split of many
+
+
+ATTN_SIG = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "PAD": "*i64", "SLOT": "*i64", "MP": "*fp32", "LP": "*fp32",
+            "OP": "*fp32", "scale": "fp32", "sqb": "i32", "sqh": "i32", "skb": "i32", "skh": "i32", "skt": "i32",
+            "NKV": "i32", "NSPLIT": "i32"}
+SAMPLER_SIG = {"X": "*bf16", "sxb": "i32", "V": "i32", "inv_t": "fp32", "M": "*fp32", "XC": "*bf16"}
+
+
+def variants():
+    """(kernel name, signature, constants, warps): every kernel in the variants the engine launches."""
+    from verlflow.core.ml.fastgen import FastGen
+
+    for i, cfg in enumerate(FastGen._ATTN_CONFIGS):  # each configuration; the window, soft-cap and fp32 variants
+        # of the first plain and the first bounded one (the variants change the body, not the loop structure)
+        firsts = (0, next(j for j, c in enumerate(FastGen._ATTN_CONFIGS) if c.get("bounded")))
+        extra = ((4096, 0.0, False), (4096, 50.0, False), (0, 0.0, True)) if i in firsts else ()
+        for window, softcap, ieee in ((0, 0.0, False), *extra):
+            dt = "*fp32" if ieee else "*bf16"
+            yield ("_decode_attn_kernel", {**ATTN_SIG, "Q": dt, "K": dt, "V": dt},
+                   dict(G=6, GP=16, D=128, SPLIT_N=cfg["split_n"], BLOCK_N=cfg["block_n"], WINDOW=window,
+                        SOFTCAP=softcap, IEEE=ieee, BOUNDED=bool(cfg.get("bounded"))), cfg["num_warps"])
+    yield ("_block_stats_kernel", {"X": "*bf16", "sxb": "i32", "V": "i32", "inv_t": "fp32", "BMAX": "*fp32",
+                                   "BSUM": "*fp32", "NB": "i32"}, dict(BPP=16, BLK=128), 4)
+    for gated in (False, True):
+        yield ("_member_kernel", {**SAMPLER_SIG, "LE": "*fp32", "NCH": "i32", "DONE": "*u8"},
+               dict(C=7, CP=8, CHUNK=2048, SUB=1024, GATED=gated), 8)
+    yield ("_first_mass_kernel", {**SAMPLER_SIG, "sxc": "i32", "LE": "*fp32", "NCH": "i32"}, dict(BLK=2048), 4)
+
+
+def test_every_kernel_variant_compiles_for_the_h200():
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from verlflow.core.ml.fastgen import kernels
+
+    built = []
+    for name, sig, const, warps in variants():
+        fn = getattr(kernels, name)
+        sig = {**sig, **{k: "constexpr" for k in const}}
+        assert list(sig) == fn.arg_names, f"{name}: the test's signature is not the kernel's: {fn.arg_names}"
+        c = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        assert c.asm["cubin"], (name, const)
+        built.append(name)
+    assert {"_decode_attn_kernel", "_block_stats_kernel", "_member_kernel", "_first_mass_kernel"} <= set(built)

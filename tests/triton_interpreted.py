@@ -1,0 +1,134 @@
+"""Checks of the static engine's Triton kernels under Triton's interpreter, run by tests/test_triton_kernels.py.
+
+Run as `TRITON_INTERPRET=1 python tests/triton_interpreted.py CHECK`: the interpreter is chosen when a kernel is
+defined, so it needs a process of its own. Prints one JSON line: what the test asserts on. fp32 throughout (the
+interpreter's bf16 `tl.dot` is broken); the kernels' bf16 path is the GPU's (the engine's start-up self-check)."""
+
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+from verlflow.core.ml.fastgen import FastGen, SamplingConfig  # noqa: E402
+from verlflow.core.ml.fastgen import engine as engine_mod  # noqa: E402
+from verlflow.core.ml.fastgen.kernels import (combine_splits, decode_attention_triton, first_mass_triton,  # noqa: E402
+                                              reference_decode_attention, sample_logits_triton)
+from verlflow.core.ml.fastgen.sampling import sample_logits  # noqa: E402
+
+EOS, PAD = 3, 0
+
+
+def attention() -> dict:
+    """Every configuration attn="auto" may pick, against the reference: rows with their own pad and slot, slots
+    and pads on and beside block edges (where a bounded split's first or last block is kept or skipped)."""
+    g = torch.Generator().manual_seed(0)
+    B, nh, nkv, T, D = 4, 12, 2, 300, 32
+    q, kc, vc = (torch.randn(*s, generator=g) for s in ((B, nh, D), (B, nkv, T, D), (B, nkv, T, D)))
+    pad = torch.tensor([0, 63, 64, 150])
+    worst = {}
+    for cfg in FastGen._ATTN_CONFIGS:
+        err = 0.0
+        for slots, (win, cap) in itertools.product(([127, 128, 191, 299], [64, 255, 256, 150], [299, 63, 64, 191]),
+                                                   [(0, 0.0), (40, 0.0), (64, 2.0)]):
+            slot = torch.tensor(slots)
+            got = combine_splits(*decode_attention_triton(q, kc, vc, pad, slot, 0.2, nkv, window=win, softcap=cap,
+                                                          **cfg), nh // nkv)
+            want = reference_decode_attention(q, kc, vc, pad, slot, 0.2, window=win, softcap=cap)
+            err = max(err, (got - want).abs().max().item())
+        worst[json.dumps(cfg, sort_keys=True)] = err
+    return {"max_abs_error": worst}
+
+
+def nucleus() -> dict:
+    """The two-pass nucleus test against the one-pass kernel and the torch sampler, for the same uniforms."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for top_p, temperature in ((0.95, 1.0), (0.7, 0.8), (0.5, 1.3)):
+        logits = torch.randn(64, 5000, generator=g) * 3
+        logits[:16] *= 4  # peaked rows: their first candidate is rejected more often
+        cfg = SamplingConfig(temperature, top_p)
+        u = torch.rand(64, cfg.candidates(), 2, generator=g)
+        two, lp2 = sample_logits_triton(logits, cfg, u, two_pass=True)
+        one, lp1 = sample_logits_triton(logits, cfg, u, two_pass=False)
+        ref = sample_logits(logits, cfg, u)
+        # how many rows the first pass settled (both passes must have run on some rows for the check to mean much)
+        from verlflow.core.ml.fastgen.kernels import _cands_from_stats, _first_decided, block_stats_triton
+        bmax, bsl = block_stats_triton(logits, temperature)
+        _, xc, m, z, _ = _cands_from_stats(logits, bmax, bsl, u, temperature)
+        _, done = _first_decided(first_mass_triton(logits, temperature, m, xc), z, top_p)
+        out.append({"top_p": top_p, "two_eq_one": torch.equal(two, one), "two_eq_torch": torch.equal(two, ref),
+                    "logp_diff": (lp2 - lp1).abs().max().item(), "settled": int(done.sum()), "rows": 64,
+                    "distinct": len(set(two.tolist()))})
+    return {"cases": out}
+
+
+def tiny_model():
+    """A tiny Qwen3 with a sliding-window layer (the kernel's window variant), fp32, weights wide enough that
+    attention is far from uniform."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, vocab_size=384, initializer_range=0.2,
+                                   use_sliding_window=True, sliding_window=6, max_window_layers=1, pad_token_id=PAD,
+                                   eos_token_id=EOS, bos_token_id=1, tie_word_embeddings=False)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+
+
+def prompts(lens, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, 384, (n,), generator=g).tolist() for n in lens]
+
+
+def engine() -> dict:
+    """The engine on the Triton paths (bounded attention, the Triton sampler): greedy equals HF's generate prompt by
+    prompt under continuous batching; sampled tokens equal, for one seed, across the two nucleus tests and the torch
+    sampler; the start-up self-check keeps the kernels, and drops a broken one."""
+    model = tiny_model()
+    lens = [5, 11, 3, 9, 1, 12]
+    ps = prompts(lens, seed=3)
+    res = {}
+    eng = FastGen(model, batch_size=3, max_prompt_len=12, max_new_tokens=8, attn="triton", sampler="triton",
+                  check_every=2)
+    eng.attn_cfg = {"split_n": 16, "block_n": 8, "num_warps": 1, "bounded": True}  # splits of two blocks
+    ours, _ = eng.generate_many(ps, SamplingConfig(0.0), [EOS], PAD, refill_min=1)
+    hf = []
+    for p in ps:
+        ids = torch.tensor([p])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             pad_token_id=PAD, eos_token_id=EOS)[0, len(p):].tolist()
+        hf.append(out[:out.index(EOS) + 1] if EOS in out else out)
+    res["greedy_equals_hf"] = ours == hf
+    cfg = SamplingConfig(1.0, 0.9)
+    sampled = {}
+    for name, (sampler, nucleus) in {"two_pass": ("triton", "two_pass"), "one_pass": ("triton", "one_pass"),
+                                     "torch": ("torch", "two_pass")}.items():
+        e = FastGen(model, batch_size=3, max_prompt_len=12, max_new_tokens=8, attn="triton", sampler=sampler,
+                    nucleus=nucleus, check_every=2)
+        torch.manual_seed(7)
+        sampled[name] = e.generate_many(ps, cfg, [EOS], PAD, refill_min=1)
+    res["sampled_two_eq_one"] = sampled["two_pass"][0] == sampled["one_pass"][0]
+    res["sampled_two_eq_torch"] = sampled["two_pass"][0] == sampled["torch"][0]
+    res["sampled_differs_from_greedy"] = sampled["two_pass"][0] != ours
+    res["logp_diff"] = max(abs(a - b) for ra, rb in zip(sampled["two_pass"][1], sampled["torch"][1])
+                           for a, b in zip(ra, rb))
+    eng._self_check()
+    res["self_check_keeps"] = [eng.attn, eng.sampler]
+    real = engine_mod.first_mass_triton
+    engine_mod.first_mass_triton = lambda *a, **k: real(*a, **k) * 1.01  # a first pass 1 % off
+    eng._self_check()
+    engine_mod.first_mass_triton = real
+    res["self_check_after_breaking_the_sampler"] = [eng.attn, eng.sampler]
+    real_attn = engine_mod.decode_attention_triton
+    engine_mod.decode_attention_triton = lambda *a, **k: tuple(t[:, :, :1] for t in real_attn(*a, **k))  # 1 split
+    eng._self_check()
+    res["self_check_after_breaking_attention"] = [eng.attn, eng.sampler]
+    return res
+
+
+if __name__ == "__main__":
+    print(json.dumps(globals()[sys.argv[1]]()))
