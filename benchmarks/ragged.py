@@ -114,7 +114,8 @@ def run_continuous(eng: FastGen, prompts, budgets, cfg, eos, pad, dev, refill_mi
     gen_s = st["prefill_s"] + st["decode_s"]
     assert st["tokens"] == sum(map(len, resp))
     return {"tokens": st["tokens"], "seconds": gen_s, "tok_s": st["tokens"] / gen_s, "steps": st["steps"],
-            "occupancy": st["occupancy"], "refills": st["refills"], "prefill_s": st["prefill_s"],
+            "occupancy": st["occupancy"], "refills": st["refills"], "refill_shapes": st["refill_shapes"],
+            "prefill_s": st["prefill_s"],
             "gpu_busy_pct": busy.mean, **compiled(meter)}
 
 
@@ -161,13 +162,15 @@ def main(argv=None) -> dict:
         key = ("continuous" if rm is None else f"continuous_refill{rm}") + ("_again" if n and rm is None else "")
         res[key] = run_continuous(eng, prompts, budgets, cfg, eos, pad, dev, rm)
         say(key, res[key])
-    rows = [("mode", "tokens", "seconds", "tok/s", "steps", "row occupancy", "GPU busy %", "compiles (s)", "speed-up")]
+    rows = [("mode", "tokens", "seconds", "tok/s", "steps", "row occupancy", "GPU busy %", "compiles (s)",
+             "prefill s (refill shapes)", "speed-up")]
     base = res["waves"]["tok_s"]
     for key in [k for k in res if k == "waves" or k.startswith("continuous")]:
         r = res[key]
         busy = "n/a" if r["gpu_busy_pct"] is None else f"{r['gpu_busy_pct']:.0f}"
         rows.append((key, str(r["tokens"]), f"{r['seconds']:.2f}", f"{r['tok_s']:.0f}", str(r["steps"]),
                      f"{r['occupancy']:.2f}", busy, f"{r['compiles']} ({r['compile_s']:.1f})",
+                     f"{r['prefill_s']:.2f} ({r['refill_shapes']})" if "refill_shapes" in r else "-",
                      f"{r['tok_s'] / base:.2f}x"))
     print("| " + " | ".join(rows[0]) + " |")
     print("|" + "---|" * len(rows[0]))

@@ -140,6 +140,34 @@ def test_continuous_batching_greedy_equals_hf_generate_prompt_by_prompt(models, 
     assert stats["refills"] >= 5 and stats["tokens"] == sum(map(len, ours))  # rows were reused mid-generation
 
 
+def test_refills_come_in_few_shapes_and_still_decode_exactly(models, monkeypatch):
+    """Refills take a multiple of refill_min rows while more prompts wait than rows are free (the rest wait for the
+    next check), and left-pad their prompts to a multiple of 16 slots: a handful of distinct (rows, width) shapes
+    instead of one per refill (the GPU pays per-shape work once a shape). Every response is still HF's own."""
+    model = eos_biased(models["qwen2"], factor=4.0)
+    g = torch.Generator().manual_seed(5)
+    lens = torch.randint(1, 41, (40,), generator=g).tolist()
+    limits = torch.randint(1, 13, (40,), generator=g).tolist()
+    prompts = prompts_of(lens, seed=6)
+    eng = FastGen(model, batch_size=8, max_prompt_len=40, max_new_tokens=12, bucket=8, check_every=2)
+    seen = []
+    start = eng._start_rows
+    monkeypatch.setattr(eng, "_start_rows", lambda rows, ids, *a: (seen.append((len(rows), ids.shape[1])),
+                                                                   start(rows, ids, *a))[1])
+    ours, _ = eng.generate_many(prompts, SamplingConfig(temperature=0.0), [EOS], PAD, limits=limits, refill_min=3)
+    rows_taken = [n for n, _ in seen]
+    assert sum(rows_taken) == len(prompts)
+    assert all(n % 3 == 0 for n in rows_taken[:-1]), seen  # the last refill takes whatever is left
+    assert all(w % 16 == 0 or w == 40 for _, w in seen), seen
+    assert len(set(seen)) <= 6 < len(seen), seen  # few shapes, many refills
+    assert eng.last_stats["refill_shapes"] == len(set(seen))
+    want = []
+    for p, n in zip(prompts, limits):
+        ids = torch.tensor([p])
+        want.append(cut(hf_generate(model, ids, torch.ones_like(ids), n)[0].tolist()))
+    assert ours == want
+
+
 def test_compiled_engine_compiles_the_decode_step_once_for_every_cache_bucket(models):
     """The compiled engine (dynamo with the aot_eager backend: the same tracing and guards as inductor, without the
     code generation) through three cache buckets and refills of 1-3 rows at several widths: the decode layer is
@@ -486,11 +514,14 @@ def test_ragged_benchmark_smoke_same_tokens_fewer_steps():
     """benchmarks/ragged.py on CPU: both modes honour the same budgets (same tokens); continuous batching needs
     fewer decode steps for them (rows refilled instead of idling until a micro-batch's longest row ends)."""
     res, out = smoke("ragged.py")
-    assert "| mode | tokens | seconds | tok/s | steps | row occupancy | GPU busy % | compiles (s) | speed-up |" in out
+    assert ("| mode | tokens | seconds | tok/s | steps | row occupancy | GPU busy % | compiles (s) | "
+            "prefill s (refill shapes) | speed-up |") in out
     waves, cont = res["waves"], res["continuous"]
     assert cont["tokens"] == waves["tokens"] > 0
     assert cont["steps"] < waves["steps"] and cont["occupancy"] > waves["occupancy"] and cont["refills"] > 1
+    assert 1 <= cont["refill_shapes"] <= cont["refills"]
     assert all(isinstance(res[k]["compiles"], int) for k in ("waves", "continuous", "continuous_again"))
+
 
 @pytest.mark.parametrize("engine", ["hf", "static"])
 def test_rollout_logprobs_equal_the_updates_recomputed_ones(tiny_kit, tmp_path, engine):

@@ -619,6 +619,11 @@ class FastGen:
         self.last_logprobs = self.out_logp[:b].clone()
         return self.out[:b].clone()
 
+    REFILL_WIDTH = 16  # a refill's prompts are left-padded to a multiple of this many slots
+
+    def _refill_width(self, longest: int) -> int:
+        return min(self.max_prompt, -(-longest // self.REFILL_WIDTH) * self.REFILL_WIDTH)
+
     @torch.no_grad()
     def generate_many(self, prompts: list[list[int]], cfg: SamplingConfig, eos_ids, pad_id: int,
                       limits: list[int] | None = None, refill_min: int | None = None, progress=None):
@@ -645,14 +650,19 @@ class FastGen:
         steps = refills = 0
         bound = 0  # an upper bound of every row's slot (the bucketed paths attend over slots [0, bound])
         ended = told = 0
+        shapes: set = set()  # the refills' (rows, width)
         t_start = time.perf_counter()
         while True:
             free = [r for r in range(B) if owner[r] < 0]
             if waiting and free and (len(free) >= min(refill_min, len(waiting)) or len(free) == B):
                 t0 = time.perf_counter()
-                take = free[:len(waiting)]
+                k = min(len(free), len(waiting))
+                if k < len(waiting):  # a multiple of refill_min rows, the rest at the next check: with the width
+                    k = max(1, k // refill_min) * refill_min  # rounded up, few distinct prefill shapes (per-shape
+                take = free[:k]  # work, e.g. an attention plan, is paid once a shape: 4 s on the H200's first call)
                 idx = [waiting.pop() for _ in take]
-                width = max(len(prompts[i]) for i in idx)
+                width = self._refill_width(max(len(prompts[i]) for i in idx))
+                shapes.add((len(take), width))
                 ids = torch.full((len(idx), width), int(pad_id), dtype=torch.long)
                 for j, i in enumerate(idx):
                     ids[j, width - len(prompts[i]):] = torch.tensor(prompts[i], dtype=torch.long)
@@ -692,7 +702,7 @@ class FastGen:
         tokens = sum(len(r) for r in responses)
         self.last_stats = {"setup_s": setup_s, "prefill_s": prefill_s, "decode_s": decode_s, "steps": steps,
                            "decode_ms_per_step": 1e3 * decode_s / max(steps, 1), "batch": B, "refills": refills,
-                           "tokens": tokens, "occupancy": tokens / max(steps * B, 1)}
+                           "refill_shapes": len(shapes), "tokens": tokens, "occupancy": tokens / max(steps * B, 1)}
         return responses, logprobs
 
 
