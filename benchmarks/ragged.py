@@ -153,7 +153,9 @@ def main(argv=None) -> dict:
     eng.prepare([eos], pad, cfg, args.prompt // 2, every_slot=True)
     sync(dev)
     res = {"shape": args.shape, "rows": args.batch, "prompts": args.prompts, "engine_setup_s": time.perf_counter() - t0,
-           "attn": eng.attn, "budgets_mean": sum(budgets) / len(budgets)}
+           "attn": [eng.attn, eng.attn_cfg], "attn_continuous": eng.ragged_attn or "the same",
+           "attn_timings_us": {"one length": eng.attn_timings, "spread lengths": eng.ragged_timings},
+           "budgets_mean": sum(budgets) / len(budgets)}
     torch.manual_seed(0)
     res["waves"] = run_waves(eng, prompts, budgets, cfg, eos, pad, dev)
     say("waves", res["waves"])

@@ -426,7 +426,8 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
         del eng_np
     r["ours_engine"] = {"graphs": eng.use_graphs, "compile": eng.compile, "bucket": eng.bucket, "attn": eng.attn,
                         "sampler": eng.sampler, "nucleus": eng.nucleus, "attn_cfg": eng.attn_cfg,
-                        "attn_timings_us": eng.attn_timings}
+                        "attn_timings_us": eng.attn_timings, "continuous_batching_attn": eng.ragged_attn,
+                        "continuous_batching_timings_us": eng.ragged_timings}
     say("ours engine:", r["ours_engine"])
 
     # baseline

@@ -168,6 +168,33 @@ def test_refills_come_in_few_shapes_and_still_decode_exactly(models, monkeypatch
     assert ours == want
 
 
+def test_continuous_batching_decodes_with_the_attention_timed_for_spread_lengths(models, monkeypatch):
+    """On CUDA, attn="auto" times the attention twice; where rows at spread lengths (continuous batching) favour
+    another than one length (a micro-batch) does, generate_many runs that one (``ragged_attn``) and generate the
+    other, each with its own captured steps, and the engine's choice is back in place afterwards, error or not."""
+    model = eos_biased(models["qwen2"])
+    prompts = prompts_of([5, 11, 3, 9], seed=2)
+    eng = FastGen(model, batch_size=2, max_prompt_len=12, max_new_tokens=8, bucket=8, attn="bmm")
+    eng.ragged_attn = ("sdpa", {})
+    used = []
+    step = eng._step
+    monkeypatch.setattr(eng, "_step", lambda *a: (used.append(eng.attn), step(*a))[1])
+    ours, _ = eng.generate_many(prompts, SamplingConfig(0.0), [EOS], PAD)
+    assert set(used) == {"sdpa"} and eng.attn == "bmm"
+    used.clear()
+    ids, mask = left_padded([5, 11], vocab=384)
+    eng.generate(ids, mask, SamplingConfig(0.0), [EOS], PAD)
+    assert set(used) == {"bmm"}
+    want = []
+    for p in prompts:
+        t = torch.tensor([p])
+        want.append(cut(hf_generate(model, t, torch.ones_like(t), 8)[0].tolist()))
+    assert ours == want
+    with pytest.raises(ValueError):
+        eng.generate_many([[5] * 20], SamplingConfig(0.0), [EOS], PAD)  # wider than max_prompt_len
+    assert eng.attn == "bmm"
+
+
 def test_compiled_engine_compiles_the_decode_step_once_for_every_cache_bucket(models):
     """The compiled engine (dynamo with the aot_eager backend: the same tracing and guards as inductor, without the
     code generation) through three cache buckets and refills of 1-3 rows at several widths: the decode layer is
@@ -498,6 +525,8 @@ def test_cuda_triton_samplers_logprobs_equal_log_softmax(top_p, dtype):
     assert logp.dtype == torch.float32 and tok.shape == logp.shape == (64,)
     assert torch.allclose(logp, want, atol=1e-4), (logp - want).abs().max()
     assert (logp > -50).all() and len(set(tok.tolist())) > 1
+    one, _ = kernels.sample_logits_triton(logits, cfg, u, two_pass=False)  # the nucleus test in one pass
+    assert torch.equal(one, tok)
 
 
 def test_benchmark_smoke_prints_the_table():
@@ -575,6 +604,8 @@ def test_cuda_attention_choice_is_timed_once_per_machine_and_shape(models, tmp_p
     assert len(json.loads(kept.read_text())) == 1
     again = FastGen(model, batch_size=8, max_prompt_len=16, max_new_tokens=32)
     assert (again.attn, again.attn_cfg, again.attn_timings) == (first.attn, first.attn_cfg, first.attn_timings)
+    assert first.ragged_timings and (again.ragged_attn, again.ragged_timings) == (first.ragged_attn,
+                                                                                 first.ragged_timings)
     assert again.setup_parts["checks_s"] < first.setup_parts["checks_s"]
     FastGen(model, batch_size=16, max_prompt_len=16, max_new_tokens=32)
     assert len(json.loads(kept.read_text())) == 2

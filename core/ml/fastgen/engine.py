@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -31,6 +32,44 @@ def _sampled_logp(logits: torch.Tensor, nxt: torch.Tensor, temperature: float) -
 
 def _on_cuda(device) -> bool:
     return torch.device(device).type == "cuda"
+
+
+def _graph_times(fns: dict, dev, reps: int = 20) -> dict:
+    """{name: us per call + its fixed extra} for fns {name: (extra_us, fn)}, each replayed from a CUDA graph of
+    ``reps`` calls as the decode step runs them (timed eagerly, a Triton kernel's Python launch, ~50 us, hid its GPU
+    time, ~25 us, and sdpa always won); interleaved rounds, the best of three each."""
+    def graphed(fn):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                fn()
+        return g
+
+    def timed(g):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize(dev)
+        return a.elapsed_time(b) / reps * 1e3
+
+    side = torch.cuda.Stream(device=dev)  # compile everything off the capture, as the step's warm-up does
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _, fn in fns.values():
+            fn()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    torch.cuda.synchronize(dev)
+    graphs = {k: (extra, graphed(fn)) for k, (extra, fn) in fns.items()}
+    t0 = time.perf_counter()
+    first = next(iter(graphs.values()))[1]
+    while time.perf_counter() - t0 < 0.1:  # ~100 ms of work so the clocks are up
+        timed(first)
+    times: dict = {}
+    for _ in range(3):
+        for k, (extra, g) in graphs.items():
+            times[k] = min(times.get(k, float("inf")), extra + timed(g))
+    return times
 
 
 class FastGen:
@@ -131,6 +170,10 @@ class FastGen:
         self.last_stats: dict = {}
         self.attn_cfg: dict = {}
         self.attn_timings: dict = {}
+        # continuous batching's decode attention, where timing chose another: its rows sit at spread lengths, and
+        # sdpa reads the bucket of the longest for every row while the Triton kernel reads each row's own slots
+        self.ragged_attn: tuple[str, dict] | None = None
+        self.ragged_timings: dict = {}
         # where the set-up goes (logged by prepare): the kernel checks and attention timing, the decode steps'
         # compiles and captures, the refills' prefill compile
         self.setup_parts = {"checks_s": 0.0, "captures": 0, "capture_s": 0.0, "refill_compile_s": 0.0}
@@ -144,15 +187,22 @@ class FastGen:
             if kept is not None:
                 self.attn, self.attn_cfg = kept["attn"], dict(kept.get("cfg") or {})
                 self.attn_timings = dict(kept.get("timings") or {})
-                log.info("fastgen: decode attention %s %s, as timed before on this machine (%s)", self.attn,
-                         self.attn_cfg, choices.where())
+                ragged = kept.get("ragged") or {}
+                if ragged.get("attn") in ("sdpa", "triton"):
+                    self.ragged_attn = (ragged["attn"], dict(ragged.get("cfg") or {}))
+                    self.ragged_timings = dict(ragged.get("timings") or {})
+                log.info("fastgen: decode attention %s %s (continuous batching: %s), as timed before on this "
+                         "machine (%s)", self.attn, self.attn_cfg, self.ragged_attn, choices.where())
                 timing_key = None
         if cuda and "triton" in (self.attn, self.sampler):
             self._self_check()
         if timing_key is not None and self.attn == "triton":  # (a Triton kernel that failed its check is not timed)
             self._pick_attention()
             if self.attn_timings:
-                choices.store(timing_key, {"attn": self.attn, "cfg": self.attn_cfg, "timings": self.attn_timings})
+                ragged = None if self.ragged_attn is None else {"attn": self.ragged_attn[0], "cfg": self.ragged_attn[1],
+                                                                "timings": self.ragged_timings}
+                choices.store(timing_key, {"attn": self.attn, "cfg": self.attn_cfg, "timings": self.attn_timings,
+                                           "ragged": ragged})
         self.setup_parts["checks_s"] = round(time.perf_counter() - t0, 3)
 
     def _set_fns(self, compiled: bool):
@@ -178,72 +228,48 @@ class FastGen:
                      {"split_n": 256, "block_n": 64, "num_warps": 4, "bounded": True})
 
     def _pick_attention(self):
-        """attn="auto" on CUDA: time one layer's decode attention at a mid-generation length for the Triton
-        kernel's configurations and for sdpa over its cache bucket; keep the fastest."""
+        """attn="auto" on CUDA: time one layer's decode attention, replayed from CUDA graphs, for the Triton kernel's
+        configurations and for sdpa over its cache bucket; keep the fastest. Twice: every row at one mid-generation
+        slot (a micro-batch), and rows at slots spread over the whole cache (continuous batching, where sdpa's bucket
+        is the longest row's: ``ragged_attn`` when that choice differs)."""
         try:
             w, B, dev = self.w, self.B, self.device
             cur = min(self.T - 2, self.max_prompt + self.max_new // 2)
             q = torch.randn(B, w.nh, w.hd, device=dev).to(w.dtype)
             kc, vc = self._kT[0], self._vT[0]
             pad = torch.zeros(B, dtype=torch.long, device=dev)
-            slot = torch.full((B,), cur, device=dev)
-            kv = min(self.T, (cur // self.bucket + 1) * self.bucket)
-            bias = torch.zeros(B, 1, 1, kv, dtype=w.dtype, device=dev)
-
-            def graphed(fn, reps=20):  # timed as the step runs them: replayed from a CUDA graph. Timed eagerly,
-                # the Python launch of a Triton kernel (~50 us) hid its GPU time (~25 us) and sdpa always won
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for _ in range(reps):
-                        fn()
-                return g
-
-            def timed(g, reps=20):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                g.replay()
-                b.record()
-                torch.cuda.synchronize(dev)
-                return a.elapsed_time(b) / reps * 1e3  # us
-
+            spread = torch.linspace(min(self.max_prompt, self.T - 2), self.T - 2, B, device=dev).long()
+            scenarios = {"uniform": (torch.full((B,), cur, device=dev), min(self.T, (cur // self.bucket + 1) * self.bucket)),
+                         "ragged": (spread[torch.randperm(B, device=dev)], self.T)}
             variant = dict(window=self.windows[0], softcap=w.spec.softcap)  # layer 0's kernel
-            fns = {} if w.spec.softcap else {"sdpa": (0.0, lambda: F.scaled_dot_product_attention(
-                q.unsqueeze(2), kc[:, :, :kv], vc[:, :, :kv], attn_mask=bias, scale=w.scaling, enable_gqa=True))}
-            for i, cfg in enumerate(self._ATTN_CONFIGS):  # + the split merge, fused into the next projection in
-                # the compiled step (~4 us on the H200): timing it eagerly here would count its launches
-                try:  # only a configuration that computes attention (and compiles here) is timed
+            ok_cfgs = []
+            for i, cfg in enumerate(self._ATTN_CONFIGS):  # only a configuration that computes attention is timed
+                try:
                     err = self._attn_error(cfg)
                 except Exception as e:  # noqa: BLE001 - Triton's compile errors vary by version
                     err = f"{type(e).__name__}: {e}"
-                if not (isinstance(err, float) and err < self._attn_tol()):
+                if isinstance(err, float) and err < self._attn_tol():
+                    ok_cfgs.append((i, cfg))
+                else:
                     log.warning("fastgen: Triton decode attention %s failed its check (%s); not timed", cfg, err)
-                    continue
-                fns[f"triton{i}"] = (4.0, lambda cfg=cfg: decode_attention_triton(q, kc, vc, pad, slot, w.scaling,
-                                                                                  w.nkv, **cfg, **variant))
-            side = torch.cuda.Stream(device=dev)  # compile everything off the capture, as the step's warm-up does
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                for _, fn in fns.values():
-                    fn()
-            torch.cuda.current_stream(dev).wait_stream(side)
-            torch.cuda.synchronize(dev)
-            graphs = {k: (extra, graphed(fn)) for k, (extra, fn) in fns.items()}
-            t0 = time.perf_counter()
-            first = next(iter(graphs.values()))[1]
-            while time.perf_counter() - t0 < 0.1:  # ~100 ms of work so the clocks are up
-                timed(first)
-            times: dict = {}
-            for _ in range(3):  # interleaved rounds, best of each
-                for k, (extra, g) in graphs.items():
-                    times[k] = min(times.get(k, float("inf")), extra + timed(g))
-            del graphs
-            best = min(times, key=times.get)
-            self.attn_timings = {k: round(v, 1) for k, v in times.items()}
-            if best == "sdpa":
-                self.attn = "sdpa"
-            else:
-                self.attn_cfg = dict(self._ATTN_CONFIGS[int(best[6:])])
-            log.info("fastgen: decode attention %s %s (us per layer: %s)", self.attn, self.attn_cfg, self.attn_timings)
+            picked = {}
+            for name, (slot, kv) in scenarios.items():
+                bias = torch.zeros(B, 1, 1, kv, dtype=w.dtype, device=dev)
+                fns = {} if w.spec.softcap else {"sdpa": (0.0, lambda kv=kv, bias=bias: F.scaled_dot_product_attention(
+                    q.unsqueeze(2), kc[:, :, :kv], vc[:, :, :kv], attn_mask=bias, scale=w.scaling, enable_gqa=True))}
+                for i, cfg in ok_cfgs:  # + the split merge, fused into the next projection in the compiled step
+                    # (~4 us on the H200): timing it eagerly here would count its launches
+                    fns[f"triton{i}"] = (4.0, lambda cfg=cfg, slot=slot: decode_attention_triton(
+                        q, kc, vc, pad, slot, w.scaling, w.nkv, **cfg, **variant))
+                times = _graph_times(fns, dev)
+                best = min(times, key=times.get)
+                picked[name] = (("sdpa", {}) if best == "sdpa" else ("triton", dict(self._ATTN_CONFIGS[int(best[6:])])),
+                                {k: round(v, 1) for k, v in times.items()})
+            (self.attn, self.attn_cfg), self.attn_timings = picked["uniform"]
+            ragged, self.ragged_timings = picked["ragged"]
+            self.ragged_attn = None if ragged == (self.attn, self.attn_cfg) else ragged
+            log.info("fastgen: decode attention %s %s (us per layer: %s); continuous batching: %s (us: %s)", self.attn,
+                     self.attn_cfg, self.attn_timings, ragged, self.ragged_timings)
         except Exception as e:  # noqa: BLE001
             log.warning("fastgen: attention timing failed (%s); keeping %s", e, self.attn)
 
@@ -283,6 +309,15 @@ class FastGen:
                 fallback = "bmm" if w.spec.softcap else "sdpa"
                 log.warning("fastgen: Triton decode attention failed its check (%s); using %s", e, fallback)
                 self.attn = fallback
+        if self.ragged_attn is not None and self.ragged_attn[0] == "triton":
+            try:
+                err = self._attn_error(self.ragged_attn[1])
+            except Exception as e:  # noqa: BLE001
+                err = f"{type(e).__name__}: {e}"
+            if not (isinstance(err, float) and err < self._attn_tol()):
+                log.warning("fastgen: Triton decode attention %s failed its check (%s); continuous batching uses %s",
+                            self.ragged_attn[1], err, self.attn)
+                self.ragged_attn = None
         if self.sampler == "triton":
             try:
                 V = w.vocab
@@ -394,7 +429,7 @@ class FastGen:
         self.unfinished.fill_(True)
 
     def _graph(self, kv_len: int, cfg: SamplingConfig) -> torch.cuda.CUDAGraph:
-        key = (kv_len, cfg)
+        key = (kv_len, cfg, self.attn, tuple(sorted(self.attn_cfg.items())))
         g = self._graphs.get(key)
         if g is not None:
             return g
@@ -624,9 +659,28 @@ class FastGen:
     def _refill_width(self, longest: int) -> int:
         return min(self.max_prompt, -(-longest // self.REFILL_WIDTH) * self.REFILL_WIDTH)
 
-    @torch.no_grad()
+    @contextlib.contextmanager
+    def _ragged_attention(self):
+        """Decode attention as timed for rows at spread lengths (``ragged_attn``), for the duration."""
+        if self.ragged_attn is None:
+            yield
+            return
+        kept = self.attn, self.attn_cfg
+        self.attn, self.attn_cfg = self.ragged_attn[0], dict(self.ragged_attn[1])
+        try:
+            yield
+        finally:
+            self.attn, self.attn_cfg = kept
+
     def generate_many(self, prompts: list[list[int]], cfg: SamplingConfig, eos_ids, pad_id: int,
                       limits: list[int] | None = None, refill_min: int | None = None, progress=None):
+        """Continuous batching (see ``_generate_many``), with the decode attention timed for it."""
+        with self._ragged_attention():
+            return self._generate_many(prompts, cfg, eos_ids, pad_id, limits, refill_min, progress)
+
+    @torch.no_grad()
+    def _generate_many(self, prompts: list[list[int]], cfg: SamplingConfig, eos_ids, pad_id: int,
+                       limits: list[int] | None = None, refill_min: int | None = None, progress=None):
         """Continuous batching: (responses, log-probs), one list per prompt in order, each response's tokens up to
         and with its EOS (no padding). The engine's rows start with the first prompts; every ``check_every``
         steps the rows that finished hand their tokens back and, once ``refill_min`` rows (default 1/32 of the
