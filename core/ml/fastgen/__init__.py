@@ -16,7 +16,9 @@ What it does, against ``model.generate``:
   ``bucket`` slots holding the current slot, one captured step per bucket), "triton" (our split-KV kernel:
   the group's query heads against their KV head, valid slots only, one captured step for every length),
   "bmm" (q viewed as (B, kv_heads, group, D) times the cache's (B, kv_heads, T, D); the CPU path). With
-  attn="auto" on CUDA the engine times sdpa and the Triton configurations once and keeps the fastest;
+  attn="auto" on CUDA the engine times sdpa and the Triton configurations once per machine and shape and keeps
+  the fastest, twice: for rows at one length (micro-batches) and at spread lengths (continuous batching, where
+  sdpa reads the longest row's bucket for every row and the Triton kernel each row's own slots);
 * on CUDA the whole decode step (embedding, all layers, head, sampling, EOS bookkeeping, state advance) is
   one CUDA graph replayed with no host input; the per-layer functions, the head and the prefill are
   ``torch.compile``d (no cudagraph trees: we capture ourselves) so elementwise work is fused;
@@ -27,7 +29,8 @@ What it does, against ``model.generate``:
   - full-vocabulary top_p: exact rejection sampling. Draw C candidates from softmax(x) by a two-level inverse
     CDF (block sums, then one block), keep the first one that lies in the nucleus: token i is in HF's nucleus
     iff the mass of tokens with logit <= x_i exceeds 1 - top_p (one pass for all C candidates; on CUDA the
-    block sums and that pass are Triton kernels, ``sampler="triton"``). The
+    block sums and that test are Triton kernels, ``sampler="triton"``, the test in two passes: each row's first
+    candidate alone, accepted with probability >= top_p, then all candidates of the rows it did not settle). The
     first accepted candidate of iid draws from p is distributed as p restricted to the nucleus, exactly.
     C is chosen so that P(all C rejected) = (1 - top_p)^C <= 1e-9; in that case the argmax (always in the
     nucleus) is taken. Tied logits at the nucleus boundary are kept together (HF keeps an arbitrary subset);
