@@ -1,4 +1,4 @@
-"""The decode attention an engine timed, kept across processes (rank side).
+"""The decode attention an engine timed (``graph_times``), kept across processes (rank side).
 
 Timing the candidates costs a pool's first rollout seconds (each Triton configuration compiled and loaded, every
 candidate captured and replayed). The winner depends only on the chip, the software and the engine's shape, so it is
@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 
 import torch
 
@@ -54,3 +55,41 @@ def store(k: str, choice: dict) -> None:
         os.replace(tmp, path)  # whole or not at all: another rank may be reading it
     except OSError as e:
         log.info("fastgen: could not keep the attention choice in %s (%s)", path, e)
+
+
+def graph_times(fns: dict, dev, reps: int = 20) -> dict:
+    """{name: us per call + its fixed extra} for fns {name: (extra_us, fn)}, each replayed from a CUDA graph of
+    ``reps`` calls as the decode step runs them (timed eagerly, a Triton kernel's Python launch, ~50 us, hid its GPU
+    time, ~25 us, and sdpa always won); interleaved rounds, the best of three each."""
+    def graphed(fn):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                fn()
+        return g
+
+    def timed(g):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize(dev)
+        return a.elapsed_time(b) / reps * 1e3
+
+    side = torch.cuda.Stream(device=dev)  # compile everything off the capture, as the step's warm-up does
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _, fn in fns.values():
+            fn()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    torch.cuda.synchronize(dev)
+    graphs = {k: (extra, graphed(fn)) for k, (extra, fn) in fns.items()}
+    t0 = time.perf_counter()
+    first = next(iter(graphs.values()))[1]
+    while time.perf_counter() - t0 < 0.1:  # ~100 ms of work so the clocks are up
+        timed(first)
+    times: dict = {}
+    for _ in range(3):
+        for k, (extra, g) in graphs.items():
+            times[k] = min(times.get(k, float("inf")), extra + timed(g))
+    return times

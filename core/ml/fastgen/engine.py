@@ -34,44 +34,6 @@ def _on_cuda(device) -> bool:
     return torch.device(device).type == "cuda"
 
 
-def _graph_times(fns: dict, dev, reps: int = 20) -> dict:
-    """{name: us per call + its fixed extra} for fns {name: (extra_us, fn)}, each replayed from a CUDA graph of
-    ``reps`` calls as the decode step runs them (timed eagerly, a Triton kernel's Python launch, ~50 us, hid its GPU
-    time, ~25 us, and sdpa always won); interleaved rounds, the best of three each."""
-    def graphed(fn):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(reps):
-                fn()
-        return g
-
-    def timed(g):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize(dev)
-        return a.elapsed_time(b) / reps * 1e3
-
-    side = torch.cuda.Stream(device=dev)  # compile everything off the capture, as the step's warm-up does
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        for _, fn in fns.values():
-            fn()
-    torch.cuda.current_stream(dev).wait_stream(side)
-    torch.cuda.synchronize(dev)
-    graphs = {k: (extra, graphed(fn)) for k, (extra, fn) in fns.items()}
-    t0 = time.perf_counter()
-    first = next(iter(graphs.values()))[1]
-    while time.perf_counter() - t0 < 0.1:  # ~100 ms of work so the clocks are up
-        timed(first)
-    times: dict = {}
-    for _ in range(3):
-        for k, (extra, g) in graphs.items():
-            times[k] = min(times.get(k, float("inf")), extra + timed(g))
-    return times
-
-
 class FastGen:
     """A reusable generator for one model: static cache and captured decode steps for up to ``batch_size``
     rows, prompts up to ``max_prompt_len`` and ``max_new_tokens`` new tokens.
@@ -261,7 +223,7 @@ class FastGen:
                     # (~4 us on the H200): timing it eagerly here would count its launches
                     fns[f"triton{i}"] = (4.0, lambda cfg=cfg, slot=slot: decode_attention_triton(
                         q, kc, vc, pad, slot, w.scaling, w.nkv, **cfg, **variant))
-                times = _graph_times(fns, dev)
+                times = choices.graph_times(fns, dev)
                 best = min(times, key=times.get)
                 picked[name] = (("sdpa", {}) if best == "sdpa" else ("triton", dict(self._ATTN_CONFIGS[int(best[6:])])),
                                 {k: round(v, 1) for k, v in times.items()})
