@@ -201,8 +201,9 @@ class FastGen:
             kc, vc = self._kT[0], self._vT[0]
             pad = torch.zeros(B, dtype=torch.long, device=dev)
             spread = torch.linspace(min(self.max_prompt, self.T - 2), self.T - 2, B, device=dev).long()
-            scenarios = {"uniform": (torch.full((B,), cur, device=dev), min(self.T, (cur // self.bucket + 1) * self.bucket)),
-                         "ragged": (spread[torch.randperm(B, device=dev)], self.T)}
+            scenarios = {  # (each row's slot, the slots sdpa reads)
+                "uniform": (torch.full((B,), cur, device=dev), min(self.T, (cur // self.bucket + 1) * self.bucket)),
+                "ragged": (spread[torch.randperm(B, device=dev)], self.T)}
             variant = dict(window=self.windows[0], softcap=w.spec.softcap)  # layer 0's kernel
             ok_cfgs = []
             for i, cfg in enumerate(self._ATTN_CONFIGS):  # only a configuration that computes attention is timed
@@ -672,10 +673,13 @@ class FastGen:
             free = [r for r in range(B) if owner[r] < 0]
             if waiting and free and (len(free) >= min(refill_min, len(waiting)) or len(free) == B):
                 t0 = time.perf_counter()
+                # Few distinct prefill shapes: per-shape work (an attention plan, say) is paid once a shape, 4 s of
+                # the H200's first call. So a multiple of refill_min rows while more prompts wait than rows are
+                # free (the rest at the next check), and the width rounded up to REFILL_WIDTH slots.
                 k = min(len(free), len(waiting))
-                if k < len(waiting):  # a multiple of refill_min rows, the rest at the next check: with the width
-                    k = max(1, k // refill_min) * refill_min  # rounded up, few distinct prefill shapes (per-shape
-                take = free[:k]  # work, e.g. an attention plan, is paid once a shape: 4 s on the H200's first call)
+                if k < len(waiting):
+                    k = max(1, k // refill_min) * refill_min
+                take = free[:k]
                 idx = [waiting.pop() for _ in take]
                 width = self._refill_width(max(len(prompts[i]) for i in idx))
                 shapes.add((len(take), width))
