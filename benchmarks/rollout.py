@@ -41,7 +41,32 @@ SHAPES = {  # Qwen2.5 shapes (Qwen2Config); "tiny" is the CPU smoke
                        head_dim=128, intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True),
     "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False),
+    # the other families the engine serves, at their public models' shapes (the issue's "per family")
+    "llama3.2-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                        head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
+                        rope_theta=500000.0),
+    "mistral-7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       intermediate_size=14336, vocab_size=32768, tie_word_embeddings=False, sliding_window=None),
+    "phi3-mini": dict(hidden_size=3072, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                      intermediate_size=8192, vocab_size=32064, tie_word_embeddings=False, sliding_window=2047),
+    "gemma2-2b": dict(hidden_size=2304, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                      head_dim=256, intermediate_size=9216, vocab_size=256000, tie_word_embeddings=True,
+                      query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+                      final_logit_softcapping=30.0),
+    "gemma3-1b": dict(hidden_size=1152, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+                      head_dim=256, intermediate_size=6912, vocab_size=262144, tie_word_embeddings=True,
+                      query_pre_attn_scalar=256, sliding_window=512,
+                      layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)],
+                      rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                       "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}),
+    "olmo2-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
+                     intermediate_size=8192, vocab_size=100352, tie_word_embeddings=False, rope_theta=500000.0),
 }
+# the config class of each shape's family (Qwen2 where unnamed); Gemma-2 runs HF's eager attention, which applies
+# its attention soft-cap (HF's sdpa path drops it)
+FAMILY_OF = {"qwen3": ("Qwen3Config", "sdpa"), "llama": ("LlamaConfig", "sdpa"), "mistral": ("MistralConfig", "sdpa"),
+             "phi3": ("Phi3Config", "sdpa"), "gemma2": ("Gemma2Config", "eager"), "gemma3": ("Gemma3TextConfig", "sdpa"),
+             "olmo2": ("Olmo2Config", "sdpa")}
 
 T_START = time.perf_counter()
 
@@ -55,21 +80,30 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def build_model(shape: str, dtype: torch.dtype, dev: torch.device):
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+def model_config(shape: str):
+    """The shape's HF config (random prompts never contain its EOS, pad or BOS ids) and attention implementation."""
+    import transformers
 
-    config_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if shape.startswith("qwen3") else (Qwen2Config,
-                                                                                                 Qwen2ForCausalLM)
+    config_name, attn = next((v for k, v in FAMILY_OF.items() if shape.startswith(k)), ("Qwen2Config", "sdpa"))
     v = SHAPES[shape]["vocab_size"]
-    eos, pad = v - 1, v - 2  # random prompts never contain them
-    cfg = config_cls(**SHAPES[shape], max_position_embeddings=32768, rms_norm_eps=1e-6, use_sliding_window=False,
-                     eos_token_id=eos, pad_token_id=pad, bos_token_id=v - 3)
+    extra = dict(use_sliding_window=False) if config_name in ("Qwen2Config", "Qwen3Config") else {}
+    cfg = getattr(transformers, config_name)(**{**dict(rms_norm_eps=1e-6, **extra), **SHAPES[shape]},
+                                             max_position_embeddings=32768, eos_token_id=v - 1, pad_token_id=v - 2,
+                                             bos_token_id=v - 3)
+    return cfg, attn
+
+
+def build_model(shape: str, dtype: torch.dtype, dev: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    cfg, attn = model_config(shape)
+    eos, pad = cfg.eos_token_id, cfg.pad_token_id
     torch.manual_seed(0)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(dev):
-            model = model_cls(cfg)
+            model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
     finally:
         torch.set_default_dtype(old)
     model.to(dtype).eval()

@@ -307,3 +307,30 @@ def test_cuda_continuous_batching_refills_rows_inside_the_captured_step(attn):
             x = model(torch.tensor([p + r], device="cuda")).logits[0, len(p) - 1:len(p) - 1 + len(r)].float()
         want = x.log_softmax(-1).gather(1, torch.tensor(r, device="cuda")[:, None])[:, 0].cpu()
         torch.testing.assert_close(torch.tensor(lp), want, atol=1e-4, rtol=0)
+
+
+def test_every_benchmark_shape_is_served_at_its_real_size():
+    """benchmarks/rollout.py's shapes are the public models' configs (Llama-3.2-1B, Mistral-7B, Phi-3-mini,
+    Gemma-2-2B, Gemma-3-1B, OLMo-2-1B, Qwen2.5, Qwen3): each builds on the meta device with its parameter count, and
+    the engine's adapter serves it (no refusal) with the family's features read (soft-caps, windows, rotary tables)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "rollout.py"
+    spec = importlib.util.spec_from_file_location("bench_rollout_shapes", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    seen = {}
+    for shape in bench.SHAPES:
+        cfg, attn = bench.model_config(shape)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.bfloat16)
+        eng = FastGen(model, 256, 128, 256)
+        seen[shape] = (model.config.model_type, round(sum(p.numel() for p in model.parameters()) / 1e9, 2), eng)
+    assert {t for t, _, _ in seen.values()} == set(SUPPORTED_MODEL_TYPES)  # every family has a real shape
+    sizes = {s: n for s, (_, n, _) in seen.items()}
+    assert sizes["llama3.2-1b"] == 1.24 and sizes["mistral-7b"] == 7.25 and sizes["phi3-mini"] == 3.82
+    assert sizes["gemma2-2b"] == 2.61 and sizes["gemma3-1b"] == 1.0 and sizes["olmo2-1b"] == 1.48
+    gemma2, gemma3 = seen["gemma2-2b"][2], seen["gemma3-1b"][2]
+    assert (gemma2.w.spec.softcap, gemma2.w.final_cap) == (50.0, 30.0)  # eager attention applies HF's soft-cap
+    assert len(gemma3.rope) == 2 and gemma3.w.spec.act == "gelu_tanh"  # local and global rotary tables
