@@ -83,8 +83,11 @@ def variants():
         for window, softcap, ieee in ((0, 0.0, False), *extra):
             dt = "*fp32" if ieee else "*bf16"
             yield ("_decode_attn_kernel", {**ATTN_SIG, "Q": dt, "K": dt, "V": dt},
-                   dict(G=6, GP=16, D=128, SPLIT_N=cfg["split_n"], BLOCK_N=cfg["block_n"], WINDOW=window,
+                   dict(G=6, GP=16, D=128, DP=128, SPLIT_N=cfg["split_n"], BLOCK_N=cfg["block_n"], WINDOW=window,
                         SOFTCAP=softcap, IEEE=ieee, BOUNDED=bool(cfg.get("bounded"))), cfg["num_warps"])
+    for d, dp in ((96, 128), (256, 256)):  # Phi-3's head dim (padded to 128), Gemma's
+        yield ("_decode_attn_kernel", ATTN_SIG, dict(G=4, GP=16, D=d, DP=dp, SPLIT_N=64, BLOCK_N=64, WINDOW=0,
+                                                     SOFTCAP=0.0, IEEE=False, BOUNDED=True), 4)
     yield ("_block_stats_kernel", {"X": "*bf16", "sxb": "i32", "V": "i32", "inv_t": "fp32", "BMAX": "*fp32",
                                    "BSUM": "*fp32", "NB": "i32"}, dict(BPP=16, BLK=128), 4)
     for gated in (False, True):

@@ -26,14 +26,16 @@ def attention() -> dict:
     """Every configuration attn="auto" may pick, against the reference: rows with their own pad and slot, slots
     and pads on and beside block edges (where a bounded split's first or last block is kept or skipped)."""
     g = torch.Generator().manual_seed(0)
-    B, nh, nkv, T, D = 4, 12, 2, 300, 32
-    q, kc, vc = (torch.randn(*s, generator=g) for s in ((B, nh, D), (B, nkv, T, D), (B, nkv, T, D)))
+    B, nh, nkv, T = 4, 12, 2, 300
     pad = torch.tensor([0, 63, 64, 150])
     worst = {}
     for cfg in FastGen._ATTN_CONFIGS:
         err = 0.0
-        for slots, (win, cap) in itertools.product(([127, 128, 191, 299], [64, 255, 256, 150], [299, 63, 64, 191]),
-                                                   [(0, 0.0), (40, 0.0), (64, 2.0)]):
+        cases = list(itertools.product((32,), ([127, 128, 191, 299], [64, 255, 256, 150], [299, 63, 64, 191]),
+                                       [(0, 0.0), (40, 0.0), (64, 2.0)]))
+        cases += [(24, [127, 128, 191, 299], (64, 2.0))]  # a head dim not a power of two (Phi-3's 96) runs padded
+        for D, slots, (win, cap) in cases:
+            q, kc, vc = (torch.randn(*s, generator=g) for s in ((B, nh, D), (B, nkv, T, D), (B, nkv, T, D)))
             slot = torch.tensor(slots)
             got = combine_splits(*decode_attention_triton(q, kc, vc, pad, slot, 0.2, nkv, window=win, softcap=cap,
                                                           **cfg), nh // nkv)

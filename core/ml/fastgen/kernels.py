@@ -23,10 +23,12 @@ except ImportError:  # pragma: no cover - depends on the install
 if HAVE_TRITON:
 
     @triton.jit
-    def _attn_block(q, K, V, base, n, ok, skt, d, scale, m_i, l_i, acc, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
-        """Online softmax over one block of slots n (masked by ok): the running max, sum and output, updated."""
-        k = tl.load(K + base + n[:, None] * skt + d[None, :], mask=ok[:, None], other=0.0)
-        v = tl.load(V + base + n[:, None] * skt + d[None, :], mask=ok[:, None], other=0.0)
+    def _attn_block(q, K, V, base, n, ok, skt, d, D, scale, m_i, l_i, acc, SOFTCAP: tl.constexpr,
+                    IEEE: tl.constexpr):
+        """Online softmax over one block of slots n (masked by ok): the running max, sum and output, updated. d runs
+        over the head dim padded to a power of two (Phi-3's 96: 128); the lanes past D load zeros."""
+        k = tl.load(K + base + n[:, None] * skt + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
+        v = tl.load(V + base + n[:, None] * skt + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
@@ -47,7 +49,7 @@ if HAVE_TRITON:
     @triton.jit
     def _decode_attn_kernel(Q, K, V, PAD, SLOT, MP, LP, OP, scale,
                             sqb, sqh, skb, skh, skt, NKV, NSPLIT,
-                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                             SPLIT_N: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
                             SOFTCAP: tl.constexpr, IEEE: tl.constexpr, BOUNDED: tl.constexpr):
         """One (row, KV head, split of the cache): the group's G query heads against the shared K/V head,
@@ -62,15 +64,16 @@ if HAVE_TRITON:
         b = pid // NKV
         h = pid % NKV
         g = tl.arange(0, GP)
-        d = tl.arange(0, D)
-        q = tl.load(Q + b * sqb + (h * G + g)[:, None] * sqh + d[None, :], mask=(g < G)[:, None], other=0.0)
+        d = tl.arange(0, DP)
+        q = tl.load(Q + b * sqb + (h * G + g)[:, None] * sqh + d[None, :], mask=(g < G)[:, None] & (d < D)[None, :],
+                    other=0.0)
         pad = tl.load(PAD + b).to(tl.int32)
         cur = tl.load(SLOT + b).to(tl.int32)  # each row its own slot (continuous batching refills rows)
         if WINDOW > 0:  # HF's sliding window: key slot n is seen by the query at slot cur iff cur - n < WINDOW
             pad = tl.maximum(pad, cur - WINDOW + 1)
         m_i = tl.zeros([GP], dtype=tl.float32) - 1.0e30
         l_i = tl.zeros([GP], dtype=tl.float32)
-        acc = tl.zeros([GP, D], dtype=tl.float32)
+        acc = tl.zeros([GP, DP], dtype=tl.float32)
         base = b * skb + h * skh
         for n0 in range(0, SPLIT_N, BLOCK_N):  # masked loads of invalid slots fetch nothing
             start = sp * SPLIT_N + n0
@@ -78,13 +81,13 @@ if HAVE_TRITON:
             ok = (n >= pad) & (n <= cur)
             if BOUNDED:  # (a branch, not loop bounds from the loaded slots: Triton's interpreter cannot run those)
                 if (start <= cur) & (start + BLOCK_N > pad):
-                    m_i, l_i, acc = _attn_block(q, K, V, base, n, ok, skt, d, scale, m_i, l_i, acc, SOFTCAP, IEEE)
+                    m_i, l_i, acc = _attn_block(q, K, V, base, n, ok, skt, d, D, scale, m_i, l_i, acc, SOFTCAP, IEEE)
             else:
-                m_i, l_i, acc = _attn_block(q, K, V, base, n, ok, skt, d, scale, m_i, l_i, acc, SOFTCAP, IEEE)
+                m_i, l_i, acc = _attn_block(q, K, V, base, n, ok, skt, d, D, scale, m_i, l_i, acc, SOFTCAP, IEEE)
         row = (pid * NSPLIT + sp) * G  # only the G real query rows go out
         tl.store(MP + row + g, m_i, mask=g < G)
         tl.store(LP + row + g, l_i, mask=g < G)
-        tl.store(OP + (row + g)[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
+        tl.store(OP + (row + g)[:, None] * D + d[None, :], acc, mask=(g < G)[:, None] & (d < D)[None, :])
 
     @triton.jit
     def _block_stats_kernel(X, sxb, V, inv_t, BMAX, BSUM, NB, BPP: tl.constexpr, BLK: tl.constexpr):
@@ -156,7 +159,7 @@ def decode_attention_triton(q, kc, vc, pad_off, slot, scale: float, nkv: int, sp
     op = torch.empty(B, nkv, ns, G, D, dtype=torch.float32, device=q.device)
     _decode_attn_kernel[(B * nkv, ns)](
         q, kc, vc, pad_off, slot, mp, lp, op, scale, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1),
-        kc.stride(2), nkv, ns, G=G, GP=GP, D=D, SPLIT_N=split_n, BLOCK_N=block_n, WINDOW=int(window),
+        kc.stride(2), nkv, ns, G=G, GP=GP, D=D, DP=max(16, _pow2(D)), SPLIT_N=split_n, BLOCK_N=block_n, WINDOW=int(window),
         SOFTCAP=float(softcap), IEEE=kc.dtype == torch.float32, BOUNDED=bool(bounded), num_warps=num_warps)
     return mp, lp, op
 
