@@ -66,6 +66,15 @@ def test_engine_on_the_triton_paths_and_its_self_check():
     assert res["self_check_after_breaking_attention"] == ["sdpa", "torch"]  # attention over one split of many
 
 
+def test_attention_choice_per_batching_mode_and_its_record():
+    res = interpreted("picking")
+    assert len(res["timed"]) == 2 and all(f"triton{res['broken_index']}" not in t for t in res["timed"])
+    assert all("sdpa" in t and len(t) == res["broken_index"] + 1 for t in res["timed"])  # every good one, and sdpa
+    assert res["attn"] == ["sdpa", {}]  # fastest at one length
+    assert res["ragged"] == ["triton", res["last_bounded"]]  # fastest at spread lengths
+    assert res["round_trip"]
+
+
 ATTN_SIG = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "PAD": "*i64", "SLOT": "*i64", "MP": "*fp32", "LP": "*fp32",
             "OP": "*fp32", "scale": "fp32", "sqb": "i32", "sqh": "i32", "skb": "i32", "skh": "i32", "skt": "i32",
             "NKV": "i32", "NSPLIT": "i32"}

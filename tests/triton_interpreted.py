@@ -132,5 +132,38 @@ def engine() -> dict:
     return res
 
 
+def picking() -> dict:
+    """attn="auto"'s choice logic (its timer needs CUDA graphs: here it reports times the check chose): a failing
+    configuration is not timed; one length and spread lengths each keep their fastest; the kept record round-trips."""
+    from verlflow.core.ml.fastgen import choices
+
+    configs = FastGen._ATTN_CONFIGS
+    broken = {"split_n": 64, "block_n": 48, "num_warps": 4}  # 48: not a power of two, Triton refuses the block
+    FastGen._ATTN_CONFIGS = configs + (broken,)
+    last_bounded = max(i for i, c in enumerate(configs) if c.get("bounded"))
+    seen = []
+
+    def times(fns, dev):  # sdpa fastest at one length; the last bounded configuration at spread lengths
+        seen.append(sorted(fns))
+        spread = len(seen) == 2
+        return {k: (30.0 if spread else 10.0) if k == "sdpa" else
+                (15.0 if spread and k == f"triton{last_bounded}" else 20.0 + int(k[6:])) for k in fns}
+
+    choices.graph_times = times
+    try:
+        eng = FastGen(tiny_model(), batch_size=4, max_prompt_len=8, max_new_tokens=8, attn="triton", sampler="torch")
+        eng._pick_attention()
+        again = FastGen(tiny_model(), batch_size=4, max_prompt_len=8, max_new_tokens=8, attn="triton",
+                        sampler="torch")
+        again._take_choice(json.loads(json.dumps(eng._choice())))  # through JSON, as the cache file keeps it
+    finally:
+        FastGen._ATTN_CONFIGS = configs
+    return {"timed": seen, "broken_index": len(configs), "attn": [eng.attn, eng.attn_cfg],
+            "ragged": list(eng.ragged_attn or []), "last_bounded": configs[last_bounded],
+            "round_trip": [again.attn, again.attn_cfg, list(again.ragged_attn or []), again.attn_timings,
+                           again.ragged_timings] == [eng.attn, eng.attn_cfg, list(eng.ragged_attn or []),
+                                                     eng.attn_timings, eng.ragged_timings]}
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[sys.argv[1]]()))

@@ -147,12 +147,7 @@ class FastGen:
                                      configs=self._ATTN_CONFIGS)  # a new candidate is timed, not passed over
             kept = choices.load(timing_key)
             if kept is not None:
-                self.attn, self.attn_cfg = kept["attn"], dict(kept.get("cfg") or {})
-                self.attn_timings = dict(kept.get("timings") or {})
-                ragged = kept.get("ragged") or {}
-                if ragged.get("attn") in ("sdpa", "triton"):
-                    self.ragged_attn = (ragged["attn"], dict(ragged.get("cfg") or {}))
-                    self.ragged_timings = dict(ragged.get("timings") or {})
+                self._take_choice(kept)
                 log.info("fastgen: decode attention %s %s (continuous batching: %s), as timed before on this "
                          "machine (%s)", self.attn, self.attn_cfg, self.ragged_attn, choices.where())
                 timing_key = None
@@ -161,10 +156,7 @@ class FastGen:
         if timing_key is not None and self.attn == "triton":  # (a Triton kernel that failed its check is not timed)
             self._pick_attention()
             if self.attn_timings:
-                ragged = None if self.ragged_attn is None else {"attn": self.ragged_attn[0], "cfg": self.ragged_attn[1],
-                                                                "timings": self.ragged_timings}
-                choices.store(timing_key, {"attn": self.attn, "cfg": self.attn_cfg, "timings": self.attn_timings,
-                                           "ragged": ragged})
+                choices.store(timing_key, self._choice())
         self.setup_parts["checks_s"] = round(time.perf_counter() - t0, 3)
 
     def _set_fns(self, compiled: bool):
@@ -235,6 +227,20 @@ class FastGen:
                      self.attn_cfg, self.attn_timings, ragged, self.ragged_timings)
         except Exception as e:  # noqa: BLE001
             log.warning("fastgen: attention timing failed (%s); keeping %s", e, self.attn)
+
+    def _choice(self) -> dict:
+        """The timed attention choices, as kept in the machine's cache folder."""
+        ragged = None if self.ragged_attn is None else {"attn": self.ragged_attn[0], "cfg": self.ragged_attn[1],
+                                                        "timings": self.ragged_timings}
+        return {"attn": self.attn, "cfg": self.attn_cfg, "timings": self.attn_timings, "ragged": ragged}
+
+    def _take_choice(self, kept: dict):
+        self.attn, self.attn_cfg = kept["attn"], dict(kept.get("cfg") or {})
+        self.attn_timings = dict(kept.get("timings") or {})
+        ragged = kept.get("ragged") or {}
+        if ragged.get("attn") in ("sdpa", "triton"):
+            self.ragged_attn = (ragged["attn"], dict(ragged.get("cfg") or {}))
+            self.ragged_timings = dict(ragged.get("timings") or {})
 
     def _attn_tol(self) -> float:
         return 1e-4 if self.w.dtype == torch.float32 else 2e-2  # fp32: IEEE dots, where TF32's error shows
