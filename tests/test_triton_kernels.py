@@ -101,7 +101,7 @@ def variants():
                                    "BSUM": "*fp32", "NB": "i32"}, dict(BPP=16, BLK=128), 4)
     for gated in (False, True):
         yield ("_member_kernel", {**SAMPLER_SIG, "LE": "*fp32", "NCH": "i32", "DONE": "*u8"},
-               dict(C=7, CP=8, CHUNK=2048, SUB=1024, GATED=gated), 8)
+               dict(C=7, CP=8, CHUNK=8192 if gated else 2048, SUB=1024, GATED=gated), 8)
     yield ("_first_mass_kernel", {**SAMPLER_SIG, "sxc": "i32", "LE": "*fp32", "NCH": "i32"}, dict(BLK=2048), 4)
 
 

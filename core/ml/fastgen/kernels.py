@@ -122,7 +122,9 @@ if HAVE_TRITON:
                 xr = tl.load(X + b * sxb + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
                 w = tl.exp(xr * inv_t - m)
                 acc += tl.where(xr[:, None] <= xc[None, :], w[:, None], 0.0)
-        tl.store(LE + (b * NCH + ch) * CP + ci, tl.sum(acc, 0))  # one cross-thread reduction per program
+            tl.store(LE + (b * NCH + ch) * CP + ci, tl.sum(acc, 0))  # one cross-thread reduction per program
+        else:  # a settled row: no loads, no reduction (most programs of the second pass)
+            tl.store(LE + (b * NCH + ch) * CP + ci, tl.zeros([CP], dtype=tl.float32))
 
     @triton.jit
     def _first_mass_kernel(X, sxb, V, inv_t, M, XC, sxc, LE, NCH, BLK: tl.constexpr):
@@ -200,10 +202,12 @@ def block_stats_triton(logits: torch.Tensor, temperature: float, bpp: int = 16):
     return bmax, bsum
 
 
-def member_mass_triton(logits, temperature: float, m, xc, chunk: int = 2048, sub: int = 1024, num_warps: int = 8,
-                       done=None):
+def member_mass_triton(logits, temperature: float, m, xc, chunk: int | None = None, sub: int = 1024,
+                       num_warps: int = 8, done=None):
     """(B, C): mass exp(x/T - m) of the tokens whose raw logit is <= each candidate's raw logit xc (B, C).
-    ``done`` (B,) bool: rows already decided, for which nothing is read and 0 is returned."""
+    ``done`` (B,) bool: rows already decided, for which nothing is read and 0 is returned. Chunks of 2,048 tokens a
+    program; gated, 8,192 (a quarter of the programs: most only store zeros, the few busy ones loop longer)."""
+    chunk = chunk or (2048 if done is None else 8192)
     B, V = logits.shape
     C = xc.shape[1]
     CP = _pow2(C)
