@@ -195,6 +195,32 @@ def test_continuous_batching_decodes_with_the_attention_timed_for_spread_lengths
     assert eng.attn == "bmm"
 
 
+def test_compiled_advance_updates_the_decode_state_as_eager_does():
+    """The step's bookkeeping (emit the tokens and log-probs of the live rows, advance their column, position and
+    slot, finish rows at an EOS or their budget) runs compiled on CUDA; it mutates the engine's state in place.
+    Compiled by inductor (here for the CPU), every state tensor equals eager's after every step."""
+    from verlflow.core.ml.fastgen.engine import _advance_rows
+
+    compiled = torch.compile(_advance_rows, fullgraph=True)
+    B, N = 6, 5
+
+    def state():
+        return dict(live=torch.tensor([1, 1, 1, 0, 1, 1], dtype=torch.bool),
+                    out=torch.full((B, N), PAD, dtype=torch.long), out_logp=torch.zeros(B, N),
+                    col=torch.tensor([0, 1, 4, 2, 3, 0]), pos=torch.tensor([5, 6, 9, 7, 8, 5]),
+                    slot=torch.tensor([7, 8, 11, 9, 10, 7]), limit=torch.tensor([5, 5, 5, 5, 4, 1]),
+                    eos=torch.tensor([EOS, 6, -1, -1]), pad_id=torch.tensor(PAD), tok=torch.zeros(B, dtype=torch.long))
+
+    eager, comp = state(), state()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        nxt, logp = torch.randint(2, 8, (B,), generator=g), torch.randn(B, generator=g)
+        _advance_rows(nxt, logp, **eager, max_new=N)
+        compiled(nxt, logp, **comp, max_new=N)
+        assert all(torch.equal(eager[k], comp[k]) for k in eager), {k: (eager[k], comp[k]) for k in eager}
+    assert not eager["live"].any() and (eager["out"] != PAD).any()  # rows finished, by EOS or budget, and emitted
+
+
 def test_compiled_engine_compiles_the_decode_step_once_for_every_cache_bucket(models):
     """The compiled engine (dynamo with the aot_eager backend: the same tracing and guards as inductor, without the
     code generation) through three cache buckets and refills of 1-3 rows at several widths: the decode layer is

@@ -34,6 +34,22 @@ def _on_cuda(device) -> bool:
     return torch.device(device).type == "cuda"
 
 
+def _advance_rows(nxt, logp, live, out, out_logp, col, pos, slot, limit, eos, pad_id, tok, max_new: int):
+    """Emit the sampled tokens of the unfinished rows (``live``) with their log-probs, in place. A finished row
+    stands still (its column, position and slot stay; it is fed pad_id) until it is refilled or the batch ends; it
+    finishes at an EOS or at its token budget ``limit``. Compiled on CUDA: its ~15 small kernels become a few."""
+    nxt = torch.where(live, nxt, pad_id)
+    c = col.clamp(max=max_new - 1).unsqueeze(1)  # a row at its budget rewrites its last column
+    out.scatter_(1, c, torch.where(live, nxt, out.gather(1, c).squeeze(1)).unsqueeze(1))
+    out_logp.scatter_(1, c, torch.where(live, logp, out_logp.gather(1, c).squeeze(1)).unsqueeze(1))
+    step = live.long()
+    col += step
+    pos += step
+    slot += step
+    live &= ~(nxt.unsqueeze(1) == eos.unsqueeze(0)).any(1) & (col < limit)
+    tok.copy_(nxt)
+
+
 class FastGen:
     """A reusable generator for one model: static cache and captured decode steps for up to ``batch_size``
     rows, prompts up to ``max_prompt_len`` and ``max_new_tokens`` new tokens.
@@ -162,7 +178,7 @@ class FastGen:
     def _set_fns(self, compiled: bool):
         fns = dict(layer=_decode_layer, pre=_pre_attn, post=_post_attn, logits=_logits, sample=sample_logits,
                    cands=_cands_from_stats, pick=_pick, decided=_first_decided, prefill=_prefill_layer,
-                   logp=_sampled_logp)
+                   logp=_sampled_logp, advance=_advance_rows)
         self._eager = dict(fns)  # a refill's first tokens: a new row count each time, not worth a compile each
         if compiled:  # the prefill sees a new (rows, width) per micro-batch: _prefill marks those two dims dynamic
             # (dynamic=True would make every size and float symbolic: a slower compile, even from the cache)
@@ -373,20 +389,8 @@ class FastGen:
         return nxt, fn["logp"](logits, nxt, sampling_temperature(cfg.temperature))
 
     def _advance(self, nxt: torch.Tensor, logp: torch.Tensor):
-        """Emit the sampled tokens of the unfinished rows with their log-probs. A finished
-        row stands still (its column, position and slot stay; it is fed pad_id) until it is refilled or the
-        batch ends; it finishes at an EOS or at its token budget ``limit``."""
-        live = self.unfinished
-        nxt = torch.where(live, nxt, self.pad_id)
-        col = self.col.clamp(max=self.max_new - 1).unsqueeze(1)  # a row at its budget rewrites its last column
-        self.out.scatter_(1, col, torch.where(live, nxt, self.out.gather(1, col).squeeze(1)).unsqueeze(1))
-        self.out_logp.scatter_(1, col, torch.where(live, logp, self.out_logp.gather(1, col).squeeze(1)).unsqueeze(1))
-        step = live.long()
-        self.col += step
-        self.pos += step
-        self.slot += step
-        self.unfinished &= ~(nxt.unsqueeze(1) == self.eos.unsqueeze(0)).any(1) & (self.col < self.limit)
-        self.tok.copy_(nxt)
+        self._fn["advance"](nxt, logp, self.unfinished, self.out, self.out_logp, self.col, self.pos, self.slot,
+                            self.limit, self.eos, self.pad_id, self.tok, self.max_new)
 
     def _reset_state(self):
         self.slot.zero_()
