@@ -16,7 +16,8 @@ from verlflow.core.ml.fastgen.kernels import (HAVE_TRITON, _cands_from_stats, _f
                                     combine_splits, decode_attention_triton, first_mass_triton, member_mass_triton,
                                     reference_decode_attention, sample_logits_triton)
 from verlflow.core.ml.fastgen import choices
-from verlflow.core.ml.fastgen.layers import _decode_layer, _logits, _post_attn, _pre_attn, _prefill_layer, _Weights
+from verlflow.core.ml.fastgen.layers import (_decode_layer, _head, _logits, _norm, _post_attn, _pre_attn,
+                                            _prefill_layer, _Weights)
 from verlflow.core.ml.fastgen.sampling import SamplingConfig, _Stats, sample_logits
 from verlflow.core.ml.generate import chosen_logprobs, sampling_temperature
 
@@ -176,7 +177,8 @@ class FastGen:
         self.setup_parts["checks_s"] = round(time.perf_counter() - t0, 3)
 
     def _set_fns(self, compiled: bool):
-        fns = dict(layer=_decode_layer, pre=_pre_attn, post=_post_attn, logits=_logits, sample=sample_logits,
+        fns = dict(layer=_decode_layer, pre=_pre_attn, post=_post_attn, logits=_logits, head=_head, norm=_norm,
+                   sample=sample_logits,
                    cands=_cands_from_stats, pick=_pick, decided=_first_decided, prefill=_prefill_layer,
                    logp=_sampled_logp, advance=_advance_rows)
         self._eager = dict(fns)  # a refill's first tokens: a new row count each time, not worth a compile each
@@ -340,18 +342,29 @@ class FastGen:
 
     # ---- one decode step (what a graph captures)
 
+    def _next_norms(self) -> tuple[list, bool]:
+        """The norm each layer's graph applies to its output: the next layer's input norm, and after the last layer
+        the final norm where it is the same kind (then the head reads it directly). Read each step: refresh() may
+        replace the weights' tensors."""
+        w = self.w
+        layers = w.layers
+        final = all(L["ln1"] is not None for L in layers) and w.norm_eps == w.spec.eps
+        return [L["ln1"] for L in layers[1:]] + [w.norm_w if final else None], final
+
     def _step(self, kv_len: int, cfg: SamplingConfig):
         w, fn, S = self.w, self._fn, self.w.spec
         x = self._embed(self.tok)
+        h = fn["norm"](x, w.layers[0]["ln1"], S)
+        nexts, final = self._next_norms()
         rope = [(c[self.pos], s[self.pos]) for c, s in self.rope]
         if self.attn == "triton":
             for i, L in enumerate(w.layers):
                 cos, sin = rope[w.rope_of[i]]
-                q = fn["pre"](x, L, self.kc[i], self.vc[i], self.slot, cos, sin, S)
+                q = fn["pre"](h, L, self.kc[i], self.vc[i], self.slot, cos, sin, S)
                 mp, lp, op = decode_attention_triton(q, self._kT[i], self._vT[i], self.pad_off, self.slot,
                                                      S.scaling, S.nkv, window=self.windows[i], softcap=S.softcap,
                                                      **self.attn_cfg)
-                x = fn["post"](x, mp, lp, op, L, S)
+                x, h = fn["post"](x, mp, lp, op, L, nexts[i], S)
         else:
             s, cur = self.slots[:kv_len].unsqueeze(0), self.slot.unsqueeze(1)
             valid = (s >= self.pad_off.unsqueeze(1)) & (s <= cur)
@@ -366,8 +379,12 @@ class FastGen:
                     torch._dynamo.mark_static(bias[win], 1)
             for i, L in enumerate(w.layers):
                 cos, sin = rope[w.rope_of[i]]
-                x = fn["layer"](x, L, self.kc[i], self.vc[i], self.slot, cos, sin, bias[self.windows[i]], S, self.attn)
-        logits = fn["logits"](x, w.norm_w, w.lm_w, w.norm_eps, S.norm32, w.final_cap)
+                x, h = fn["layer"](x, h, L, nexts[i], self.kc[i], self.vc[i], self.slot, cos, sin,
+                                   bias[self.windows[i]], S, self.attn)
+        if final:
+            logits = fn["head"](h, w.lm_w, w.final_cap)
+        else:
+            logits = fn["logits"](x, w.norm_w, w.lm_w, w.norm_eps, S.norm32, w.final_cap)
         self._advance(*self._sample(logits, cfg))
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:

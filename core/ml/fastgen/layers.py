@@ -103,22 +103,26 @@ def _after_attn(x, o, L, S: Spec):
     return x + _norm(_mlp(_norm(x, L["ln2"], S), L, S), L["ln_pf"], S)
 
 
-def _pre_attn(x, L, kc, vc, slot, cos, sin, S: Spec):
-    """Norm, q/k/v, rotary, and this step's K/V into the cache at each row's ``slot`` (B,); returns q (B, nh, hd)."""
-    q, k, v = _qkv(_norm(x, L["ln1"], S), L, S)
+def _pre_attn(h, L, kc, vc, slot, cos, sin, S: Spec):
+    """q/k/v of the layer's normed input h (the previous layer's graph computed the norm, fused with its last
+    residual: one kernel fewer a layer), rotary, and this step's K/V into the cache at each row's ``slot`` (B,);
+    returns q (B, nh, hd)."""
+    q, k, v = _qkv(h, L, S)
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)
     q = _rope(q, c, s, S.rot)
     k = _rope(k, c, s, S.rot)
-    rows = torch.arange(x.shape[0], device=x.device)
+    rows = torch.arange(h.shape[0], device=h.device)
     kc[rows, :, slot] = k  # (B, nkv, hd): row b at slot[b]
     vc[rows, :, slot] = v
     return q.contiguous()
 
 
-def _post_attn(x, mp, lp, op, L, S: Spec):
-    """Merge the attention splits, then everything after attention (both residuals)."""
+def _post_attn(x, mp, lp, op, L, nxt, S: Spec):
+    """Merge the attention splits, then everything after attention (both residuals); returns x and x under the
+    next norm ``nxt`` (the next layer's input norm, or the final one after the last layer; None: x)."""
     o = combine_splits(mp, lp, op, S.nh // S.nkv).to(x.dtype)
-    return _after_attn(x, o, L, S)
+    x = _after_attn(x, o, L, S)
+    return x, _norm(x, nxt, S)
 
 
 def _capped_attention(q, k, v, mask, S: Spec):
@@ -147,20 +151,26 @@ def _prefill_layer(x, L, cos, sin, mask, S: Spec):
     return x, k, v
 
 
-def _logits(x, norm_w, lm_w, eps: float, f32: bool = False, cap: float = 0.0):
-    y = F.linear(_rms(x, norm_w, eps, f32), lm_w)
+def _head(h, lm_w, cap: float = 0.0):
+    """Logits of the final-normed hidden state h."""
+    y = F.linear(h, lm_w)
     if cap:  # Gemma's final_logit_softcapping, in the model dtype as HF does
         y = torch.tanh(y / cap) * cap
     return y
 
 
-def _decode_layer(x, L, kc, vc, slot, cos, sin, bias, S: Spec, attn: str = "bmm"):
-    """One decoder layer for one new token per row. x (B, H); kc/vc (B, nkv, T, hd) written at ``slot``
-    ((B,) long: each row's own); bias (B, kv_len) float: 0 where the slot is valid for the row (and inside the layer's
-    sliding window), -inf elsewhere. The cache bucket's length kv_len is bias's: a dynamic size, so one compile
-    serves every bucket."""
+def _logits(x, norm_w, lm_w, eps: float, f32: bool = False, cap: float = 0.0):
+    return _head(_rms(x, norm_w, eps, f32), lm_w, cap)
+
+
+def _decode_layer(x, h, L, nxt, kc, vc, slot, cos, sin, bias, S: Spec, attn: str = "bmm"):
+    """One decoder layer for one new token per row. x (B, H) and h, x under the layer's input norm; kc/vc (B, nkv,
+    T, hd) written at ``slot`` ((B,) long: each row's own); bias (B, kv_len) float: 0 where the slot is valid for the
+    row (and inside the layer's sliding window), -inf elsewhere. The cache bucket's length kv_len is bias's: a
+    dynamic size, so one compile serves every bucket. Returns x and x under the next norm ``nxt`` (see
+    ``_post_attn``)."""
     B, kv_len = x.shape[0], bias.shape[-1]
-    q = _pre_attn(x, L, kc, vc, slot, cos, sin, S)
+    q = _pre_attn(h, L, kc, vc, slot, cos, sin, S)
     K = kc[:, :, :kv_len]
     V = vc[:, :, :kv_len]
     if attn == "sdpa":  # the engine never picks it with soft-capping
@@ -173,7 +183,8 @@ def _decode_layer(x, L, kc, vc, slot, cos, sin, bias, S: Spec, attn: str = "bmm"
             sc = torch.tanh(sc / S.softcap) * S.softcap
         p = (sc.float() + bias[:, None, None, :]).softmax(-1).to(q.dtype)
         o = torch.matmul(p, V)  # (B, nkv, g, hd)
-    return _after_attn(x, o.reshape(B, S.nh * S.hd), L, S)
+    x = _after_attn(x, o.reshape(B, S.nh * S.hd), L, S)
+    return x, _norm(x, nxt, S)
 
 
 # ------------------------------------------------------------------------------------------------ weights
