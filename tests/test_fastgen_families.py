@@ -334,3 +334,23 @@ def test_every_benchmark_shape_is_served_at_its_real_size():
     gemma2, gemma3 = seen["gemma2-2b"][2], seen["gemma3-1b"][2]
     assert (gemma2.w.spec.softcap, gemma2.w.final_cap) == (50.0, 30.0)  # eager attention applies HF's soft-cap
     assert len(gemma3.rope) == 2 and gemma3.w.spec.act == "gelu_tanh"  # local and global rotary tables
+
+
+@pytest.mark.parametrize("case", ["olmo2", "gemma2", "gemma3_text", "phi3-window"])
+def test_compiled_step_equals_the_eager_one(case):
+    """The decode step as the GPU runs it, traced by dynamo and functionalised by AOTAutograd (the aot_eager
+    backend: inductor's input, without its code generation), for the families whose layers differ most: no input
+    norm (OLMo-2: each layer's graph hands the next its raw output, the head applies the final norm), post norms
+    and soft-caps (Gemma-2), two rotary tables (Gemma-3), partial rotary and a window (Phi-3). Greedy tokens equal
+    the eager engine's, and the decode layer compiles once."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from verlflow.core.ml.fastgen.layers import _decode_layer
+
+    torch._dynamo.reset()
+    model = build(case)
+    ids, mask = left_padded([5, 11, 3, 8])
+    eager = FastGen(model, 4, 12, 10, bucket=8).generate(ids, mask, SamplingConfig(0.0), [EOS], PAD)
+    eng = FastGen(model, 4, 12, 10, bucket=8, compile=True, compile_backend="aot_eager")
+    assert torch.equal(eng.generate(ids, mask, SamplingConfig(0.0), [EOS], PAD), eager)
+    assert len(_debug_get_cache_entry_list(_decode_layer.__code__)) == 1
