@@ -195,6 +195,28 @@ def test_continuous_batching_decodes_with_the_attention_timed_for_spread_lengths
     assert eng.attn == "bmm"
 
 
+@pytest.mark.parametrize("many", [True, False])
+def test_warm_up_covers_every_cache_length_a_generation_decodes_at(models, monkeypatch, many):
+    """On CUDA every decode step replays a graph captured before generation; one captured mid-generation would reset
+    every live row. So the warm-up's cache lengths must cover every length generation asks for, up to continuous
+    batching's last slot T - 1 (here T = 65 and buckets of 64: slot 64 is a bucket of its own)."""
+    eng = FastGen(models["qwen2"], batch_size=2, max_prompt_len=17, max_new_tokens=48, attn="sdpa")
+    assert (eng.T, eng.bucket) == (65, 64)
+    asked = set()
+    decode = eng._decode
+    monkeypatch.setattr(eng, "_decode", lambda kv, cfg: (asked.add(kv), decode(kv, cfg))[1])
+    prompts = prompts_of([17, 9, 17], seed=1)
+    if many:
+        eng.generate_many(prompts, SamplingConfig(0.0), [-1], PAD)  # no EOS: every row runs its whole budget
+        warm = eng._warm_kvs(min(map(len, prompts)), True)
+    else:
+        ids, mask = left_padded([17, 9], vocab=384)
+        eng.generate(ids, mask, SamplingConfig(0.0), [-1], PAD)
+        warm = eng._warm_kvs(17, False)
+    assert asked and asked <= set(warm), (sorted(asked), warm)
+    assert not many or max(asked) == eng.T  # the last slot's bucket was asked for, and warmed
+
+
 def test_compiled_advance_updates_the_decode_state_as_eager_does():
     """The step's bookkeeping (emit the tokens and log-probs of the live rows, advance their column, position and
     slot, finish rows at an EOS or their budget) runs compiled on CUDA; it mutates the engine's state in place.

@@ -73,6 +73,7 @@ def test_attention_choice_per_batching_mode_and_its_record():
     assert res["attn"] == ["sdpa", {}]  # fastest at one length
     assert res["ragged"] == ["triton", res["last_bounded"]]  # fastest at spread lengths
     assert res["round_trip"]
+    assert res["same_choice"] == ["sdpa", None, True] and res["same_round_trip"]  # one choice, both timings kept
 
 
 ATTN_SIG = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "PAD": "*i64", "SLOT": "*i64", "MP": "*fp32", "LP": "*fp32",

@@ -149,20 +149,29 @@ def picking() -> dict:
         return {k: (30.0 if spread else 10.0) if k == "sdpa" else
                 (15.0 if spread and k == f"triton{last_bounded}" else 20.0 + int(k[6:])) for k in fns}
 
+    def kept(e):
+        return [e.attn, e.attn_cfg, list(e.ragged_attn or []), e.attn_timings, e.ragged_timings]
+
+    def round_trip(e):
+        again = FastGen(tiny_model(), batch_size=4, max_prompt_len=8, max_new_tokens=8, attn="triton",
+                        sampler="torch")
+        again._take_choice(json.loads(json.dumps(e._choice())))  # through JSON, as the cache file keeps it
+        return kept(again) == kept(e)
+
     choices.graph_times = times
     try:
         eng = FastGen(tiny_model(), batch_size=4, max_prompt_len=8, max_new_tokens=8, attn="triton", sampler="torch")
         eng._pick_attention()
-        again = FastGen(tiny_model(), batch_size=4, max_prompt_len=8, max_new_tokens=8, attn="triton",
-                        sampler="torch")
-        again._take_choice(json.loads(json.dumps(eng._choice())))  # through JSON, as the cache file keeps it
+        choices.graph_times = lambda fns, dev: {k: 10.0 if k == "sdpa" else 20.0 for k in fns}  # sdpa both times
+        same = FastGen(tiny_model(), batch_size=4, max_prompt_len=8, max_new_tokens=8, attn="triton",
+                       sampler="torch")
+        same._pick_attention()
     finally:
         FastGen._ATTN_CONFIGS = configs
     return {"timed": seen, "broken_index": len(configs), "attn": [eng.attn, eng.attn_cfg],
             "ragged": list(eng.ragged_attn or []), "last_bounded": configs[last_bounded],
-            "round_trip": [again.attn, again.attn_cfg, list(again.ragged_attn or []), again.attn_timings,
-                           again.ragged_timings] == [eng.attn, eng.attn_cfg, list(eng.ragged_attn or []),
-                                                     eng.attn_timings, eng.ragged_timings]}
+            "round_trip": round_trip(eng), "same_choice": [same.attn, same.ragged_attn, bool(same.ragged_timings)],
+            "same_round_trip": round_trip(same)}
 
 
 if __name__ == "__main__":

@@ -168,7 +168,7 @@ class FastGen:
                 log.info("fastgen: decode attention %s %s (continuous batching: %s), as timed before on this "
                          "machine (%s)", self.attn, self.attn_cfg, self.ragged_attn, choices.where())
                 timing_key = None
-        if cuda and "triton" in (self.attn, self.sampler):
+        if cuda and "triton" in (self.attn, self.sampler, (self.ragged_attn or ("",))[0]):
             self._self_check()
         if timing_key is not None and self.attn == "triton":  # (a Triton kernel that failed its check is not timed)
             self._pick_attention()
@@ -247,18 +247,19 @@ class FastGen:
             log.warning("fastgen: attention timing failed (%s); keeping %s", e, self.attn)
 
     def _choice(self) -> dict:
-        """The timed attention choices, as kept in the machine's cache folder."""
-        ragged = None if self.ragged_attn is None else {"attn": self.ragged_attn[0], "cfg": self.ragged_attn[1],
-                                                        "timings": self.ragged_timings}
-        return {"attn": self.attn, "cfg": self.attn_cfg, "timings": self.attn_timings, "ragged": ragged}
+        """The timed attention choices, as kept in the machine's cache folder (the spread-lengths timings even when
+        their choice is the one-length one)."""
+        ragged = None if self.ragged_attn is None else {"attn": self.ragged_attn[0], "cfg": self.ragged_attn[1]}
+        return {"attn": self.attn, "cfg": self.attn_cfg, "timings": self.attn_timings, "ragged": ragged,
+                "ragged_timings": self.ragged_timings}
 
     def _take_choice(self, kept: dict):
         self.attn, self.attn_cfg = kept["attn"], dict(kept.get("cfg") or {})
         self.attn_timings = dict(kept.get("timings") or {})
-        ragged = kept.get("ragged") or {}
-        if ragged.get("attn") in ("sdpa", "triton"):
+        self.ragged_timings = dict(kept.get("ragged_timings") or {})
+        ragged = kept.get("ragged")
+        if isinstance(ragged, dict) and ragged.get("attn") in ("sdpa", "triton"):
             self.ragged_attn = (ragged["attn"], dict(ragged.get("cfg") or {}))
-            self.ragged_timings = dict(ragged.get("timings") or {})
 
     def _attn_tol(self) -> float:
         return 1e-4 if self.w.dtype == torch.float32 else 2e-2  # fp32: IEEE dots, where TF32's error shows
@@ -450,14 +451,20 @@ class FastGen:
             return self.T
         return min(self.T, (slot // self.bucket + 1) * self.bucket)
 
+    def _warm_kvs(self, prompt_len: int, every_slot: bool) -> list[int]:
+        """The cache lengths of every decode step a generation may run: a micro-batch of prompts ``prompt_len``
+        wide decodes from slot prompt_len - 1 to prompt_len + max_new - 2; continuous batching up to slot T - 1 (its
+        bound on the rows' slots stops there)."""
+        first, last = (prompt_len - 1, self.T - 1) if every_slot else (prompt_len, prompt_len + self.max_new - 2)
+        return sorted({self._kv_len(s) for s in range(max(0, min(first, last)), last + 1)})
+
     def warmup(self, prompt_len: int, cfg: SamplingConfig, every_slot: bool = False):
         """Compile and capture every step a generate() with this prompt width will need (``every_slot``: every
         step any prompt may need, as continuous batching does: a capture mid-generation would reset the rows). A
         compile failure falls back to eager kernels (still captured), with a warning."""
         if not self.use_graphs:
             return
-        last = self.T - 1 if every_slot else prompt_len + self.max_new - 1
-        kvs = sorted({self._kv_len(s) for s in range(min(prompt_len, last - 1), last)})
+        kvs = self._warm_kvs(prompt_len, every_slot)
         try:
             for kv in kvs:
                 self._graph(kv, cfg)
@@ -541,7 +548,8 @@ class FastGen:
         t0 = time.perf_counter()
         if self.use_graphs:  # warm-up steps draw random numbers: keep the caller's seed meaning the same
             rng = torch.cuda.get_rng_state(self.device)
-            self.warmup(width, cfg, every_slot)
+            with self._ragged_attention() if every_slot else contextlib.nullcontext():  # the steps it will replay
+                self.warmup(width, cfg, every_slot)
             torch.cuda.set_rng_state(rng, self.device)
         if every_slot and self.compile and not self._refill_ready:  # compile the refills' prefill (any rows, any
             t1 = time.perf_counter()
