@@ -419,8 +419,12 @@ class FastGen:
         self.limit.fill_(self.max_new)
         self.unfinished.fill_(True)
 
+    def _graph_key(self, kv_len: int, cfg: SamplingConfig) -> tuple:
+        return kv_len, cfg, self.attn, tuple(sorted(self.attn_cfg.items()))
+
     def _graph(self, kv_len: int, cfg: SamplingConfig) -> torch.cuda.CUDAGraph:
-        key = (kv_len, cfg, self.attn, tuple(sorted(self.attn_cfg.items())))
+        """The captured decode step for this cache length (captured now, before generation, if it is new)."""
+        key = self._graph_key(kv_len, cfg)
         g = self._graphs.get(key)
         if g is not None:
             return g
@@ -600,7 +604,11 @@ class FastGen:
 
     def _decode(self, kv_len: int, cfg: SamplingConfig):
         if self.use_graphs:
-            self._graph(kv_len, cfg).replay()
+            g = self._graphs.get(self._graph_key(kv_len, cfg))
+            if g is None:  # capturing now would reset every row being generated: say so, never corrupt them
+                raise RuntimeError(f"fastgen: no decode step was captured for kv_len={kv_len} ({self.attn} "
+                                   f"{self.attn_cfg}) before generation; the warm-up missed it (a bug)")
+            g.replay()
         else:
             self._step(kv_len, cfg)
 
