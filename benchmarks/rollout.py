@@ -224,6 +224,32 @@ def teacher_forced(model, ids, mask, resp, eos: int, cfg: SamplingConfig, rows: 
             "mean_logp": float(logps.mean()), "logp_se": float(logps.std() / max(1, logps.numel()) ** 0.5)}
 
 
+@torch.no_grad()
+def policy_gap(model, ids, mask, resp, logp, eos: int, cfg: SamplingConfig, rows: int = 16) -> dict:
+    """How far the engine's sampling policy (its recorded log-probs ``logp`` of its tokens ``resp``: the fp8 model's
+    with rollout.weights=fp8) is from the model's own, scored under HF's forward over prompt + response: what
+    algorithm.rollout_correction sees. r = log p_model - log p_engine per token: KL(engine || model) ~ mean(-r) (k1)
+    and mean(exp(r) - 1 - r) (k3), and the token-level importance weights exp(r) (mean, max, share above 2)."""
+    ids, mask, resp, logp = ids[:rows], mask[:rows], resp[:rows].to(ids.device), logp[:rows].to(ids.device)
+    P, n = ids.shape[1], resp.shape[1]
+    is_eos = resp == eos
+    first = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full_like(resp[:, 0], n - 1))
+    valid = torch.arange(n, device=ids.device)[None] <= first[:, None]
+    temp = cfg.temperature if cfg.temperature > 0 else 1.0
+    rs = []
+    for r in range(ids.shape[0]):
+        full = torch.cat([ids[r:r + 1], resp[r:r + 1]], 1)
+        fm = torch.cat([mask[r:r + 1], valid[r:r + 1].long()], 1)
+        lg = model(input_ids=full, attention_mask=fm).logits[0, P - 1:P - 1 + n].float() / temp
+        ref = torch.log_softmax(lg, -1).gather(1, resp[r][:, None]).squeeze(1)
+        rs.append((ref - logp[r].float())[valid[r]])
+    r = torch.cat(rs)
+    w = r.exp()
+    return {"tokens": int(r.numel()), "k1": float(-r.mean()), "k3": float((w - 1 - r).mean()),
+            "is_mean": float(w.mean()), "is_max": float(w.max()), "is_above_2": float((w > 2).float().mean()),
+            "abs_logp_diff": float(r.abs().mean())}
+
+
 def prefix_agreement(a: torch.Tensor, b: torch.Tensor) -> dict:
     n = min(a.shape[1], b.shape[1])
     eq = (a[:, :n] == b[:, :n]).long()
@@ -447,6 +473,7 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
     # ours, main variant: graphs + compile (on CUDA), attention and sampler as the engine picks them
     eng = FastGen(model, B, P, N, attn=args.attn, sampler=args.sampler)
     ours_s = attempt("ours_sampled", lambda: run_ours(eng, ids, mask, scfg, eos, pad, dev))
+    ours_s_logp = None if eng.last_logprobs is None else eng.last_logprobs.clone()  # the sampled run's
     ours_g = attempt("ours_greedy", lambda: run_ours(eng, ids, mask, gcfg, eos, pad, dev))
     if cuda and args.ab_static_buckets:  # the same engine with a decode graph per cache bucket (lengths static)
         eng_sb = FastGen(model, B, P, N, attn=eng.attn, sampler=eng.sampler, bucket_compile="static")
@@ -458,6 +485,17 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
         eng_np.attn_cfg = dict(eng.attn_cfg)
         attempt("ours_one_pass_nucleus_sampled", lambda: run_ours(eng_np, ids, mask, scfg, eos, pad, dev))
         del eng_np
+    if args.ab_fp8 or args.smoke:  # the same engine with fp8 projections, and how far its policy is from the model's
+        eng_f8 = FastGen(model, B, P, N, attn=eng.attn, sampler=eng.sampler, weights="fp8")
+        eng_f8.attn_cfg = dict(eng.attn_cfg)
+        f8 = attempt("ours_fp8_sampled", lambda: run_ours(eng_f8, ids, mask, scfg, eos, pad, dev))
+        if f8:
+            attempt("fp8_policy_gap", lambda: policy_gap(model, ids, mask, f8[0], eng_f8.last_logprobs, eos, scfg,
+                                                         rows=args.tf_rows))
+        if ours_s and ours_s_logp is not None:  # the model's weights, for scale (the engine's kernels against HF's)
+            attempt("model_policy_gap", lambda: policy_gap(model, ids, mask, ours_s[0], ours_s_logp, eos,
+                                                           scfg, rows=args.tf_rows))
+        del eng_f8
     r["ours_engine"] = {"graphs": eng.use_graphs, "compile": eng.compile, "bucket": eng.bucket, "attn": eng.attn,
                         "sampler": eng.sampler, "nucleus": eng.nucleus, "attn_cfg": eng.attn_cfg,
                         "attn_timings_us": eng.attn_timings, "continuous_batching_attn": eng.ragged_attn,
@@ -558,11 +596,23 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
         rows.append(("decode ms/step, greedy", hgf.get("ms_per_step") if isinstance(hgf, dict) else None,
                      g(ours_g, "ms_per_step"), "-", fl["mem_floor_ms"]))
     for key, what in (("ours_static_buckets_sampled", "a decode graph per cache bucket"),
-                      ("ours_one_pass_nucleus_sampled", "the one-pass nucleus test")):
+                      ("ours_one_pass_nucleus_sampled", "the one-pass nucleus test"),
+                      ("ours_fp8_sampled", "fp8 projections (rollout.weights=fp8)")):
         ab = r.get(key)
         if isinstance(ab, dict) and "ms_per_step" in ab:
             rows.append((f"decode ms/step, sampled, ours with {what}", "-", ab["ms_per_step"], "-",
                          fl["mem_floor_ms"]))
+    f8 = r.get("ours_fp8_sampled")
+    if isinstance(f8, dict) and "tokens" in f8 and ours_s:
+        t_model, t_f8 = g(ours_s, "tokens") / g(ours_s, "total_s"), f8["tokens"] / f8["total_s"]
+        rows.append(("generated tok/s, sampled: ours (baseline column) and ours with fp8 projections", t_model, t_f8,
+                     f"{t_f8 / t_model:.2f}x", floor_tps))
+    for key, what in (("model_policy_gap", "model weights"), ("fp8_policy_gap", "fp8 projections")):
+        gap = r.get(key)
+        if isinstance(gap, dict) and "k3" in gap:
+            rows.append((f"sampling policy vs the model's forward ({gap['tokens']} tokens), ours with {what}: "
+                         "KL k3 / IS weight mean / share > 2", "-",
+                         f"{gap['k3']:.2e} / {gap['is_mean']:.3f} / {gap['is_above_2']:.2%}", "-", "-"))
     if ours_s:
         rows.append(("fraction of memory floor (floor ms / decode ms), sampled", "-",
                      f"{fl['mem_floor_ms'] / g(ours_s, 'ms_per_step'):.0%}", "-", "100%"))
@@ -628,6 +678,8 @@ def main(argv=None):
                     help="also time ours with the one-pass nucleus test of the Triton sampler (nucleus=one_pass)")
     ap.add_argument("--ab-static-buckets", action="store_true",
                     help="also time ours with one decode compile per cache bucket (bucket_compile=static)")
+    ap.add_argument("--ab-fp8", action="store_true",
+                    help="also time the engine with fp8 projections (rollout.weights=fp8) and measure its policy gap")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default=None, help="folder for profiles")
     ap.add_argument("--json", default=None)

@@ -252,9 +252,16 @@ class AlgorithmSpec(Section):
         "ppo_clip", description="policy_loss bypass_mode: PPO clip on the rollout ratio, or REINFORCE with "
         "importance weights.")
     rollout_is: Optional[Literal["token", "sequence"]] = Field(
-        "sequence", description="policy_loss bypass_mode: importance weights per token or per sequence (none: off).")
-    rollout_is_threshold: float = Field(2.0, gt=0.0, description="policy_loss bypass_mode: importance weights are "
-                                        "truncated at this value.")
+        "sequence", description="policy_loss bypass_mode and rollout_correction: importance weights per token or per "
+        "sequence (none: off).")
+    rollout_is_threshold: float = Field(2.0, gt=0.0, description="policy_loss bypass_mode and rollout_correction: "
+                                        "importance weights are truncated at this value.")
+    rollout_correction: bool = Field(
+        False, description="With old_logprobs=recompute: weight each token's policy loss by the truncated importance "
+        "ratio of the recomputed old log-probs to the rollout's own (verl's decoupled rollout correction, per "
+        "rollout_is, capped at rollout_is_threshold), so that a rollout whose numerics differ from the trained policy "
+        "(rollout.weights=fp8, other kernels) is corrected for; update/rollout_corr/* reports the gap. Needs "
+        "untruncated sampling.")
     gdpo_reward_weights: Optional[list[float]] = Field(
         None, description="adv_estimator gdpo: weight of each reward component in reward.combine's order "
         "(none: all 1).")
@@ -284,6 +291,13 @@ class AlgorithmSpec(Section):
         if self.policy_loss == "dro" and self.dro_beta is None:
             raise ValueError("algorithm.policy_loss=dro needs algorithm.dro_beta (the weight of its quadratic "
                              "log-ratio penalty), e.g. 0.1")
+        if self.rollout_correction and (self.old_logprobs != "recompute" or self.policy_loss == "bypass_mode"):
+            raise ValueError("algorithm.rollout_correction weighs the recomputed old log-probs against the rollout's: "
+                             "it needs algorithm.old_logprobs=recompute and a policy_loss other than bypass_mode "
+                             "(bypass_mode corrects with the rollout's log-probs itself)")
+        if self.rollout_correction and self.rollout_is is None:
+            raise ValueError("algorithm.rollout_correction needs algorithm.rollout_is (token or sequence): with none "
+                             "it would weigh nothing")
         if self.policy_loss == "bypass_mode" and self.old_logprobs != "rollout":
             raise ValueError("algorithm.policy_loss=bypass_mode uses the rollout's log-probs as the old ones: set "
                              "algorithm.old_logprobs=rollout")
@@ -315,6 +329,11 @@ class RolloutSpec(Section):
         "continuous", description="engine static: continuous: micro_batch_size rows generate at once and a row "
         "whose response ended takes the next waiting prompt (a long response holds one row, not a whole batch); "
         "micro_batches: each micro-batch runs until its longest response ends.")
+    weights: Literal["model", "fp8"] = Field(
+        "model", description="engine static: the projections' weights in the model's dtype, or fp8 (e4m3, a scale per "
+        "output channel, activations scaled per token; the embedding and LM head stay): half the weight bytes and "
+        "the GPU's fp8 matmuls (sm_89 or newer), sampling from a slightly different model, so it needs "
+        "algorithm.rollout_correction or algorithm.old_logprobs=rollout. Evaluation samples the model's weights.")
 
 
 class FSDPSpec(Section):
@@ -764,12 +783,22 @@ class Blueprint(Section):
     def _rollout_logprobs_are_old_logprobs(self):
         """The rollout's log-probs are log_softmax(logits / temperature) of the sampled token, the quantity the
         update recomputes; top-k / top-p sample from a truncated distribution whose log-probs are not that."""
-        r = self.rollout
-        if self.algorithm.old_logprobs == "rollout" and (r.top_p < 1.0 or r.top_k > 0):
+        r, a = self.rollout, self.algorithm
+        if (a.old_logprobs == "rollout" or a.rollout_correction) and (r.top_p < 1.0 or r.top_k > 0):
+            field, fix = (("algorithm.old_logprobs=rollout", "algorithm.old_logprobs=recompute")
+                          if a.old_logprobs == "rollout" else
+                          ("algorithm.rollout_correction", "algorithm.rollout_correction=false"))
             raise ValueError(
-                f"algorithm.old_logprobs=rollout needs untruncated sampling, got rollout.top_p={r.top_p} and "
-                f"rollout.top_k={r.top_k}: set rollout.top_p=1.0 and rollout.top_k=0, or "
-                "algorithm.old_logprobs=recompute")
+                f"{field} needs untruncated sampling, got rollout.top_p={r.top_p} and rollout.top_k={r.top_k}: set "
+                f"rollout.top_p=1.0 and rollout.top_k=0, or {fix}")
+        if r.weights == "fp8" and r.engine != "static":
+            raise ValueError("rollout.weights=fp8 is the static engine's: set rollout.engine=static, or "
+                             "rollout.weights=model")
+        if r.weights == "fp8" and a.old_logprobs == "recompute" and not a.rollout_correction:
+            raise ValueError(
+                "rollout.weights=fp8 samples from the fp8 model, not the policy the update recomputes its old "
+                "log-probs with: set algorithm.rollout_correction=true (importance-weighted against the rollout's "
+                "own log-probs), or algorithm.old_logprobs=rollout (the PPO ratio against them)")
         return self
 
     @model_validator(mode="after")

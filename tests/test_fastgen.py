@@ -585,6 +585,10 @@ def test_benchmark_smoke_prints_the_table():
     r = res["tiny"]
     assert r["ours_sampled"]["tokens"] > 0 and r["hf_sampled"]["tokens"] > 0
     assert r["greedy_agreement_vs_hf"]["rows_identical"] == 1.0  # fp32 on CPU: exact
+    # the fp8 A/B: its row, and the policy gap it measures (none for the model's weights in fp32, some for fp8)
+    assert "ours with fp8 projections" in out and r["ours_fp8_sampled"]["tokens"] > 0
+    model_gap, fp8_gap = r["model_policy_gap"], r["fp8_policy_gap"]
+    assert model_gap["abs_logp_diff"] < 1e-4 and fp8_gap["abs_logp_diff"] > 1e-3, (model_gap, fp8_gap)
 
 
 def test_ragged_benchmark_smoke_same_tokens_fewer_steps():

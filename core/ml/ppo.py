@@ -52,6 +52,7 @@ class PPOBatch:
     adv: torch.Tensor
     ret: torch.Tensor
     values: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None  # algorithm.rollout_correction: each token's truncated IS weight
 
 
 def sequences(batch: dict) -> dict:
@@ -235,7 +236,28 @@ def prepare(bp: Blueprint, batch: dict, old_logp, ref_logp, values=None, *, iter
     """The batch `train` takes: the rollout batch with its log-probs, values and advantages; plus the metrics of
     the advantage computation."""
     adv, ret, metrics = advantages(bp, batch, old_logp, ref_logp, values)
-    return PPOBatch(batch, iteration, old_logp, ref_logp, adv, ret, values), metrics
+    weights = None
+    if bp.algorithm.rollout_correction:
+        weights, metrics["rollout_corr"] = rollout_correction(bp, batch, old_logp)
+    return PPOBatch(batch, iteration, old_logp, ref_logp, adv, ret, values, weights), metrics
+
+
+def rollout_correction(bp: Blueprint, batch: dict, old_logp: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """algorithm.rollout_correction: verl's truncated importance weights of the recomputed old log-probs against the
+    rollout's own (per token or per sequence, padding 0), and its mismatch metrics (KL, perplexities, the weights'
+    spread). Every rank holds the whole batch and its gathered old log-probs: every rank computes the same."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    if "rollout_logp" not in batch:
+        raise ValueError("algorithm.rollout_correction: the rollout batch has no rollout_logp (an older verlflow, or "
+                         "a sampler that could not record them, made it); rerun its rollout or set "
+                         "algorithm.rollout_correction=false")
+    a = bp.algorithm
+    mask = batch["response_mask"].float()
+    proto, _, metrics = compute_rollout_correction_and_rejection_mask(
+        old_log_prob=old_logp.float(), rollout_log_prob=batch["rollout_logp"].float(), response_mask=mask,
+        rollout_is=a.rollout_is, rollout_is_threshold=a.rollout_is_threshold)
+    return proto.batch["rollout_is_weights"], {k.removeprefix("rollout_corr/"): float(v) for k, v in metrics.items()}
 
 
 def actor_config(bp: Blueprint):
@@ -371,9 +393,10 @@ class _Update:
 
         a, dev, d = self.bp.algorithm, self.at.device, self.data
         m = self.mask[idx].to(dev)
+        weights = None if d.is_weights is None else d.is_weights[idx].to(dev)
         pg_loss, pg_metrics = self.loss_fn(old_log_prob=d.old_logp[idx].to(dev), log_prob=logp,
                                            advantages=d.adv[idx].to(dev), response_mask=m,
-                                           loss_agg_mode=a.loss_agg_mode, config=self.cfg)
+                                           loss_agg_mode=a.loss_agg_mode, config=self.cfg, rollout_is_weights=weights)
         loss = pg_loss
         ent_loss = core_algos.agg_loss(ent, m, a.loss_agg_mode, **info)
         if a.entropy_coeff:

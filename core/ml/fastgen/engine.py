@@ -16,8 +16,8 @@ from verlflow.core.ml.fastgen.kernels import (HAVE_TRITON, _cands_from_stats, _f
                                     combine_splits, decode_attention_triton, first_mass_triton, member_mass_triton,
                                     reference_decode_attention, sample_logits_triton)
 from verlflow.core.ml.fastgen import choices
-from verlflow.core.ml.fastgen.layers import (_decode_layer, _head, _logits, _norm, _post_attn, _pre_attn,
-                                            _prefill_layer, _Weights)
+from verlflow.core.ml.fastgen.layers import (FP8, FP8_MAX, PROJECTIONS, _decode_layer, _fp8_linear, _head, _logits,
+                                            _norm, _post_attn, _pre_attn, _prefill_layer, _Weights)
 from verlflow.core.ml.fastgen.sampling import SamplingConfig, _Stats, sample_logits
 from verlflow.core.ml.generate import chosen_logprobs, sampling_temperature
 
@@ -66,13 +66,16 @@ class FastGen:
     window). Attention logit soft-capping (Gemma-2 under eager attention) is in "bmm" and "triton" only: such a
     model refuses attn="sdpa", and "auto" never picks it (bmm on CUDA without Triton); its prefill runs the
     math attention instead of SDPA. ``sampler``: "triton" (the two full-vocabulary passes of the
-    top_p/temperature sampler as Triton kernels) or "torch"; "auto": triton on CUDA."""
+    top_p/temperature sampler as Triton kernels) or "torch"; "auto": triton on CUDA. ``weights``: "model" (the
+    projections in the model's dtype) or "fp8" (e4m3 per output channel, activations per token: ``layers.py``); the
+    log-probs the engine returns are then the fp8 model's, the policy it sampled from."""
 
     def __init__(self, model, batch_size: int, max_prompt_len: int, max_new_tokens: int, *,
                  use_graphs: bool | None = None, compile: bool | None = None, bucket: int = 64,
                  check_every: int = 16, attn: str = "auto", sampler: str = "auto", prefill_tokens: int = 32768,
-                 compile_backend: str = "inductor", bucket_compile: str | None = None, nucleus: str | None = None):
-        self.w = _Weights(model)
+                 compile_backend: str = "inductor", bucket_compile: str | None = None, nucleus: str | None = None,
+                 weights: str = "model"):
+        self.w = _Weights(model, weights)
         self.device = self.w.device
         cuda = _on_cuda(self.device)
         env = os.environ
@@ -168,7 +171,7 @@ class FastGen:
                 log.info("fastgen: decode attention %s %s (continuous batching: %s), as timed before on this "
                          "machine (%s)", self.attn, self.attn_cfg, self.ragged_attn, choices.where())
                 timing_key = None
-        if cuda and "triton" in (self.attn, self.sampler, (self.ragged_attn or ("",))[0]):
+        if cuda and ("triton" in (self.attn, self.sampler, (self.ragged_attn or ("",))[0]) or w.fp8):
             self._self_check()
         if timing_key is not None and self.attn == "triton":  # (a Triton kernel that failed its check is not timed)
             self._pick_attention()
@@ -287,10 +290,32 @@ class FastGen:
             errs.append((got - want).abs().max())
         return torch.stack(errs).max().item()  # NaN stays NaN (Python's max would drop it) and fails the check
 
+    def _fp8_error(self) -> float:
+        """The fp8 projections' matmul against its definition, x8 * sx @ (w8 * sw).T in fp32, on each quantized
+        projection of layer 0 with random rows: the largest error relative to the output's largest value."""
+        L, dev = self.w.layers[0], self.device
+        g = torch.Generator(device=dev).manual_seed(1)
+        errs = [torch.zeros((), device=dev)]
+        for p in PROJECTIONS:
+            w8, sw = L["w" + p], L["s" + p]
+            if sw is None:
+                continue
+            x = torch.randn(5, w8.shape[1], generator=g, device=dev).to(self.w.dtype)
+            got = _fp8_linear(x, w8, sw, None).float()
+            sx = x.float().abs().amax(-1, keepdim=True) / FP8_MAX
+            want = ((x.float() / sx).to(FP8).float() * sx) @ (w8.float() * sw.t()).t()
+            errs.append((got - want).abs().max() / want.abs().max())
+        return torch.stack(errs).max().item()  # NaN stays NaN and fails
+
     def _self_check(self):
         """The Triton kernels against the torch paths on small random inputs; a mismatch turns them off."""
         w, dev, dt = self.w, self.device, self.w.dtype
         g = torch.Generator(device=dev).manual_seed(0)
+        if w.fp8:
+            err = self._fp8_error()
+            if not err < 1e-2:  # bf16 output rounding is ~4e-3; a wrong scale layout is off by O(1)
+                raise RuntimeError(f"rollout.weights=fp8: torch._scaled_mm on this GPU differs from its reference "
+                                   f"(relative error {err:.3g}); use rollout.weights=model")
         if self.attn == "triton":
             failed = self._attn_failure(self.attn_cfg)
             if failed is not None:
@@ -772,13 +797,15 @@ class FastGen:
 _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def engine_for(model, batch_size: int, max_prompt_len: int, max_new_tokens: int) -> FastGen:
-    """A cached engine for this model object big enough for the request (weights re-read on reuse)."""
+def engine_for(model, batch_size: int, max_prompt_len: int, max_new_tokens: int, weights: str = "model") -> FastGen:
+    """A cached engine for this model object big enough for the request, with its weights' precision (weights
+    re-read on reuse)."""
     eng = _ENGINES.get(model)
-    if eng is not None and eng.B >= batch_size and eng.max_prompt >= max_prompt_len and eng.max_new == max_new_tokens:
+    if (eng is not None and eng.B >= batch_size and eng.max_prompt >= max_prompt_len and eng.max_new == max_new_tokens
+            and eng.w.fp8 == (weights == "fp8")):
         eng.refresh_weights()
         return eng
-    eng = FastGen(model, batch_size, max_prompt_len, max_new_tokens)
+    eng = FastGen(model, batch_size, max_prompt_len, max_new_tokens, weights=weights)
     _ENGINES[model] = eng
     return eng
 
@@ -788,7 +815,8 @@ def sample(model, tok, prompts: list[list[int]], cfg, device, seed: int, progres
            timings: dict | None = None, logprobs: list | None = None) -> list[list[int]]:
     """Same contract as ``verlflow.core.ml.generate.sample`` (responses without padding, EOS kept), on the static engine.
 
-    cfg: a RolloutSpec (temperature, top_p, top_k, max_new_tokens, micro_batch_size: the engine's rows, batching).
+    cfg: a RolloutSpec (temperature, top_p, top_k, max_new_tokens, micro_batch_size: the engine's rows, batching,
+    weights).
     top_k=0 means off.
     The engine's set-up (building it, compiling, capturing graphs) is added to ``timings["setup_s"]``;
     ``logprobs`` (a list) gets each response's fp32 log-probs under the sampling logits, as from HF's path."""
@@ -800,7 +828,7 @@ def sample(model, tok, prompts: list[list[int]], cfg, device, seed: int, progres
     mb = min(cfg.micro_batch_size, max(1, len(prompts)))
     width = max((len(p) for p in prompts), default=1)
     t0 = time.perf_counter()
-    eng = engine_for(model, mb, width, cfg.max_new_tokens)
+    eng = engine_for(model, mb, width, cfg.max_new_tokens, getattr(cfg, "weights", "model"))
     setup_s = [time.perf_counter() - t0]
 
     def generate(ids, mask):

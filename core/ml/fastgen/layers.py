@@ -68,10 +68,40 @@ def _rope(x, cos, sin, rot: int):
     return torch.cat([xr * cos + _rot(xr) * sin, x[..., rot:]], dim=-1).to(x.dtype)
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
+PROJECTIONS = ("qkv", "o", "gu", "down")  # L["w" + p], L["b" + p], L["s" + p]: weight, bias, fp8 scale (or None)
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N, K) as e4m3 with one fp32 scale per output channel (row): w ~ w8 * scale; scale as (1, N)."""
+    scale = w.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.t().contiguous()
+
+
+def _fp8_linear(x, w8, sw, b):
+    """x @ (w8 * sw).T + b with x scaled to e4m3 per token (row): the GPU's fp8 matmul, accumulating in fp32."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K).float()
+    sx = x2.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    x8 = (x2 / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8).contiguous()  # row-major, as the GPU kernel takes it
+    y = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype)
+    if b is not None:
+        y = y + b
+    return y.view(*lead, w8.shape[0])
+
+
+def _linear(h, L, p: str):
+    """Projection ``p`` of the layer: in the model's dtype, or fp8 where the weights hold a scale for it."""
+    if L["s" + p] is None:
+        return F.linear(h, L["w" + p], L["b" + p])
+    return _fp8_linear(h, L["w" + p], L["s" + p], L["b" + p])
+
+
 def _qkv(h, L, S: Spec):
     """q (..., nh, hd), k and v (..., nkv, hd) from the normed input h (..., H), q/k normed as the family does."""
     lead = h.shape[:-1]
-    q, k, v = F.linear(h, L["wqkv"], L["bqkv"]).split([S.nh * S.hd, S.nkv * S.hd, S.nkv * S.hd], dim=-1)
+    q, k, v = _linear(h, L, "qkv").split([S.nh * S.hd, S.nkv * S.hd, S.nkv * S.hd], dim=-1)
     if S.qk == "full":  # OLMo-2: over the whole projection, before the heads are split
         q = _rms(q, L["qn"], S.eps, S.norm32)
         k = _rms(k, L["kn"], S.eps, S.norm32)
@@ -85,21 +115,21 @@ def _qkv(h, L, S: Spec):
 
 
 def _mlp(h, L, S: Spec):
-    g, u = F.linear(h, L["wgu"], L["bgu"]).chunk(2, dim=-1)
+    g, u = _linear(h, L, "gu").chunk(2, dim=-1)
     if S.act == "silu":
         a = F.silu(g)
     elif S.act == "gelu_tanh":
         a = F.gelu(g, approximate="tanh")
     else:
         a = F.gelu(g)
-    return F.linear(a * u, L["wdown"], L["bdown"])
+    return _linear(a * u, L, "down")
 
 
 def _after_attn(x, o, L, S: Spec):
     """Output projection, the attention residual, the MLP and its residual, with the family's norms around each
     (Llama: x + o; x + mlp(ln2(x)). Gemma: x + ln_pa(o); x + ln_pf(mlp(ln2(x))). OLMo-2: x + ln_pa(o); x +
     ln_pf(mlp(x)))."""
-    x = x + _norm(F.linear(o, L["wo"], L["bo"]), L["ln_pa"], S)
+    x = x + _norm(_linear(o, L, "o"), L["ln_pa"], S)
     return x + _norm(_mlp(_norm(x, L["ln2"], S), L, S), L["ln_pf"], S)
 
 
@@ -190,6 +220,23 @@ def _decode_layer(x, h, L, nxt, kc, vc, slot, cos, sin, bias, S: Spec, attn: str
 # ------------------------------------------------------------------------------------------------ weights
 
 
+def _fp8_wanted(weights: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """rollout.weights: "model" (the model's dtype) or "fp8", refused where this device cannot run it."""
+    if weights not in ("model", "fp8"):
+        raise ValueError(f"rollout.weights must be 'model' or 'fp8', got {weights!r}")
+    if weights == "model":
+        return False
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            raise ValueError(f"rollout.weights=fp8 needs a GPU with fp8 matmuls (compute capability 8.9 or newer); "
+                             f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}: use rollout.weights=model")
+        if dtype != torch.bfloat16:  # the row-scaled fp8 matmul writes bf16
+            raise ValueError(f"rollout.weights=fp8 on CUDA needs a bf16 model, this one is {dtype}: set "
+                             "fsdp.mixed_precision=bf16, or rollout.weights=model")
+    return True
+
+
 def _bias_of(x: torch.Tensor | None, n: int, like: torch.Tensor) -> torch.Tensor | None:
     return x.detach() if x is not None else (None if n == 0 else torch.zeros(n, dtype=like.dtype, device=like.device))
 
@@ -215,7 +262,7 @@ class _Weights:
     """The model's tensors in the layout the engine wants, read through its family's adapter; fused matrices
     and fp32 norm scales are copies (``refresh`` re-copies them in place), the rest are the model's own."""
 
-    def __init__(self, model):
+    def __init__(self, model, weights: str = "model"):
         cfg = model.config
         model_type = getattr(cfg, "model_type", None)
         fam: Family | None = FAMILIES.get(model_type)
@@ -290,6 +337,7 @@ class _Weights:
                          scaling=float(getattr(a0, "scaling", a0.head_dim ** -0.5)), rot=rots.pop(),
                          norm32=fam.norm_form != "llama", qk=fam.qk_norm, act=ACTIVATIONS[act], softcap=attn_cap)
         self.norm_eps = _eps(base.norm)
+        self.fp8 = _fp8_wanted(weights, self.device, self.dtype)
         self.layers: list[dict] = []
         self.refresh()
 
@@ -350,11 +398,16 @@ class _Weights:
         ln1, ln_pa, ln2, ln_pf = (None if name is None else getattr(layer, name) for name in fam.norms)
         wqkv, bqkv = self._fused([getattr(a, name) for name in fam.qkv])
         wgu, bgu = self._fused([getattr(mlp, name) for name in fam.gate_up])
-        return dict(
+        L = dict(
             ln1=self._norm_w(ln1), ln_pa=self._norm_w(ln_pa), ln2=self._norm_w(ln2), ln_pf=self._norm_w(ln_pf),
             qn=self._norm_w(getattr(a, "q_norm", None)), kn=self._norm_w(getattr(a, "k_norm", None)),
             wqkv=wqkv, bqkv=bqkv, wo=a.o_proj.weight.detach(), bo=_detached(a.o_proj.bias),
             wgu=wgu, bgu=bgu, wdown=mlp.down_proj.weight.detach(), bdown=_detached(mlp.down_proj.bias))
+        for p in PROJECTIONS:
+            N, K = L["w" + p].shape
+            fits = self.fp8 and N % 16 == 0 and K % 16 == 0  # the GPU's fp8 matmul takes multiples of 16
+            L["w" + p], L["s" + p] = quantize_rows(L["w" + p]) if fits else (L["w" + p], None)
+        return L
 
     @torch.no_grad()
     def refresh(self):

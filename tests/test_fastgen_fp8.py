@@ -1,0 +1,274 @@
+"""rollout.weights=fp8: the static engine's projections in e4m3 (a scale per output channel, activations scaled per
+token), and algorithm.rollout_correction, which weighs the update's loss by the truncated ratio of the policy's
+log-probs to the fp8 rollout's. On CPU, fp32, through torch._scaled_mm's CPU kernel:
+
+* the engine is the fp8 model exactly: greedy tokens equal HF generate of the same model with each projection
+  replaced by its fp8 definition (written here in plain fp32 maths, not with the engine's helpers), and the
+  log-probs it records are that model's forward over prompt + response: the behaviour policy the correction needs;
+* a warm engine re-quantizes in place when the policy changes;
+* the correction's weights are verl's, reach the loss, and the pipeline reports the gap it corrects."""
+
+import copy
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from test_fastgen import EOS, PAD, hf_generate, left_padded  # noqa: E402
+from test_fastgen_families import build  # noqa: E402
+from verlflow.core.ml.fastgen import FastGen, SamplingConfig  # noqa: E402
+
+E4M3_MAX = 448.0
+
+
+class Fp8Reference(torch.nn.Module):
+    """nn.Linear as the fp8 model defines it: W rounded to e4m3 with one scale per output row, each input row
+    rounded to e4m3 with its own scale, the product in fp32."""
+
+    def __init__(self, lin: torch.nn.Linear):
+        super().__init__()
+        w = lin.weight.detach().float()
+        s = w.abs().amax(1, keepdim=True) / E4M3_MAX
+        self.register_buffer("w", (w / s).to(torch.float8_e4m3fn).float() * s)
+        self.bias = None if lin.bias is None else lin.bias.detach()
+
+    def forward(self, x):
+        sx = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / E4M3_MAX  # a zero row (padding's) stays zero
+        y = ((x / sx).to(torch.float8_e4m3fn).float() * sx) @ self.w.t()
+        return y if self.bias is None else y + self.bias
+
+
+PROJ = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
+
+
+def fp8_reference(model):
+    """A copy of the model whose decoder projections are their fp8 definitions (embedding and LM head as they are)."""
+    ref = copy.deepcopy(model)
+    for layer in ref.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name in PROJ:
+                if isinstance(getattr(parent, name, None), torch.nn.Linear):
+                    setattr(parent, name, Fp8Reference(getattr(parent, name)))
+    return ref
+
+
+def teacher_forced_logp(model, ids, mask, out, temperature):
+    full = torch.cat([ids, out], 1)
+    fmask = torch.cat([mask, torch.ones_like(out)], 1)
+    with torch.no_grad():
+        logits = model(input_ids=full, attention_mask=fmask, position_ids=(fmask.cumsum(1) - 1).clamp(min=0)).logits
+    P = ids.shape[1]
+    return torch.log_softmax(logits[:, P - 1:-1].float() / temperature, -1).gather(2, out.unsqueeze(2)).squeeze(2)
+
+
+def live_tokens(out):
+    live = torch.ones_like(out, dtype=torch.bool)  # up to and with each row's first EOS
+    live[:, 1:] = (out[:, :-1] != EOS).cumprod(1).bool()
+    return live
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("case", ["qwen3", "phi3", "gemma2", "olmo2", "mistral-window"])
+def test_fp8_engine_is_the_fp8_model_token_for_token(case):
+    model = build(case)
+    ref = fp8_reference(model)
+    n = 16
+    ids, mask = left_padded([5, 11, 3, 16, 8, 1], seed=0)
+    eng = FastGen(model, batch_size=6, max_prompt_len=16, max_new_tokens=n, bucket=8, weights="fp8")
+    assert eng.w.fp8 and all(L["w" + p].dtype == torch.float8_e4m3fn for L in eng.w.layers
+                             for p in ("qkv", "o", "gu", "down"))
+    ours = eng.generate(ids, mask, SamplingConfig(temperature=0.0), [EOS], PAD)
+    assert torch.equal(ours, hf_generate(ref, ids, mask, n)), case
+    # ... and not by chance: the fp8 model is another model than the fp32 one
+    plain = hf_generate(model, ids, mask, n)
+    torch.manual_seed(3)
+    out = eng.generate(ids, mask, SamplingConfig(0.8), [EOS], PAD)
+    live = live_tokens(out)
+    want = teacher_forced_logp(ref, ids, mask, out, 0.8)
+    # Rounding to e4m3 is a step function: where the engine's decode and HF's prefill differ by an fp32 rounding, an
+    # element can land one e4m3 step (~6 %) apart, and that token's log-prob moves. Most tokens agree to fp32 noise.
+    diff = (eng.last_logprobs[live] - want[live]).abs()
+    close = diff <= 2e-5 + 1e-4 * want[live].abs()
+    assert close.float().mean() >= 0.9 and diff.max() < 0.5, (close.float().mean(), diff.max())
+    fp32 = teacher_forced_logp(model, ids, mask, out, 0.8)
+    gap = (fp32 - want)[live].abs().max().item()
+    assert gap > 1e-3 or not torch.equal(ours, plain), gap
+
+
+def test_fp8_matmul_keeps_the_bias_and_the_leading_dims():
+    from verlflow.core.ml.fastgen.layers import _fp8_linear, quantize_rows
+
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(64, 48)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(48, 64, generator=g) * torch.logspace(-2, 1, 48).unsqueeze(1))  # rows' scales
+    x = torch.randn(3, 5, 64, generator=g)
+    x[1, 2] *= 1e3  # one token far larger than the rest: per-token scales keep the others exact
+    w8, s = quantize_rows(lin.weight.detach())
+    assert w8.dtype == torch.float8_e4m3fn and s.shape == (1, 48)
+    got = _fp8_linear(x, w8, s, lin.bias.detach())
+    assert got.shape == (3, 5, 48)
+    torch.testing.assert_close(got, Fp8Reference(lin)(x), rtol=1e-5, atol=1e-5)
+    rel = (got - lin(x)).norm() / lin(x).norm()
+    assert 1e-4 < rel < 0.1, rel  # quantized, and close
+
+
+def test_warm_fp8_engine_requantizes_in_place_when_the_policy_changes():
+    model = copy.deepcopy(build("qwen3"))
+    ids, mask = left_padded([5, 11, 3, 9], seed=2)
+    eng = FastGen(model, batch_size=4, max_prompt_len=11, max_new_tokens=12, weights="fp8")
+    before = eng.generate(ids, mask, SamplingConfig(temperature=0.0), [EOS], PAD)
+    ptrs = [(L["wqkv"].data_ptr(), L["sgu"].data_ptr()) for L in eng.w.layers]
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # an update moved the policy
+        for p in model.model.layers.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    eng.refresh_weights()
+    assert [(L["wqkv"].data_ptr(), L["sgu"].data_ptr()) for L in eng.w.layers] == ptrs  # captured graphs stay valid
+    after = eng.generate(ids, mask, SamplingConfig(temperature=0.0), [EOS], PAD)
+    assert torch.equal(after, hf_generate(fp8_reference(model), ids, mask, 12))
+    assert not torch.equal(after, before)
+
+
+def test_fp8_refused_where_it_cannot_run():
+    from verlflow.core.ml.fastgen.engine import engine_for
+
+    model = build("qwen3")
+    with pytest.raises(ValueError, match="rollout.weights must be"):
+        FastGen(model, 2, 8, 4, weights="int4")
+    a = engine_for(model, 2, 8, 4)
+    b = engine_for(model, 2, 8, 4, "fp8")  # the cached engine of other weights is not reused
+    assert not a.w.fp8 and b.w.fp8 and engine_for(model, 2, 8, 4, "fp8") is b
+
+
+# ------------------------------------------------------------------------------------ the rollout correction
+
+
+def _batch(seed=0, N=8, R=6):
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(N, R, generator=g) > 0.2).float()
+    mask[:, 0] = 1
+    old = -torch.rand(N, R, generator=g) * 3
+    roll = (old + torch.randn(N, R, generator=g) * 0.5) * mask
+    return {"response_mask": mask, "prompts": torch.zeros(N, 2, dtype=torch.long),
+            "responses": torch.zeros(N, R, dtype=torch.long), "prompt_mask": torch.ones(N, 2, dtype=torch.long),
+            "scores": torch.randn(N, generator=g), "group": torch.arange(N) // 2, "rollout_logp": roll}, old
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rollout_correction_weighs_the_loss_by_verls_truncated_weights(level):
+    from verl.trainer.ppo import core_algos
+
+    from verlflow.core.blueprint import Blueprint
+    from verlflow.core.ml import ppo
+    from verlflow.core.ml.placement import Placement
+
+    fields = {"use_kl_loss": False, "rollout_is": level, "rollout_is_threshold": 1.5}
+    bp = Blueprint.model_validate({"algorithm": {**fields, "rollout_correction": True},
+                                   "resources": {"nproc_per_node": 1}})
+    off = Blueprint.model_validate({"algorithm": fields, "resources": {"nproc_per_node": 1}})
+    batch, old = _batch()
+    mask = batch["response_mask"]
+    data, metrics = ppo.prepare(bp, batch, old, old, iteration=1)
+    log_ratio = (old - batch["rollout_logp"]) * mask
+    raw = torch.exp(log_ratio) if level == "token" else torch.exp(log_ratio.sum(1, keepdim=True)).expand_as(old)
+    torch.testing.assert_close(data.is_weights, raw.clamp(max=1.5) * mask)
+    assert (data.is_weights == 1.5).any() and (data.is_weights[mask.bool()] < 1.5).any()  # some capped, some not
+    m = metrics["rollout_corr"]
+    assert m["kl"] == pytest.approx(float(((batch["rollout_logp"] - old) * mask).sum() / mask.sum()), rel=1e-5)
+    assert m["k3_kl"] > 0
+
+    g = torch.Generator().manual_seed(1)
+    logp = old + torch.randn(old.shape, generator=g) * 0.3
+    info = {"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": len(old)}
+    losses = {}
+    for name, b in (("on", bp), ("off", off)):
+        d, _ = ppo.prepare(b, batch, old, old, iteration=1)
+        upd = ppo._Update(b, d, Placement(0, 1, "cpu"))
+        upd.cfg.global_batch_info.update(info)
+        losses[name], _ = upd._policy_loss(logp, torch.zeros_like(old), list(range(len(old))), info)
+    cfg = ppo.actor_config(off)
+    cfg.global_batch_info.update(info)
+    want, _ = core_algos.get_policy_loss_fn("vanilla")(
+        old_log_prob=old, log_prob=logp, advantages=data.adv, response_mask=mask,
+        loss_agg_mode=bp.algorithm.loss_agg_mode, config=cfg, rollout_is_weights=data.is_weights)
+    torch.testing.assert_close(losses["on"], want, rtol=0, atol=1e-7)
+    assert off.algorithm.rollout_correction is False and not torch.allclose(losses["off"], losses["on"])
+
+
+def test_rollout_correction_names_a_batch_without_rollout_logprobs():
+    from verlflow.core.blueprint import Blueprint
+    from verlflow.core.ml import ppo
+
+    bp = Blueprint.model_validate({"algorithm": {"rollout_correction": True}, "resources": {"nproc_per_node": 1}})
+    batch, old = _batch()
+    del batch["rollout_logp"]
+    with pytest.raises(ValueError, match="no rollout_logp.*rollout_correction=false"):
+        ppo.prepare(bp, batch, old, old, iteration=1)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["rollout.weights=fp8"], r"rollout.engine=static"),
+    (["rollout.weights=fp8", "rollout.engine=static"], r"algorithm.rollout_correction=true.*old_logprobs=rollout"),
+    (["algorithm.rollout_correction=true", "algorithm.old_logprobs=rollout"], r"old_logprobs=recompute"),
+    (["algorithm.rollout_correction=true", "algorithm.rollout_is=null"], r"algorithm.rollout_is \(token or sequence"),
+    (["algorithm.rollout_correction=true", "rollout.top_p=0.9"], r"untruncated sampling.*rollout_correction=false"),
+])
+def test_fp8_and_the_correction_refuse_what_they_cannot_do(overrides, message):
+    from verlflow.core.blueprint import load_blueprint
+    from verlflow.core.errors import BlueprintError
+
+    with pytest.raises(BlueprintError, match=message):
+        load_blueprint(None, overrides)
+    ok = load_blueprint(None, ["rollout.weights=fp8", "rollout.engine=static", "algorithm.rollout_correction=true"])
+    assert ok.rollout.weights == "fp8"
+    assert load_blueprint(None, ["rollout.weights=fp8", "rollout.engine=static",
+                                 "algorithm.old_logprobs=rollout"]).rollout.weights == "fp8"
+
+
+def test_fp8_rollout_with_the_correction_through_the_pipeline(tiny_kit, tmp_path):
+    """Two iterations on two ranks in a warm pool: each rollout samples from the fp8 copy of the current policy (the
+    pool's engine re-quantized after the first update), each update weighs its loss by the correction and reports the
+    gap; the metrics it lists for promotion are the ones it records."""
+    from tinybp import tiny_blueprint
+
+    from verlflow.core import metrics
+    from verlflow.core.orchestrate.pipeline import run_pipeline
+
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", "rollout.engine=static", "rollout.weights=fp8",
+                        "algorithm.rollout_correction=true", "algorithm.rollout_is=token", "iterations=2",
+                        "promote.metric=update/rollout_corr/k3_kl")
+    results = run_pipeline(bp, "fp8", on_line=lambda line: None)
+    updates = [r.manifest for r in results if r.manifest["stage"] == "update"]
+    assert len(updates) == 2
+    listed = {n.removeprefix("update/rollout_corr/") for n in metrics.available(bp) if "rollout_corr" in n}
+    for m in updates:
+        corr = m["metrics"]["rollout_corr"]
+        assert listed <= set(corr), listed - set(corr)
+        assert corr["k3_kl"] > 1e-7 and corr["log_ppl_abs_diff"] > 1e-5, corr  # fp8 sampled, fp32 trained
+        assert 0.5 < corr["rollout_is_mean"] < 1.5, corr
+
+
+def test_compiled_fp8_step_equals_the_eager_one():
+    """The fp8 decode step as the GPU runs it (dynamo + AOTAutograd: inductor's input), torch._scaled_mm inside the
+    traced graph: greedy tokens equal the eager fp8 engine's, and the decode layer compiles once."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from verlflow.core.ml.fastgen.layers import _decode_layer
+
+    torch._dynamo.reset()
+    model = build("qwen3")
+    ids, mask = left_padded([5, 11, 3, 8])
+    eager = FastGen(model, 4, 12, 10, bucket=8, weights="fp8").generate(ids, mask, SamplingConfig(0.0), [EOS], PAD)
+    eng = FastGen(model, 4, 12, 10, bucket=8, compile=True, compile_backend="aot_eager", weights="fp8")
+    assert torch.equal(eng.generate(ids, mask, SamplingConfig(0.0), [EOS], PAD), eager)
+    assert len(_debug_get_cache_entry_list(_decode_layer.__code__)) == 1
