@@ -57,6 +57,10 @@ CONFIGS = {  # blueprint overrides per config, on top of the GPU blueprint
     # On one GPU the blueprint's 160 samples per wave (its share on 8 GPUs) make 8 waves; 640 make 2 (~28 GB of KV
     # cache at 1.5B, prompt 512 + 1,024 new tokens). RESULTS.md: 73.6 s an iteration against 90.5 s.
     "rollout_logprobs_640": {"algorithm.old_logprobs": "rollout", "rollout.micro_batch_size": 640},
+    # fp8 projections in the rollout, the update weighs its loss by the truncated ratio to the rollout's log-probs
+    # (update/rollout_corr/* in the manifest: the gap the fp8 rollout opens against the bf16 policy)
+    "fp8_corrected": {"algorithm.old_logprobs": "recompute", "rollout.weights": "fp8",
+                      "algorithm.rollout_correction": "true", "algorithm.rollout_is": "token"},
 }
 ITER_STAGES = ("rollout", "update", "checkpoint")
 T0 = time.perf_counter()
@@ -188,6 +192,9 @@ def stage_row(res) -> dict:
     for k in ("warm_cache_hits", "ref_source", "save_copy", "compiles"):
         if k in metrics:
             row[k] = metrics[k]
+    corr = metrics.get("rollout_corr") or {}  # algorithm.rollout_correction: the rollout's gap to the policy
+    row.update({f"rollout_corr_{k}": corr[k] for k in ("kl", "k3_kl", "rollout_is_mean", "rollout_is_ratio_fraction_high")
+                if k in corr})
     if metrics.get("mini_batches"):  # the first step's policy is the rollout's: its PPO KL is the log-prob mismatch
         first = metrics["mini_batches"][0]  # between the sampler and the update (0 when the update recomputes)
         row.update(first_ppo_kl=first["ppo_kl"], first_pg_clipfrac=first["pg_clipfrac"])

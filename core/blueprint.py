@@ -794,6 +794,10 @@ class Blueprint(Section):
         if r.weights == "fp8" and r.engine != "static":
             raise ValueError("rollout.weights=fp8 is the static engine's: set rollout.engine=static, or "
                              "rollout.weights=model")
+        if r.weights == "fp8" and self.resources.device == "cuda" and self.fsdp.mixed_precision != "bf16":
+            raise ValueError(f"rollout.weights=fp8 on CUDA samples from a bf16 model (the fp8 matmul writes bf16), "
+                             f"and fsdp.mixed_precision={self.fsdp.mixed_precision} makes the inference copy "
+                             f"{self.fsdp.mixed_precision}: set fsdp.mixed_precision=bf16, or rollout.weights=model")
         if r.weights == "fp8" and a.old_logprobs == "recompute" and not a.rollout_correction:
             raise ValueError(
                 "rollout.weights=fp8 samples from the fp8 model, not the policy the update recomputes its old "
