@@ -259,7 +259,8 @@ class AlgorithmSpec(Section):
     rollout_correction: bool = Field(
         False, description="With old_logprobs=recompute: weight each token's policy loss by the truncated importance "
         "ratio of the recomputed old log-probs to the rollout's own (verl's decoupled rollout correction, per "
-        "rollout_is, capped at rollout_is_threshold), so that a rollout whose numerics differ from the trained policy "
+        "rollout_is, verl's default sequence, or token, whose weights stay nearer 1 on long responses; capped at "
+        "rollout_is_threshold), so that a rollout whose numerics differ from the trained policy "
         "(rollout.weights=fp8, other kernels) is corrected for; update/rollout_corr/* reports the gap. Needs "
         "untruncated sampling.")
     gdpo_reward_weights: Optional[list[float]] = Field(

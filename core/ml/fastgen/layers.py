@@ -423,16 +423,15 @@ class _Weights:
                 old.copy_(t)
             else:
                 setattr(self, name, t)
-        new = [self._layer(layer) for layer in base.layers]
-        if self.layers:  # keep the addresses graphs captured
-            for old, fresh in zip(self.layers, new):
-                for key, t in fresh.items():
-                    if t is not None and old[key] is not None and old[key].data_ptr() != t.data_ptr():
-                        old[key].copy_(t)
-                    else:
-                        old[key] = t
-        else:
-            self.layers = new
+        if not self.layers:
+            self.layers = [self._layer(layer) for layer in base.layers]
+            return
+        for old, layer in zip(self.layers, base.layers):  # a layer at a time: one layer's fresh copies at most
+            for key, t in self._layer(layer).items():
+                if t is not None and old[key] is not None and old[key].data_ptr() != t.data_ptr():
+                    old[key].copy_(t)  # keep the addresses graphs captured
+                else:
+                    old[key] = t
 
     def nbytes_step(self) -> int:
         """Weight bytes one decode step reads (everything but the embedding table, which is gathered)."""
