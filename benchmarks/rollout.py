@@ -496,6 +496,14 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
             attempt("model_policy_gap", lambda: policy_gap(model, ids, mask, ours_s[0], ours_s_logp, eos,
                                                            scfg, rows=args.tf_rows))
         del eng_f8
+        if cuda:  # ... and with Hopper's fast fp8 accumulation
+            eng_ff = FastGen(model, B, P, N, attn=eng.attn, sampler=eng.sampler, weights="fp8", fp8_fast_accum=True)
+            eng_ff.attn_cfg = dict(eng.attn_cfg)
+            ff = attempt("ours_fp8_fast_accum_sampled", lambda: run_ours(eng_ff, ids, mask, scfg, eos, pad, dev))
+            if ff:
+                attempt("fp8_fast_accum_policy_gap", lambda: policy_gap(model, ids, mask, ff[0], eng_ff.last_logprobs,
+                                                                        eos, scfg, rows=args.tf_rows))
+            del eng_ff
     r["ours_engine"] = {"graphs": eng.use_graphs, "compile": eng.compile, "bucket": eng.bucket, "attn": eng.attn,
                         "sampler": eng.sampler, "nucleus": eng.nucleus, "attn_cfg": eng.attn_cfg,
                         "attn_timings_us": eng.attn_timings, "continuous_batching_attn": eng.ragged_attn,
@@ -597,7 +605,8 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
                      g(ours_g, "ms_per_step"), "-", fl["mem_floor_ms"]))
     for key, what in (("ours_static_buckets_sampled", "a decode graph per cache bucket"),
                       ("ours_one_pass_nucleus_sampled", "the one-pass nucleus test"),
-                      ("ours_fp8_sampled", "fp8 projections (rollout.weights=fp8)")):
+                      ("ours_fp8_sampled", "fp8 projections (rollout.weights=fp8)"),
+                      ("ours_fp8_fast_accum_sampled", "fp8 projections, fast accumulation")):
         ab = r.get(key)
         if isinstance(ab, dict) and "ms_per_step" in ab:
             rows.append((f"decode ms/step, sampled, ours with {what}", "-", ab["ms_per_step"], "-",
@@ -607,7 +616,8 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
         t_model, t_f8 = g(ours_s, "tokens") / g(ours_s, "total_s"), f8["tokens"] / f8["total_s"]
         rows.append(("generated tok/s, sampled: ours (baseline column) and ours with fp8 projections", t_model, t_f8,
                      f"{t_f8 / t_model:.2f}x", floor_tps))
-    for key, what in (("model_policy_gap", "model weights"), ("fp8_policy_gap", "fp8 projections")):
+    for key, what in (("model_policy_gap", "model weights"), ("fp8_policy_gap", "fp8 projections"),
+                      ("fp8_fast_accum_policy_gap", "fp8 projections, fast accumulation")):
         gap = r.get(key)
         if isinstance(gap, dict) and "k3" in gap:
             rows.append((f"sampling policy vs the model's forward ({gap['tokens']} tokens), ours with {what}: "

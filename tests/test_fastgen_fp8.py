@@ -151,6 +151,17 @@ def test_fp8_refused_where_it_cannot_run():
     assert not a.w.fp8 and b.w.fp8 and engine_for(model, 2, 8, 4, "fp8") is b
 
 
+def test_fast_accumulation_is_an_fp8_switch(monkeypatch):
+    """VERLFLOW_FASTGEN_FP8_FAST_ACCUM=1 (the benchmark's A/B) reaches the fp8 matmuls' spec, and only theirs."""
+    model = build("qwen3")
+    monkeypatch.setenv("VERLFLOW_FASTGEN_FP8_FAST_ACCUM", "1")
+    assert FastGen(model, 2, 8, 4, weights="fp8").w.spec.fp8_fast
+    assert not FastGen(model, 2, 8, 4).w.spec.fp8_fast  # nothing to accumulate in fp8
+    assert not FastGen(model, 2, 8, 4, weights="fp8", fp8_fast_accum=False).w.spec.fp8_fast
+    monkeypatch.delenv("VERLFLOW_FASTGEN_FP8_FAST_ACCUM")
+    assert not FastGen(model, 2, 8, 4, weights="fp8").w.spec.fp8_fast
+
+
 # ------------------------------------------------------------------------------------ the rollout correction
 
 

@@ -68,14 +68,18 @@ class FastGen:
     math attention instead of SDPA. ``sampler``: "triton" (the two full-vocabulary passes of the
     top_p/temperature sampler as Triton kernels) or "torch"; "auto": triton on CUDA. ``weights``: "model" (the
     projections in the model's dtype) or "fp8" (e4m3 per output channel, activations per token: ``layers.py``); the
-    log-probs the engine returns are then the fp8 model's, the policy it sampled from."""
+    log-probs the engine returns are then the fp8 model's, the policy it sampled from; ``fp8_fast_accum`` (env
+    VERLFLOW_FASTGEN_FP8_FAST_ACCUM=1) takes the GPU's fast fp8 accumulation (off by default: an A/B)."""
 
     def __init__(self, model, batch_size: int, max_prompt_len: int, max_new_tokens: int, *,
                  use_graphs: bool | None = None, compile: bool | None = None, bucket: int = 64,
                  check_every: int = 16, attn: str = "auto", sampler: str = "auto", prefill_tokens: int = 32768,
                  compile_backend: str = "inductor", bucket_compile: str | None = None, nucleus: str | None = None,
-                 weights: str = "model"):
+                 weights: str = "model", fp8_fast_accum: bool | None = None):
         self.w = _Weights(model, weights)
+        if self.w.fp8 and (fp8_fast_accum if fp8_fast_accum is not None
+                           else os.environ.get("VERLFLOW_FASTGEN_FP8_FAST_ACCUM") == "1"):
+            self.w.spec = self.w.spec._replace(fp8_fast=True)
         self.device = self.w.device
         cuda = _on_cuda(self.device)
         env = os.environ
@@ -301,7 +305,7 @@ class FastGen:
             if sw is None:
                 continue
             x = torch.randn(5, w8.shape[1], generator=g, device=dev).to(self.w.dtype)
-            got = _fp8_linear(x, w8, sw, None).float()
+            got = _fp8_linear(x, w8, sw, None, self.w.spec.fp8_fast).float()
             sx = x.float().abs().amax(-1, keepdim=True) / FP8_MAX
             want = ((x.float() / sx).to(FP8).float() * sx) @ (w8.float() * sw.t()).t()
             errs.append((got - want).abs().max() / want.abs().max())

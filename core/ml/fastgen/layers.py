@@ -36,6 +36,7 @@ class Spec(NamedTuple):
     qk: str = ""  # q/k norm: "head" (each head), "full" (all of q / k), "" (none)
     act: str = "silu"  # "silu", "gelu", "gelu_tanh"
     softcap: float = 0.0  # attention logits: cap * tanh(scores / cap); 0: off
+    fp8_fast: bool = False  # fp8 projections: the GPU's fast accumulation (fewer fp32 promotions; an A/B)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float, f32: bool = False) -> torch.Tensor:
@@ -79,29 +80,30 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.t().contiguous()
 
 
-def _fp8_linear(x, w8, sw, b):
-    """x @ (w8 * sw).T + b with x scaled to e4m3 per token (row): the GPU's fp8 matmul, accumulating in fp32."""
+def _fp8_linear(x, w8, sw, b, fast: bool = False):
+    """x @ (w8 * sw).T + b with x scaled to e4m3 per token (row): the GPU's fp8 matmul, accumulating in fp32
+    (``fast``: Hopper's fast accumulation, which promotes the partial sums to fp32 less often)."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K).float()
     sx = x2.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
     x8 = (x2 / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8).contiguous()  # row-major, as the GPU kernel takes it
-    y = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype)
+    y = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype, use_fast_accum=fast)
     if b is not None:
         y = y + b
     return y.view(*lead, w8.shape[0])
 
 
-def _linear(h, L, p: str):
+def _linear(h, L, p: str, S: Spec):
     """Projection ``p`` of the layer: in the model's dtype, or fp8 where the weights hold a scale for it."""
     if L["s" + p] is None:
         return F.linear(h, L["w" + p], L["b" + p])
-    return _fp8_linear(h, L["w" + p], L["s" + p], L["b" + p])
+    return _fp8_linear(h, L["w" + p], L["s" + p], L["b" + p], S.fp8_fast)
 
 
 def _qkv(h, L, S: Spec):
     """q (..., nh, hd), k and v (..., nkv, hd) from the normed input h (..., H), q/k normed as the family does."""
     lead = h.shape[:-1]
-    q, k, v = _linear(h, L, "qkv").split([S.nh * S.hd, S.nkv * S.hd, S.nkv * S.hd], dim=-1)
+    q, k, v = _linear(h, L, "qkv", S).split([S.nh * S.hd, S.nkv * S.hd, S.nkv * S.hd], dim=-1)
     if S.qk == "full":  # OLMo-2: over the whole projection, before the heads are split
         q = _rms(q, L["qn"], S.eps, S.norm32)
         k = _rms(k, L["kn"], S.eps, S.norm32)
@@ -115,21 +117,21 @@ def _qkv(h, L, S: Spec):
 
 
 def _mlp(h, L, S: Spec):
-    g, u = _linear(h, L, "gu").chunk(2, dim=-1)
+    g, u = _linear(h, L, "gu", S).chunk(2, dim=-1)
     if S.act == "silu":
         a = F.silu(g)
     elif S.act == "gelu_tanh":
         a = F.gelu(g, approximate="tanh")
     else:
         a = F.gelu(g)
-    return _linear(a * u, L, "down")
+    return _linear(a * u, L, "down", S)
 
 
 def _after_attn(x, o, L, S: Spec):
     """Output projection, the attention residual, the MLP and its residual, with the family's norms around each
     (Llama: x + o; x + mlp(ln2(x)). Gemma: x + ln_pa(o); x + ln_pf(mlp(ln2(x))). OLMo-2: x + ln_pa(o); x +
     ln_pf(mlp(x)))."""
-    x = x + _norm(_linear(o, L, "o"), L["ln_pa"], S)
+    x = x + _norm(_linear(o, L, "o", S), L["ln_pa"], S)
     return x + _norm(_mlp(_norm(x, L["ln2"], S), L, S), L["ln_pf"], S)
 
 
