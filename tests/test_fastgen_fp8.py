@@ -151,6 +151,26 @@ def test_fp8_refused_where_it_cannot_run():
     assert not a.w.fp8 and b.w.fp8 and engine_for(model, 2, 8, 4, "fp8") is b
 
 
+def test_the_start_up_check_refuses_a_gpu_whose_fp8_matmul_is_wrong_or_missing(monkeypatch):
+    """The CUDA engine's fp8 check, run here on CPU against a torch._scaled_mm broken on purpose: one that drops the
+    weights' scales (what a wrong scale layout does), one that the GPU does not have (CUBLAS_STATUS_NOT_SUPPORTED,
+    as on some Blackwell parts). Both refuse, naming rollout.weights=model; the real op passes."""
+    eng = FastGen(build("qwen3"), 2, 8, 4, weights="fp8")
+    eng._self_check()
+    real = torch._scaled_mm
+
+    def unscaled(a, b, scale_a, scale_b, **kw):
+        return real(a, b, scale_a=scale_a, scale_b=torch.ones_like(scale_b), **kw)
+
+    def missing(*a, **kw):
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmulAlgoGetHeuristic")
+
+    for broken, message in ((unscaled, "differs from its reference"), (missing, "CUBLAS_STATUS_NOT_SUPPORTED")):
+        monkeypatch.setattr(torch, "_scaled_mm", broken)
+        with pytest.raises(RuntimeError, match=f"rollout.weights=fp8.*{message}.*use rollout.weights=model"):
+            eng._self_check()
+
+
 def test_fast_accumulation_is_an_fp8_switch(monkeypatch):
     """VERLFLOW_FASTGEN_FP8_FAST_ACCUM=1 (the benchmark's A/B) reaches the fp8 matmuls' spec, and only theirs."""
     model = build("qwen3")
