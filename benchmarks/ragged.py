@@ -131,6 +131,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--refill-min", type=int, action="append", help="repeatable; default the engine's (rows/32)")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--weights", default="model", choices=["model", "fp8"], help="the projections' precision "
+                    "(rollout.weights)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU-sized: tiny shape, 4 rows, 16 prompts, 2..64 new")
     ap.add_argument("--no-cudnn-sdp", action="store_true", help="sdpa without its cuDNN backend (is the first call's "
@@ -149,10 +151,10 @@ def main(argv=None) -> dict:
     say(f"{args.shape}: {args.prompts} prompts, {args.batch} rows, budgets {min(budgets)}..{max(budgets)} "
         f"(mean {sum(budgets) / len(budgets):.0f}), device {dev}")
     t0 = time.perf_counter()
-    eng = FastGen(model, args.batch, args.prompt, args.new)
+    eng = FastGen(model, args.batch, args.prompt, args.new, weights=args.weights)
     eng.prepare([eos], pad, cfg, args.prompt // 2, every_slot=True)
     sync(dev)
-    res = {"shape": args.shape, "rows": args.batch, "prompts": args.prompts, "engine_setup_s": time.perf_counter() - t0,
+    res = {"shape": args.shape, "weights": args.weights, "rows": args.batch, "prompts": args.prompts, "engine_setup_s": time.perf_counter() - t0,
            "attn": [eng.attn, eng.attn_cfg], "attn_continuous": eng.ragged_attn or "the same",
            "attn_timings_us": {"one length": eng.attn_timings, "spread lengths": eng.ragged_timings},
            "budgets_mean": sum(budgets) / len(budgets)}
