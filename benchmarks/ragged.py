@@ -154,7 +154,8 @@ def main(argv=None) -> dict:
     eng = FastGen(model, args.batch, args.prompt, args.new, weights=args.weights)
     eng.prepare([eos], pad, cfg, args.prompt // 2, every_slot=True)
     sync(dev)
-    res = {"shape": args.shape, "weights": args.weights, "rows": args.batch, "prompts": args.prompts, "engine_setup_s": time.perf_counter() - t0,
+    res = {"shape": args.shape, "weights": args.weights, "rows": args.batch, "prompts": args.prompts,
+           "engine_setup_s": time.perf_counter() - t0,
            "attn": [eng.attn, eng.attn_cfg], "attn_continuous": eng.ragged_attn or "the same",
            "attn_timings_us": {"one length": eng.attn_timings, "spread lengths": eng.ragged_timings},
            "budgets_mean": sum(budgets) / len(budgets)}
