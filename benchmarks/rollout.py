@@ -473,7 +473,6 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
     # ours, main variant: graphs + compile (on CUDA), attention and sampler as the engine picks them
     eng = FastGen(model, B, P, N, attn=args.attn, sampler=args.sampler)
     ours_s = attempt("ours_sampled", lambda: run_ours(eng, ids, mask, scfg, eos, pad, dev))
-    ours_s_logp = None if eng.last_logprobs is None else eng.last_logprobs.clone()  # the sampled run's
     ours_g = attempt("ours_greedy", lambda: run_ours(eng, ids, mask, gcfg, eos, pad, dev))
     if cuda and args.ab_static_buckets:  # the same engine with a decode graph per cache bucket (lengths static)
         eng_sb = FastGen(model, B, P, N, attn=eng.attn, sampler=eng.sampler, bucket_compile="static")
@@ -486,24 +485,24 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
         attempt("ours_one_pass_nucleus_sampled", lambda: run_ours(eng_np, ids, mask, scfg, eos, pad, dev))
         del eng_np
     if args.ab_fp8 or args.smoke:  # the same engine with fp8 projections, and how far its policy is from the model's
-        eng_f8 = FastGen(model, B, P, N, attn=eng.attn, sampler=eng.sampler, weights="fp8")
-        eng_f8.attn_cfg = dict(eng.attn_cfg)
-        f8 = attempt("ours_fp8_sampled", lambda: run_ours(eng_f8, ids, mask, scfg, eos, pad, dev))
-        if f8:
-            attempt("fp8_policy_gap", lambda: policy_gap(model, ids, mask, f8[0], eng_f8.last_logprobs, eos, scfg,
-                                                         rows=args.tf_rows))
-        if ours_s and ours_s_logp is not None:  # the model's weights, for scale (the engine's kernels against HF's)
-            attempt("model_policy_gap", lambda: policy_gap(model, ids, mask, ours_s[0], ours_s_logp, eos,
-                                                           scfg, rows=args.tf_rows))
-        del eng_f8
-        if cuda:  # ... and with Hopper's fast fp8 accumulation
-            eng_ff = FastGen(model, B, P, N, attn=eng.attn, sampler=eng.sampler, weights="fp8", fp8_fast_accum=True)
-            eng_ff.attn_cfg = dict(eng.attn_cfg)
-            ff = attempt("ours_fp8_fast_accum_sampled", lambda: run_ours(eng_ff, ids, mask, scfg, eos, pad, dev))
-            if ff:
-                attempt("fp8_fast_accum_policy_gap", lambda: policy_gap(model, ids, mask, ff[0], eng_ff.last_logprobs,
-                                                                        eos, scfg, rows=args.tf_rows))
-            del eng_ff
+        # The gap is what algorithm.rollout_correction sees: untruncated sampling (it refuses top_p / top_k), a
+        # generation of its own; the speed is at the run's sampling settings.
+        ucfg = SamplingConfig(args.temperature, 1.0, 0)
+
+        def gap_of(e):
+            torch.manual_seed(1)
+            resp = e.generate(ids, mask, ucfg, [eos], pad)
+            return policy_gap(model, ids, mask, resp, e.last_logprobs, eos, ucfg, rows=args.tf_rows)
+
+        attempt("model_policy_gap", lambda: gap_of(eng))  # for scale: the engine's own kernels against HF's forward
+        variants = [("fp8", {})] + ([("fp8_fast_accum", {"fp8_fast_accum": True}),
+                                     ("fp8_autotuned", {"fp8_gemm": "autotune"})] if cuda else [])
+        for name, extra in variants:
+            e = FastGen(model, B, P, N, attn=eng.attn, sampler=eng.sampler, weights="fp8", **extra)
+            e.attn_cfg = dict(eng.attn_cfg)
+            if attempt(f"ours_{name}_sampled", lambda: run_ours(e, ids, mask, scfg, eos, pad, dev)):
+                attempt(f"{name}_policy_gap", lambda: gap_of(e))
+            del e
     r["ours_engine"] = {"graphs": eng.use_graphs, "compile": eng.compile, "bucket": eng.bucket, "attn": eng.attn,
                         "sampler": eng.sampler, "nucleus": eng.nucleus, "attn_cfg": eng.attn_cfg,
                         "attn_timings_us": eng.attn_timings, "continuous_batching_attn": eng.ragged_attn,
@@ -606,7 +605,8 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
     for key, what in (("ours_static_buckets_sampled", "a decode graph per cache bucket"),
                       ("ours_one_pass_nucleus_sampled", "the one-pass nucleus test"),
                       ("ours_fp8_sampled", "fp8 projections (rollout.weights=fp8)"),
-                      ("ours_fp8_fast_accum_sampled", "fp8 projections, fast accumulation")):
+                      ("ours_fp8_fast_accum_sampled", "fp8 projections, fast accumulation"),
+                      ("ours_fp8_autotuned_sampled", "fp8 projections, inductor's autotuned fp8 GEMMs")):
         ab = r.get(key)
         if isinstance(ab, dict) and "ms_per_step" in ab:
             rows.append((f"decode ms/step, sampled, ours with {what}", "-", ab["ms_per_step"], "-",
@@ -614,14 +614,16 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
     f8 = r.get("ours_fp8_sampled")
     if isinstance(f8, dict) and "tokens" in f8 and ours_s:
         t_model, t_f8 = g(ours_s, "tokens") / g(ours_s, "total_s"), f8["tokens"] / f8["total_s"]
-        rows.append(("generated tok/s, sampled: ours (baseline column) and ours with fp8 projections", t_model, t_f8,
+        rows.append(("generated tok/s, sampled: ours (baseline column) and ours with fp8 projections (floor: bf16 "
+                     "weights)", t_model, t_f8,
                      f"{t_f8 / t_model:.2f}x", floor_tps))
     for key, what in (("model_policy_gap", "model weights"), ("fp8_policy_gap", "fp8 projections"),
-                      ("fp8_fast_accum_policy_gap", "fp8 projections, fast accumulation")):
+                      ("fp8_fast_accum_policy_gap", "fp8 projections, fast accumulation"),
+                      ("fp8_autotuned_policy_gap", "fp8 projections, autotuned GEMMs")):
         gap = r.get(key)
         if isinstance(gap, dict) and "k3" in gap:
-            rows.append((f"sampling policy vs the model's forward ({gap['tokens']} tokens), ours with {what}: "
-                         "KL k3 / IS weight mean / share > 2", "-",
+            rows.append((f"sampling policy vs the model's forward ({gap['tokens']} tokens, top_p 1), ours with "
+                         f"{what}: KL k3 / IS weight mean / share > 2", "-",
                          f"{gap['k3']:.2e} / {gap['is_mean']:.3f} / {gap['is_above_2']:.2%}", "-", "-"))
     if ours_s:
         rows.append(("fraction of memory floor (floor ms / decode ms), sampled", "-",

@@ -140,15 +140,30 @@ def test_warm_fp8_engine_requantizes_in_place_when_the_policy_changes():
     assert not torch.equal(after, before)
 
 
-def test_fp8_refused_where_it_cannot_run():
+def test_fp8_refused_where_it_cannot_run(monkeypatch):
+    import weakref
+
+    from verlflow.core.ml.fastgen import engine
     from verlflow.core.ml.fastgen.engine import engine_for
 
     model = build("qwen3")
     with pytest.raises(ValueError, match="rollout.weights must be"):
         FastGen(model, 2, 8, 4, weights="int4")
     a = engine_for(model, 2, 8, 4)
-    b = engine_for(model, 2, 8, 4, "fp8")  # the cached engine of other weights is not reused
-    assert not a.w.fp8 and b.w.fp8 and engine_for(model, 2, 8, 4, "fp8") is b
+    assert not a.w.fp8 and engine_for(model, 2, 8, 4) is a
+    old = weakref.ref(a)
+    del a
+    seen = []
+
+    class Probe(FastGen):  # what exists when the replacement is built
+        def __init__(self, *args, **kw):
+            seen.append(old() is None)
+            super().__init__(*args, **kw)
+
+    monkeypatch.setattr(engine, "FastGen", Probe)
+    b = engine_for(model, 2, 8, 4, "fp8")  # the cached engine of other weights is not reused ...
+    assert b.w.fp8 and engine_for(model, 2, 8, 4, "fp8") is b
+    assert seen == [True]  # ... and is gone before its replacement takes memory (two KV caches may not fit)
 
 
 def test_the_start_up_check_refuses_a_gpu_whose_fp8_matmul_is_wrong_or_missing(monkeypatch):
@@ -180,6 +195,9 @@ def test_fast_accumulation_is_an_fp8_switch(monkeypatch):
     assert not FastGen(model, 2, 8, 4, weights="fp8", fp8_fast_accum=False).w.spec.fp8_fast
     monkeypatch.delenv("VERLFLOW_FASTGEN_FP8_FAST_ACCUM")
     assert not FastGen(model, 2, 8, 4, weights="fp8").w.spec.fp8_fast
+    assert FastGen(model, 2, 8, 4, weights="fp8").fp8_gemm == "aten"  # inductor keeps the op's own kernel
+    with pytest.raises(ValueError, match="fp8_gemm must be"):
+        FastGen(model, 2, 8, 4, weights="fp8", fp8_gemm="cutlass")
 
 
 # ------------------------------------------------------------------------------------ the rollout correction

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import os
@@ -69,17 +70,22 @@ class FastGen:
     top_p/temperature sampler as Triton kernels) or "torch"; "auto": triton on CUDA. ``weights``: "model" (the
     projections in the model's dtype) or "fp8" (e4m3 per output channel, activations per token: ``layers.py``); the
     log-probs the engine returns are then the fp8 model's, the policy it sampled from; ``fp8_fast_accum`` (env
-    VERLFLOW_FASTGEN_FP8_FAST_ACCUM=1) takes the GPU's fast fp8 accumulation (off by default: an A/B)."""
+    VERLFLOW_FASTGEN_FP8_FAST_ACCUM=1) takes the GPU's fast fp8 accumulation (off by default: an A/B); ``fp8_gemm``
+    (env VERLFLOW_FASTGEN_FP8_GEMM): "aten" (the op's own kernel, compiled as is) or "autotune" (inductor may pick
+    its Triton fp8 templates: an A/B)."""
 
     def __init__(self, model, batch_size: int, max_prompt_len: int, max_new_tokens: int, *,
                  use_graphs: bool | None = None, compile: bool | None = None, bucket: int = 64,
                  check_every: int = 16, attn: str = "auto", sampler: str = "auto", prefill_tokens: int = 32768,
                  compile_backend: str = "inductor", bucket_compile: str | None = None, nucleus: str | None = None,
-                 weights: str = "model", fp8_fast_accum: bool | None = None):
+                 weights: str = "model", fp8_fast_accum: bool | None = None, fp8_gemm: str | None = None):
         self.w = _Weights(model, weights)
         if self.w.fp8 and (fp8_fast_accum if fp8_fast_accum is not None
                            else os.environ.get("VERLFLOW_FASTGEN_FP8_FAST_ACCUM") == "1"):
             self.w.spec = self.w.spec._replace(fp8_fast=True)
+        self.fp8_gemm = fp8_gemm or os.environ.get("VERLFLOW_FASTGEN_FP8_GEMM", "aten")
+        if self.fp8_gemm not in ("aten", "autotune"):
+            raise ValueError(f"fp8_gemm must be 'aten' or 'autotune', got {self.fp8_gemm!r}")
         self.device = self.w.device
         cuda = _on_cuda(self.device)
         env = os.environ
@@ -191,7 +197,12 @@ class FastGen:
         self._eager = dict(fns)  # a refill's first tokens: a new row count each time, not worth a compile each
         if compiled:  # the prefill sees a new (rows, width) per micro-batch: _prefill marks those two dims dynamic
             # (dynamic=True would make every size and float symbolic: a slower compile, even from the cache)
-            fns = {k: torch.compile(f, fullgraph=k not in ("sample",), backend=self.compile_backend)
+            # Inductor autotunes fp8 matmuls against its Triton templates even without max-autotune: set-up time
+            # on a cold cache, and a kernel the start-up check never ran. fp8_gemm="aten" keeps the op's own kernel
+            # (cuBLASLt), as for the bf16 matmuls; "autotune" lets inductor choose (an A/B)
+            opts = ({"options": {"max_autotune_gemm_backends": "ATEN"}}
+                    if self.w.fp8 and self.fp8_gemm == "aten" and self.compile_backend == "inductor" else {})
+            fns = {k: torch.compile(f, fullgraph=k not in ("sample",), backend=self.compile_backend, **opts)
                    for k, f in fns.items()}
         self._fn = fns
 
@@ -318,7 +329,7 @@ class FastGen:
         if w.fp8:
             try:  # row-scaled fp8 matmuls are not on every GPU and torch build (some Blackwell parts lack them)
                 err = self._fp8_error()
-            except RuntimeError as e:
+            except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, ValueError or NotImplementedError
                 raise RuntimeError(f"rollout.weights=fp8: torch._scaled_mm with per-row scales fails on {dev} "
                                    f"({e}); use rollout.weights=model") from e
             if not err < 1e-2:  # bf16 output rounding is ~4e-3; a wrong scale layout is off by O(1)
@@ -808,11 +819,18 @@ _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def engine_for(model, batch_size: int, max_prompt_len: int, max_new_tokens: int, weights: str = "model") -> FastGen:
     """A cached engine for this model object big enough for the request, with its weights' precision (weights
     re-read on reuse)."""
-    eng = _ENGINES.get(model)
+    eng = _ENGINES.pop(model, None)
     if (eng is not None and eng.B >= batch_size and eng.max_prompt >= max_prompt_len and eng.max_new == max_new_tokens
             and eng.w.fp8 == (weights == "fp8")):
         eng.refresh_weights()
+        _ENGINES[model] = eng
         return eng
+    if eng is not None:  # the old engine's cache and graphs go before the new one's come (two would not fit)
+        cuda = _on_cuda(eng.device)
+        del eng
+        gc.collect()  # captured graphs hold their memory pool until the engine is collected
+        if cuda:
+            torch.cuda.empty_cache()
     eng = FastGen(model, batch_size, max_prompt_len, max_new_tokens, weights=weights)
     _ENGINES[model] = eng
     return eng
