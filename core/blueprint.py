@@ -256,6 +256,10 @@ class AlgorithmSpec(Section):
         "sequence (none: off).")
     rollout_is_threshold: float = Field(2.0, gt=0.0, description="policy_loss bypass_mode and rollout_correction: "
                                         "importance weights are truncated at this value.")
+    rollout_is_threshold_lower: Optional[float] = Field(
+        None, gt=0.0, description="policy_loss bypass_mode and rollout_correction: with it, weights outside "
+        "[rollout_is_threshold_lower, rollout_is_threshold] are zeroed instead of capped (IcePop: the token or "
+        "sequence drops out of the loss); none: truncation only.")
     rollout_correction: bool = Field(
         False, description="With old_logprobs=recompute: weight each token's policy loss by the truncated importance "
         "ratio of the recomputed old log-probs to the rollout's own (verl's decoupled rollout correction, per "
@@ -279,6 +283,13 @@ class AlgorithmSpec(Section):
     filter_groups: FilterGroupsSpec = Field(FilterGroupsSpec(), description="DAPO's dynamic sampling.")
 
     @property
+    def rollout_is_band(self) -> float | str:
+        """verl's rollout_is_threshold: the cap (truncated IS), or "lower_upper" (IcePop: zero outside the band)."""
+        if self.rollout_is_threshold_lower is None:
+            return self.rollout_is_threshold
+        return f"{self.rollout_is_threshold_lower}_{self.rollout_is_threshold}"
+
+    @property
     def greedy_baseline(self) -> bool:
         """The rollout samples a greedy response per prompt as the estimator's baseline (remax); part of the
         rollout's key."""
@@ -296,6 +307,10 @@ class AlgorithmSpec(Section):
             raise ValueError("algorithm.rollout_correction weighs the recomputed old log-probs against the rollout's: "
                              "it needs algorithm.old_logprobs=recompute and a policy_loss other than bypass_mode "
                              "(bypass_mode corrects with the rollout's log-probs itself)")
+        if self.rollout_is_threshold_lower is not None and self.rollout_is_threshold_lower > self.rollout_is_threshold:
+            raise ValueError(f"algorithm.rollout_is_threshold_lower={self.rollout_is_threshold_lower} is above "
+                             f"algorithm.rollout_is_threshold={self.rollout_is_threshold}: the kept band "
+                             "[lower, threshold] would be empty; lower it below the threshold, e.g. 0.5")
         if self.rollout_correction and self.rollout_is is None:
             raise ValueError("algorithm.rollout_correction needs algorithm.rollout_is (token or sequence): with none "
                              "it would weigh nothing")

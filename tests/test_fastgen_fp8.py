@@ -344,3 +344,47 @@ def test_cuda_fp8_engine_samples_from_the_fp8_model():
     to_fp8 = (lp - teacher_forced_logp(ref, ids, mask, out, 1.0)[live]).abs().mean().item()
     to_model = (lp - teacher_forced_logp(model, ids, mask, out, 1.0)[live]).abs().mean().item()
     assert to_fp8 < 0.5 * to_model, (to_fp8, to_model)
+
+
+@pytest.mark.parametrize("loss", ["vanilla", "bypass_mode"])
+def test_icepop_band_zeroes_what_lies_outside_it(loss):
+    """algorithm.rollout_is_threshold_lower: token weights outside [lower, threshold] drop to 0 (verl's IcePop)
+    instead of being capped, in the decoupled correction and in bypass_mode's own weighting (REINFORCE: its PPO-clip
+    variant takes no weights)."""
+    from verlflow.core.blueprint import Blueprint
+    from verlflow.core.ml import ppo
+    from verlflow.core.ml.placement import Placement
+
+    fields = {"use_kl_loss": False, "rollout_is": "token", "rollout_is_threshold": 1.5,
+              "rollout_is_threshold_lower": 0.7}
+    fields.update({"rollout_correction": True} if loss == "vanilla" else
+                  {"policy_loss": "bypass_mode", "old_logprobs": "rollout", "bypass_loss_type": "reinforce"})
+    bp = Blueprint.model_validate({"algorithm": fields, "resources": {"nproc_per_node": 1}})
+    capped = Blueprint.model_validate({"algorithm": {**fields, "rollout_is_threshold_lower": None},
+                                       "resources": {"nproc_per_node": 1}})
+    batch, old = _batch()
+    mask = batch["response_mask"]
+    if loss == "bypass_mode":
+        old = batch["rollout_logp"]  # the rollout's log-probs are the old ones
+    g = torch.Generator().manual_seed(1)
+    logp = old + torch.randn(old.shape, generator=g) * 0.5
+    info = {"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": len(old)}
+    losses = {}
+    for name, b in (("band", bp), ("capped", capped)):
+        d, _ = ppo.prepare(b, batch, old, old, iteration=1)
+        if loss == "vanilla":
+            w = (old - batch["rollout_logp"]).exp() * mask
+            want = torch.where((w >= 0.7) & (w <= 1.5), w, 0.0) if name == "band" else w.clamp(max=1.5)
+            torch.testing.assert_close(d.is_weights, want)
+        upd = ppo._Update(b, d, Placement(0, 1, "cpu"))
+        upd.cfg.global_batch_info.update(info)
+        losses[name], _ = upd._policy_loss(logp, torch.zeros_like(old), list(range(len(old))), info)
+    assert torch.isfinite(losses["band"]) and not torch.allclose(losses["band"], losses["capped"])
+
+
+def test_icepop_band_must_not_be_empty():
+    from verlflow.core.blueprint import load_blueprint
+    from verlflow.core.errors import BlueprintError
+
+    with pytest.raises(BlueprintError, match=r"rollout_is_threshold_lower=3.0 is above.*rollout_is_threshold=2.0"):
+        load_blueprint(None, ["algorithm.rollout_is_threshold_lower=3.0"])

@@ -256,7 +256,7 @@ def rollout_correction(bp: Blueprint, batch: dict, old_logp: torch.Tensor) -> tu
     mask = batch["response_mask"].float()
     proto, _, metrics = compute_rollout_correction_and_rejection_mask(
         old_log_prob=old_logp.float(), rollout_log_prob=batch["rollout_logp"].float(), response_mask=mask,
-        rollout_is=a.rollout_is, rollout_is_threshold=a.rollout_is_threshold)
+        rollout_is=a.rollout_is, rollout_is_threshold=a.rollout_is_band)
     return proto.batch["rollout_is_weights"], {k.removeprefix("rollout_corr/"): float(v) for k, v in metrics.items()}
 
 
@@ -267,7 +267,7 @@ def actor_config(bp: Blueprint):
     from verl.workers.config.actor import PolicyLossConfig
 
     a = bp.algorithm
-    correction = RolloutCorrectionConfig(rollout_is=a.rollout_is, rollout_is_threshold=a.rollout_is_threshold,
+    correction = RolloutCorrectionConfig(rollout_is=a.rollout_is, rollout_is_threshold=a.rollout_is_band,
                                          bypass_mode=a.policy_loss == "bypass_mode", loss_type=a.bypass_loss_type)
     loss = PolicyLossConfig(loss_mode=a.policy_loss, clip_cov_ratio=a.clip_cov_ratio, clip_cov_lb=a.clip_cov_lb,
                             clip_cov_ub=a.clip_cov_ub, kl_cov_ratio=a.kl_cov_ratio, ppo_kl_coef=a.ppo_kl_coef,
