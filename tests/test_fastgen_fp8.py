@@ -388,3 +388,11 @@ def test_icepop_band_must_not_be_empty():
 
     with pytest.raises(BlueprintError, match=r"rollout_is_threshold_lower=3.0 is above.*rollout_is_threshold=2.0"):
         load_blueprint(None, ["algorithm.rollout_is_threshold_lower=3.0"])
+
+
+def test_evaluation_samples_the_policy_not_its_fp8_copy():
+    from verlflow.core.blueprint import load_blueprint
+    from verlflow.core.ml.evaluate import sampling
+
+    bp = load_blueprint(None, ["rollout.engine=static", "rollout.weights=fp8", "algorithm.rollout_correction=true"])
+    assert bp.rollout.weights == "fp8" and sampling(bp).weights == "model" and sampling(bp).engine == "static"
