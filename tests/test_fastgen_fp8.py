@@ -214,18 +214,33 @@ def _batch(seed=0, N=8, R=6):
             "scores": torch.randn(N, generator=g), "group": torch.arange(N) // 2, "rollout_logp": roll}, old
 
 
+def _bp(**algorithm):
+    from verlflow.core.blueprint import Blueprint
+
+    return Blueprint.model_validate({"algorithm": algorithm, "resources": {"nproc_per_node": 1}})
+
+
+def _loss(bp, batch, old, logp):
+    """The update's policy loss of the whole batch (one micro-batch, one rank) under ``bp``, and its PPOBatch."""
+    from verlflow.core.ml import ppo
+    from verlflow.core.ml.placement import Placement
+
+    data, _ = ppo.prepare(bp, batch, old, old, iteration=1)
+    info = {"dp_size": 1, "batch_num_tokens": int(batch["response_mask"].sum()), "global_batch_size": len(old)}
+    upd = ppo._Update(bp, data, Placement(0, 1, "cpu"))
+    upd.cfg.global_batch_info.update(info)
+    loss, _ = upd._policy_loss(logp, torch.zeros_like(old), list(range(len(old))), info)
+    return loss, data, info
+
+
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_rollout_correction_weighs_the_loss_by_verls_truncated_weights(level):
     from verl.trainer.ppo import core_algos
 
-    from verlflow.core.blueprint import Blueprint
     from verlflow.core.ml import ppo
-    from verlflow.core.ml.placement import Placement
 
     fields = {"use_kl_loss": False, "rollout_is": level, "rollout_is_threshold": 1.5}
-    bp = Blueprint.model_validate({"algorithm": {**fields, "rollout_correction": True},
-                                   "resources": {"nproc_per_node": 1}})
-    off = Blueprint.model_validate({"algorithm": fields, "resources": {"nproc_per_node": 1}})
+    bp, off = _bp(**fields, rollout_correction=True), _bp(**fields)
     batch, old = _batch()
     mask = batch["response_mask"]
     data, metrics = ppo.prepare(bp, batch, old, old, iteration=1)
@@ -239,20 +254,15 @@ def test_rollout_correction_weighs_the_loss_by_verls_truncated_weights(level):
 
     g = torch.Generator().manual_seed(1)
     logp = old + torch.randn(old.shape, generator=g) * 0.3
-    info = {"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": len(old)}
-    losses = {}
-    for name, b in (("on", bp), ("off", off)):
-        d, _ = ppo.prepare(b, batch, old, old, iteration=1)
-        upd = ppo._Update(b, d, Placement(0, 1, "cpu"))
-        upd.cfg.global_batch_info.update(info)
-        losses[name], _ = upd._policy_loss(logp, torch.zeros_like(old), list(range(len(old))), info)
+    on, _, info = _loss(bp, batch, old, logp)
+    unweighted, _, _ = _loss(off, batch, old, logp)
     cfg = ppo.actor_config(off)
     cfg.global_batch_info.update(info)
     want, _ = core_algos.get_policy_loss_fn("vanilla")(
         old_log_prob=old, log_prob=logp, advantages=data.adv, response_mask=mask,
         loss_agg_mode=bp.algorithm.loss_agg_mode, config=cfg, rollout_is_weights=data.is_weights)
-    torch.testing.assert_close(losses["on"], want, rtol=0, atol=1e-7)
-    assert off.algorithm.rollout_correction is False and not torch.allclose(losses["off"], losses["on"])
+    torch.testing.assert_close(on, want, rtol=0, atol=1e-7)
+    assert off.algorithm.rollout_correction is False and not torch.allclose(unweighted, on)
 
 
 def test_rollout_correction_names_a_batch_without_rollout_logprobs():
@@ -351,35 +361,22 @@ def test_icepop_band_zeroes_what_lies_outside_it(loss):
     """algorithm.rollout_is_threshold_lower: token weights outside [lower, threshold] drop to 0 (verl's IcePop)
     instead of being capped, in the decoupled correction and in bypass_mode's own weighting (REINFORCE: its PPO-clip
     variant takes no weights)."""
-    from verlflow.core.blueprint import Blueprint
-    from verlflow.core.ml import ppo
-    from verlflow.core.ml.placement import Placement
-
-    fields = {"use_kl_loss": False, "rollout_is": "token", "rollout_is_threshold": 1.5,
-              "rollout_is_threshold_lower": 0.7}
+    fields = {"use_kl_loss": False, "rollout_is": "token", "rollout_is_threshold": 1.5}
     fields.update({"rollout_correction": True} if loss == "vanilla" else
                   {"policy_loss": "bypass_mode", "old_logprobs": "rollout", "bypass_loss_type": "reinforce"})
-    bp = Blueprint.model_validate({"algorithm": fields, "resources": {"nproc_per_node": 1}})
-    capped = Blueprint.model_validate({"algorithm": {**fields, "rollout_is_threshold_lower": None},
-                                       "resources": {"nproc_per_node": 1}})
     batch, old = _batch()
     mask = batch["response_mask"]
     if loss == "bypass_mode":
         old = batch["rollout_logp"]  # the rollout's log-probs are the old ones
     g = torch.Generator().manual_seed(1)
     logp = old + torch.randn(old.shape, generator=g) * 0.5
-    info = {"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": len(old)}
-    losses = {}
-    for name, b in (("band", bp), ("capped", capped)):
-        d, _ = ppo.prepare(b, batch, old, old, iteration=1)
-        if loss == "vanilla":
-            w = (old - batch["rollout_logp"]).exp() * mask
-            want = torch.where((w >= 0.7) & (w <= 1.5), w, 0.0) if name == "band" else w.clamp(max=1.5)
-            torch.testing.assert_close(d.is_weights, want)
-        upd = ppo._Update(b, d, Placement(0, 1, "cpu"))
-        upd.cfg.global_batch_info.update(info)
-        losses[name], _ = upd._policy_loss(logp, torch.zeros_like(old), list(range(len(old))), info)
-    assert torch.isfinite(losses["band"]) and not torch.allclose(losses["band"], losses["capped"])
+    band, d_band, _ = _loss(_bp(**fields, rollout_is_threshold_lower=0.7), batch, old, logp)
+    capped, d_capped, _ = _loss(_bp(**fields), batch, old, logp)
+    if loss == "vanilla":
+        w = (old - batch["rollout_logp"]).exp() * mask
+        torch.testing.assert_close(d_band.is_weights, torch.where((w >= 0.7) & (w <= 1.5), w, 0.0))
+        torch.testing.assert_close(d_capped.is_weights, w.clamp(max=1.5))
+    assert torch.isfinite(band) and not torch.allclose(band, capped)
 
 
 def test_icepop_band_must_not_be_empty():
