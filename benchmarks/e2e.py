@@ -192,9 +192,9 @@ def stage_row(res) -> dict:
     for k in ("warm_cache_hits", "ref_source", "save_copy", "compiles"):
         if k in metrics:
             row[k] = metrics[k]
-    corr = metrics.get("rollout_corr") or {}  # algorithm.rollout_correction: the rollout's gap to the policy
-    row.update({f"rollout_corr_{k}": corr[k] for k in ("kl", "k3_kl", "rollout_is_mean", "rollout_is_ratio_fraction_high")
-                if k in corr})
+    for k in ("kl", "k3_kl", "rollout_is_mean", "rollout_is_ratio_fraction_high"):  # algorithm.rollout_correction:
+        if f"rollout_corr/{k}" in metrics:  # the rollout's gap to the trained policy
+            row[f"rollout_corr_{k}"] = metrics[f"rollout_corr/{k}"]
     if metrics.get("mini_batches"):  # the first step's policy is the rollout's: its PPO KL is the log-prob mismatch
         first = metrics["mini_batches"][0]  # between the sampler and the update (0 when the update recomputes)
         row.update(first_ppo_kl=first["ppo_kl"], first_pg_clipfrac=first["pg_clipfrac"])

@@ -248,7 +248,7 @@ def test_rollout_correction_weighs_the_loss_by_verls_truncated_weights(level):
     raw = torch.exp(log_ratio) if level == "token" else torch.exp(log_ratio.sum(1, keepdim=True)).expand_as(old)
     torch.testing.assert_close(data.is_weights, raw.clamp(max=1.5) * mask)
     assert (data.is_weights == 1.5).any() and (data.is_weights[mask.bool()] < 1.5).any()  # some capped, some not
-    m = metrics["rollout_corr"]
+    m = {k.removeprefix("rollout_corr/"): v for k, v in metrics.items() if k.startswith("rollout_corr/")}
     assert m["kl"] == pytest.approx(float(((batch["rollout_logp"] - old) * mask).sum() / mask.sum()), rel=1e-5)
     assert m["k3_kl"] > 0
 
@@ -314,10 +314,20 @@ def test_fp8_rollout_with_the_correction_through_the_pipeline(tiny_kit, tmp_path
     assert len(updates) == 2
     listed = {n.removeprefix("update/rollout_corr/") for n in metrics.available(bp) if "rollout_corr" in n}
     for m in updates:
-        corr = m["metrics"]["rollout_corr"]
+        corr = {k.removeprefix("rollout_corr/"): v for k, v in m["metrics"].items() if k.startswith("rollout_corr/")}
         assert listed <= set(corr), listed - set(corr)
         assert corr["k3_kl"] > 1e-7 and corr["log_ppl_abs_diff"] > 1e-5, corr  # fp8 sampled, fp32 trained
         assert 0.5 < corr["rollout_is_mean"] < 1.5, corr
+    # promotion, the trackers and the figure read the gap under its name; the figure plots it, a point an iteration
+    from verlflow.core.orchestrate import figures
+    from verlflow.core.orchestrate.runner import open_store
+
+    store = open_store(bp)
+    assert [metrics.of_iteration(store, "fp8", i)["update/rollout_corr/k3_kl"] for i in (1, 2)] == \
+        [m["metrics"]["rollout_corr/k3_kl"] for m in updates]
+    fig = figures.run_figure(figures.history(store, "fp8"), "fp8")
+    (ax,) = [ax for ax in fig.axes if ax.get_title() == "Rollout vs trained policy"]
+    assert list(ax.get_lines()[0].get_ydata()) == [m["metrics"]["rollout_corr/k3_kl"] for m in updates]
 
 
 def test_compiled_fp8_step_equals_the_eager_one():

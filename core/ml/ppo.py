@@ -238,7 +238,8 @@ def prepare(bp: Blueprint, batch: dict, old_logp, ref_logp, values=None, *, iter
     adv, ret, metrics = advantages(bp, batch, old_logp, ref_logp, values)
     weights = None
     if bp.algorithm.rollout_correction:
-        weights, metrics["rollout_corr"] = rollout_correction(bp, batch, old_logp)
+        weights, gap = rollout_correction(bp, batch, old_logp)
+        metrics.update({f"rollout_corr/{k}": v for k, v in gap.items()})  # flat, as the metric names are
     return PPOBatch(batch, iteration, old_logp, ref_logp, adv, ret, values, weights), metrics
 
 

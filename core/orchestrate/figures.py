@@ -75,6 +75,8 @@ def run_panels(hist: History) -> list[Panel]:
               Panel("Policy entropy", "entropy (nats)", {"entropy": "update/entropy"}),
               Panel("Gradient norm", "grad norm", {"grad norm": "update/grad_norm"}),
               Panel("Response length (rollout)", "tokens", {"mean length": "rollout/response_len_mean"}),
+              # algorithm.rollout_correction: how far the sampling policy (fp8, other kernels) is from the trained one
+              Panel("Rollout vs trained policy", "KL (k3)", {"k3 KL": "update/rollout_corr/k3_kl"}),
               Panel("Eval accuracy per data source", "accuracy", {s: f"eval/{s}/accuracy" for s in sources}),
               Panel("Eval reward mean per data source", "reward", {s: f"eval/{s}/reward_mean" for s in sources})]
     names = {n for m in hist.values() for n in m}
