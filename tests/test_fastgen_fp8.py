@@ -16,7 +16,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from test_fastgen import EOS, PAD, hf_generate, left_padded  # noqa: E402
+from test_fastgen import EOS, PAD, cut, eos_biased, hf_generate, left_padded, models, prompts_of  # noqa: E402,F401
 from test_fastgen_families import build  # noqa: E402
 from verlflow.core.ml.fastgen import FastGen, SamplingConfig  # noqa: E402
 
@@ -103,6 +103,24 @@ def test_fp8_engine_is_the_fp8_model_token_for_token(case):
     fp32 = teacher_forced_logp(model, ids, mask, out, 0.8)
     gap = (fp32 - want)[live].abs().max().item()
     assert gap > 1e-3 or not torch.equal(ours, plain), gap
+
+
+@pytest.mark.parametrize("arch,attn", [("qwen2", "bmm"), ("llama", "sdpa")])
+def test_fp8_continuous_batching_is_the_fp8_model_prompt_by_prompt(models, arch, attn):
+    """The pipeline's default path (continuous batching: rows refilled mid-generation, each refill prefilled in fp8
+    alone) on the tiny kit's own models (Qwen2 with q/k/v biases, Llama): every response is HF generate's of the
+    fp8 model for that prompt alone."""
+    model = eos_biased(models[arch])
+    ref = fp8_reference(model)
+    lens = [5, 11, 3, 16, 8, 1, 13, 2, 9]
+    limits = [20, 3, 20, 7, 20, 20, 1, 20, 11]
+    prompts = prompts_of(lens, seed=4)
+    eng = FastGen(model, batch_size=3, max_prompt_len=16, max_new_tokens=20, bucket=8, attn=attn, check_every=2,
+                  weights="fp8")
+    ours, _ = eng.generate_many(prompts, SamplingConfig(temperature=0.0), [EOS], PAD, limits=limits, refill_min=1)
+    want = [cut(hf_generate(ref, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long), n)[0].tolist())
+            for p, n in zip(prompts, limits)]
+    assert ours == want and eng.last_stats["refills"] >= 4
 
 
 def test_fp8_matmul_keeps_the_bias_and_the_leading_dims():
