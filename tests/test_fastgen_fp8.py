@@ -15,8 +15,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import transformers  # noqa: E402
 
-from test_fastgen import EOS, PAD, cut, eos_biased, hf_generate, left_padded, models, prompts_of  # noqa: E402,F401
+from test_fastgen import EOS, PAD, cut, eos_biased, hf_generate, left_padded, prompts_of  # noqa: E402
 from test_fastgen_families import build  # noqa: E402
 from verlflow.core.ml.fastgen import FastGen, SamplingConfig  # noqa: E402
 
@@ -105,12 +106,19 @@ def test_fp8_engine_is_the_fp8_model_token_for_token(case):
     assert gap > 1e-3 or not torch.equal(ours, plain), gap
 
 
+@pytest.fixture(scope="module")
+def kit_models(tiny_kit, tiny_llama_kit):
+    """The tiny kit's Qwen2 (q/k/v biases) and Llama, loaded from their HF folders."""
+    return {arch: transformers.AutoModelForCausalLM.from_pretrained(kit["model_dir"]).eval()
+            for arch, kit in (("qwen2", tiny_kit), ("llama", tiny_llama_kit))}
+
+
 @pytest.mark.parametrize("arch,attn", [("qwen2", "bmm"), ("llama", "sdpa")])
-def test_fp8_continuous_batching_is_the_fp8_model_prompt_by_prompt(models, arch, attn):
+def test_fp8_continuous_batching_is_the_fp8_model_prompt_by_prompt(kit_models, arch, attn):
     """The pipeline's default path (continuous batching: rows refilled mid-generation, each refill prefilled in fp8
     alone) on the tiny kit's own models (Qwen2 with q/k/v biases, Llama): every response is HF generate's of the
     fp8 model for that prompt alone."""
-    model = eos_biased(models[arch])
+    model = eos_biased(kit_models[arch])
     ref = fp8_reference(model)
     lens = [5, 11, 3, 16, 8, 1, 13, 2, 9]
     limits = [20, 3, 20, 7, 20, 20, 1, 20, 11]
