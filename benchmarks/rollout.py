@@ -193,22 +193,26 @@ def run_ours(eng: FastGen, ids, mask, cfg, eos, pad, dev, seed=0, repeats=2):
                   "tokens": n_tokens(resp, eos, pad), "ms_per_step": st["decode_ms_per_step"], "setup_s": setup}
 
 
-@torch.no_grad()
-def teacher_forced(model, ids, mask, resp, eos: int, cfg: SamplingConfig, rows: int = 16) -> dict:
-    """Score generated tokens under HF's full forward over prompt + response (teacher forcing)."""
+def scored_rows(model, ids, mask, resp, eos: int, rows: int):
+    """HF's forward over prompt + response, row by row (teacher forcing): per row the response's fp32 logits (n, V),
+    its tokens, and which of them count (up to and with the first EOS)."""
     ids, mask, resp = ids[:rows], mask[:rows], resp[:rows].to(ids.device)
     P, n = ids.shape[1], resp.shape[1]
     is_eos = resp == eos
     first = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full_like(resp[:, 0], n - 1))
     valid = torch.arange(n, device=ids.device)[None] <= first[:, None]
-    temp = cfg.temperature if cfg.temperature > 0 else 1.0
-    gaps, exact, in_nuc, logps = [], [], [], []
     for r in range(ids.shape[0]):
         full = torch.cat([ids[r:r + 1], resp[r:r + 1]], 1)
         fm = torch.cat([mask[r:r + 1], valid[r:r + 1].long()], 1)
-        lg = model(input_ids=full, attention_mask=fm).logits[0, P - 1:P - 1 + n].float()  # (n, V)
-        tok = resp[r]
-        v = valid[r]
+        yield model(input_ids=full, attention_mask=fm).logits[0, P - 1:P - 1 + n].float(), resp[r], valid[r]
+
+
+@torch.no_grad()
+def teacher_forced(model, ids, mask, resp, eos: int, cfg: SamplingConfig, rows: int = 16) -> dict:
+    """Score generated tokens under HF's full forward over prompt + response (teacher forcing)."""
+    temp = cfg.temperature if cfg.temperature > 0 else 1.0
+    gaps, exact, in_nuc, logps = [], [], [], []
+    for lg, tok, v in scored_rows(model, ids, mask, resp, eos, rows):
         tl_ = lg.gather(1, tok[:, None]).squeeze(1)
         gap = lg.max(1).values - tl_
         x = lg / temp
@@ -230,19 +234,9 @@ def policy_gap(model, ids, mask, resp, logp, eos: int, cfg: SamplingConfig, rows
     with rollout.weights=fp8) is from the model's own, scored under HF's forward over prompt + response: what
     algorithm.rollout_correction sees. r = log p_model - log p_engine per token: KL(engine || model) ~ mean(-r) (k1)
     and mean(exp(r) - 1 - r) (k3), and the token-level importance weights exp(r) (mean, max, share above 2)."""
-    ids, mask, resp, logp = ids[:rows], mask[:rows], resp[:rows].to(ids.device), logp[:rows].to(ids.device)
-    P, n = ids.shape[1], resp.shape[1]
-    is_eos = resp == eos
-    first = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full_like(resp[:, 0], n - 1))
-    valid = torch.arange(n, device=ids.device)[None] <= first[:, None]
-    temp = cfg.temperature if cfg.temperature > 0 else 1.0
-    rs = []
-    for r in range(ids.shape[0]):
-        full = torch.cat([ids[r:r + 1], resp[r:r + 1]], 1)
-        fm = torch.cat([mask[r:r + 1], valid[r:r + 1].long()], 1)
-        lg = model(input_ids=full, attention_mask=fm).logits[0, P - 1:P - 1 + n].float() / temp
-        ref = torch.log_softmax(lg, -1).gather(1, resp[r][:, None]).squeeze(1)
-        rs.append((ref - logp[r].float())[valid[r]])
+    logp, temp = logp.to(ids.device), cfg.temperature if cfg.temperature > 0 else 1.0
+    rs = [(torch.log_softmax(lg / temp, -1).gather(1, tok[:, None]).squeeze(1) - logp[i].float())[v]
+          for i, (lg, tok, v) in enumerate(scored_rows(model, ids, mask, resp, eos, rows))]
     r = torch.cat(rs)
     w = r.exp()
     return {"tokens": int(r.numel()), "k1": float(-r.mean()), "k3": float((w - 1 - r).mean()),

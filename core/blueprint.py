@@ -807,6 +807,12 @@ class Blueprint(Section):
             raise ValueError(
                 f"{field} needs untruncated sampling, got rollout.top_p={r.top_p} and rollout.top_k={r.top_k}: set "
                 f"rollout.top_p=1.0 and rollout.top_k=0, or {fix}")
+        return self
+
+    @model_validator(mode="after")
+    def _fp8_rollout_is_served_and_corrected(self):
+        """rollout.weights=fp8: the static engine's, bf16 on CUDA, and the update told it samples another model."""
+        r, a = self.rollout, self.algorithm
         if r.weights == "fp8" and r.engine != "static":
             raise ValueError("rollout.weights=fp8 is the static engine's: set rollout.engine=static, or "
                              "rollout.weights=model")

@@ -239,14 +239,15 @@ def prepare(bp: Blueprint, batch: dict, old_logp, ref_logp, values=None, *, iter
     weights = None
     if bp.algorithm.rollout_correction:
         weights, gap = rollout_correction(bp, batch, old_logp)
-        metrics.update({f"rollout_corr/{k}": v for k, v in gap.items()})  # flat, as the metric names are
+        metrics.update(gap)
     return PPOBatch(batch, iteration, old_logp, ref_logp, adv, ret, values, weights), metrics
 
 
 def rollout_correction(bp: Blueprint, batch: dict, old_logp: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """algorithm.rollout_correction: verl's truncated importance weights of the recomputed old log-probs against the
-    rollout's own (per token or per sequence, padding 0), and its mismatch metrics (KL, perplexities, the weights'
-    spread). Every rank holds the whole batch and its gathered old log-probs: every rank computes the same."""
+    rollout's own (per token or per sequence, padding 0), and its mismatch metrics under verl's flat names
+    (rollout_corr/kl, ...: KL, perplexities, the weights' spread). Every rank holds the whole batch and its gathered
+    old log-probs: every rank computes the same."""
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 
     if "rollout_logp" not in batch:
@@ -258,7 +259,7 @@ def rollout_correction(bp: Blueprint, batch: dict, old_logp: torch.Tensor) -> tu
     proto, _, metrics = compute_rollout_correction_and_rejection_mask(
         old_log_prob=old_logp.float(), rollout_log_prob=batch["rollout_logp"].float(), response_mask=mask,
         rollout_is=a.rollout_is, rollout_is_threshold=a.rollout_is_band)
-    return proto.batch["rollout_is_weights"], {k.removeprefix("rollout_corr/"): float(v) for k, v in metrics.items()}
+    return proto.batch["rollout_is_weights"], {k: float(v) for k, v in metrics.items()}  # "rollout_corr/<name>"
 
 
 def actor_config(bp: Blueprint):

@@ -64,12 +64,12 @@ def check_devices(ctx: StageContext, r: Report):
             free, total = torch.cuda.mem_get_info(ctx.device)
             r.add("device_memory", True, f"rank {ctx.rank}: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free",
                   fatal=False)
-            if ctx.bp.rollout.weights == "fp8":  # the fp8 matmuls came with Ada / Hopper
-                cap = torch.cuda.get_device_capability(ctx.device)
-                r.add("fp8_matmul", cap >= (8, 9),
-                      f"rollout.weights=fp8: {torch.cuda.get_device_name(ctx.device)} has compute capability "
-                      f"{cap[0]}.{cap[1]}" + ("" if cap >= (8, 9) else "; fp8 matmuls need 8.9 or newer: set "
-                                                                        "rollout.weights=model"))
+            if ctx.bp.rollout.weights == "fp8":  # before build: the engine would refuse it at the first rollout
+                from verlflow.core.ml.fastgen.layers import fp8_gpu_problem
+
+                problem = fp8_gpu_problem(ctx.device)
+                r.add("fp8_matmul", problem is None, problem or f"rollout.weights=fp8: "
+                      f"{torch.cuda.get_device_name(ctx.device)} has fp8 matmuls")
     else:
         r.add("accelerators", True, f"cpu with gloo, {res.nproc_per_node} rank(s) per node", fatal=False)
 

@@ -79,10 +79,9 @@ class FastGen:
                  check_every: int = 16, attn: str = "auto", sampler: str = "auto", prefill_tokens: int = 32768,
                  compile_backend: str = "inductor", bucket_compile: str | None = None, nucleus: str | None = None,
                  weights: str = "model", fp8_fast_accum: bool | None = None, fp8_gemm: str | None = None):
-        self.w = _Weights(model, weights)
-        if self.w.fp8 and (fp8_fast_accum if fp8_fast_accum is not None
-                           else os.environ.get("VERLFLOW_FASTGEN_FP8_FAST_ACCUM") == "1"):
-            self.w.spec = self.w.spec._replace(fp8_fast=True)
+        if fp8_fast_accum is None:
+            fp8_fast_accum = os.environ.get("VERLFLOW_FASTGEN_FP8_FAST_ACCUM") == "1"
+        self.w = _Weights(model, weights, fp8_fast_accum)
         self.fp8_gemm = fp8_gemm or os.environ.get("VERLFLOW_FASTGEN_FP8_GEMM", "aten")
         if self.fp8_gemm not in ("aten", "autotune"):
             raise ValueError(f"fp8_gemm must be 'aten' or 'autotune', got {self.fp8_gemm!r}")

@@ -222,6 +222,15 @@ def _decode_layer(x, h, L, nxt, kc, vc, slot, cos, sin, bias, S: Spec, attn: str
 # ------------------------------------------------------------------------------------------------ weights
 
 
+def fp8_gpu_problem(device: torch.device) -> str | None:
+    """Why this CUDA device cannot run the fp8 projections (None: it can); the validate stage asks it per rank."""
+    cap = torch.cuda.get_device_capability(device)
+    if cap >= (8, 9):  # fp8 tensor cores came with Ada (8.9) and Hopper (9.0)
+        return None
+    return (f"rollout.weights=fp8 needs a GPU with fp8 matmuls (compute capability 8.9 or newer); "
+            f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}: use rollout.weights=model")
+
+
 def _fp8_wanted(weights: str, device: torch.device, dtype: torch.dtype) -> bool:
     """rollout.weights: "model" (the model's dtype) or "fp8", refused where this device cannot run it."""
     if weights not in ("model", "fp8"):
@@ -229,10 +238,9 @@ def _fp8_wanted(weights: str, device: torch.device, dtype: torch.dtype) -> bool:
     if weights == "model":
         return False
     if device.type == "cuda":
-        cap = torch.cuda.get_device_capability(device)
-        if cap < (8, 9):
-            raise ValueError(f"rollout.weights=fp8 needs a GPU with fp8 matmuls (compute capability 8.9 or newer); "
-                             f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}: use rollout.weights=model")
+        problem = fp8_gpu_problem(device)
+        if problem:
+            raise ValueError(problem)
         if dtype != torch.bfloat16:  # the row-scaled fp8 matmul writes bf16
             raise ValueError(f"rollout.weights=fp8 on CUDA needs a bf16 model, this one is {dtype}: set "
                              "fsdp.mixed_precision=bf16, or rollout.weights=model")
@@ -264,7 +272,7 @@ class _Weights:
     """The model's tensors in the layout the engine wants, read through its family's adapter; fused matrices
     and fp32 norm scales are copies (``refresh`` re-copies them in place), the rest are the model's own."""
 
-    def __init__(self, model, weights: str = "model"):
+    def __init__(self, model, weights: str = "model", fp8_fast_accum: bool = False):
         cfg = model.config
         model_type = getattr(cfg, "model_type", None)
         fam: Family | None = FAMILIES.get(model_type)
@@ -340,6 +348,8 @@ class _Weights:
                          norm32=fam.norm_form != "llama", qk=fam.qk_norm, act=ACTIVATIONS[act], softcap=attn_cap)
         self.norm_eps = _eps(base.norm)
         self.fp8 = _fp8_wanted(weights, self.device, self.dtype)
+        if self.fp8 and fp8_fast_accum:
+            self.spec = self.spec._replace(fp8_fast=True)
         self.layers: list[dict] = []
         self.refresh()
 
