@@ -350,6 +350,12 @@ class RolloutSpec(Section):
         "output channel, activations scaled per token; the embedding and LM head stay): half the weight bytes and "
         "the GPU's fp8 matmuls (sm_89 or newer), sampling from a slightly different model, so it needs "
         "algorithm.rollout_correction or algorithm.old_logprobs=rollout. Evaluation samples the model's weights.")
+    kv_cache: Literal["model", "fp8"] = Field(
+        "model", description="engine static: the KV cache in the model's dtype, or fp8 (e4m3, a scale per KV head and "
+        "slot): half the cache's bytes, read directly by the Triton decode kernel (sm_89 or newer); every token, the "
+        "prompt's too, attends to the rounded keys and values, so it samples from a slightly different model and "
+        "needs algorithm.rollout_correction or algorithm.old_logprobs=rollout, as rollout.weights=fp8 does. "
+        "Evaluation keeps the model's cache.")
 
 
 class FSDPSpec(Section):
@@ -811,20 +817,22 @@ class Blueprint(Section):
 
     @model_validator(mode="after")
     def _fp8_rollout_is_served_and_corrected(self):
-        """rollout.weights=fp8: the static engine's, bf16 on CUDA, and the update told it samples another model."""
+        """rollout.weights=fp8 and rollout.kv_cache=fp8: the static engine's (the fp8 weights bf16 on CUDA), and the
+        update told it samples another model."""
         r, a = self.rollout, self.algorithm
-        if r.weights == "fp8" and r.engine != "static":
-            raise ValueError("rollout.weights=fp8 is the static engine's: set rollout.engine=static, or "
-                             "rollout.weights=model")
+        for field in [f for f in ("weights", "kv_cache") if getattr(r, f) == "fp8"]:
+            if r.engine != "static":
+                raise ValueError(f"rollout.{field}=fp8 is the static engine's: set rollout.engine=static, or "
+                                 f"rollout.{field}=model")
+            if a.old_logprobs == "recompute" and not a.rollout_correction:
+                raise ValueError(
+                    f"rollout.{field}=fp8 samples from an fp8 model, not the policy the update recomputes its old "
+                    f"log-probs with: set algorithm.rollout_correction=true (importance-weighted against the "
+                    f"rollout's own log-probs), or algorithm.old_logprobs=rollout (the PPO ratio against them)")
         if r.weights == "fp8" and self.resources.device == "cuda" and self.fsdp.mixed_precision != "bf16":
             raise ValueError(f"rollout.weights=fp8 on CUDA samples from a bf16 model (the fp8 matmul writes bf16), "
                              f"and fsdp.mixed_precision={self.fsdp.mixed_precision} makes the inference copy "
                              f"{self.fsdp.mixed_precision}: set fsdp.mixed_precision=bf16, or rollout.weights=model")
-        if r.weights == "fp8" and a.old_logprobs == "recompute" and not a.rollout_correction:
-            raise ValueError(
-                "rollout.weights=fp8 samples from the fp8 model, not the policy the update recomputes its old "
-                "log-probs with: set algorithm.rollout_correction=true (importance-weighted against the rollout's "
-                "own log-probs), or algorithm.old_logprobs=rollout (the PPO ratio against them)")
         return self
 
     @model_validator(mode="after")

@@ -47,6 +47,24 @@ def test_every_timed_attention_configuration_equals_the_reference():
     assert not bad, bad
 
 
+def test_every_timed_attention_configuration_reads_an_fp8_cache_as_the_reference():
+    """rollout.kv_cache=fp8: the kernel loads e4m3 keys and values and their per-slot scales (K's after the dot, V's
+    on the probabilities before it), at slots whose sizes span four decades."""
+    from verlflow.core.ml.fastgen import FastGen
+
+    errors = interpreted("attention_fp8_cache")["max_rel_error"]
+    assert len(errors) == len(FastGen._ATTN_CONFIGS)
+    bad = {cfg: err for cfg, err in errors.items() if not err < 1e-5}
+    assert not bad, bad
+
+
+def test_engine_reads_its_fp8_cache_with_the_triton_kernel_and_checks_it():
+    res = interpreted("engine_fp8_cache")
+    assert res["cache"] == "torch.float8_e4m3fn" and res["greedy_equals_hf"]
+    assert res["self_check_keeps"] == "triton"
+    assert res["self_check_after_breaking_the_scales"] == "sdpa"
+
+
 def test_two_pass_nucleus_test_picks_the_one_pass_and_torch_samplers_tokens():
     """The first pass settles most rows (its candidate is accepted); the rest take the second pass. Either way the
     token is the first accepted candidate: the one-pass kernel's and the torch sampler's, for the same uniforms."""
@@ -76,9 +94,10 @@ def test_attention_choice_per_batching_mode_and_its_record():
     assert res["same_choice"] == ["sdpa", None, True] and res["same_round_trip"]  # one choice, both timings kept
 
 
-ATTN_SIG = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "PAD": "*i64", "SLOT": "*i64", "MP": "*fp32", "LP": "*fp32",
-            "OP": "*fp32", "scale": "fp32", "sqb": "i32", "sqh": "i32", "skb": "i32", "skh": "i32", "skt": "i32",
-            "NKV": "i32", "NSPLIT": "i32"}
+ATTN_SIG = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KS": "*fp32", "VS": "*fp32", "PAD": "*i64", "SLOT": "*i64",
+            "MP": "*fp32", "LP": "*fp32", "OP": "*fp32", "scale": "fp32", "sqb": "i32", "sqh": "i32", "skb": "i32",
+            "skh": "i32", "skt": "i32", "ssb": "i32", "ssh": "i32", "NKV": "i32", "NSPLIT": "i32"}
+FP8_CACHE = {"K": "*fp8e4nv", "V": "*fp8e4nv"}
 SAMPLER_SIG = {"X": "*bf16", "sxb": "i32", "V": "i32", "inv_t": "fp32", "M": "*fp32", "XC": "*bf16"}
 
 
@@ -86,18 +105,23 @@ def variants():
     """(kernel name, signature, constants, warps): every kernel in the variants the engine launches."""
     from verlflow.core.ml.fastgen import FastGen
 
-    for i, cfg in enumerate(FastGen._ATTN_CONFIGS):  # each configuration; the window, soft-cap and fp32 variants
-        # of the first plain and the first bounded one (the variants change the body, not the loop structure)
+    for i, cfg in enumerate(FastGen._ATTN_CONFIGS):  # each configuration, plain and reading an fp8 cache; the
+        # window, soft-cap and fp32 variants of the first plain and the first bounded one (the variants change the
+        # body, not the loop structure)
         firsts = (0, next(j for j, c in enumerate(FastGen._ATTN_CONFIGS) if c.get("bounded")))
         extra = ((4096, 0.0, False), (4096, 50.0, False), (0, 0.0, True)) if i in firsts else ()
-        for window, softcap, ieee in ((0, 0.0, False), *extra):
+        for window, softcap, ieee, kv8 in ((0, 0.0, False, False), (0, 0.0, False, True),
+                                           *((*e, False) for e in extra), *((*e, True) for e in extra)):
             dt = "*fp32" if ieee else "*bf16"
-            yield ("_decode_attn_kernel", {**ATTN_SIG, "Q": dt, "K": dt, "V": dt},
+            sig = {**ATTN_SIG, "Q": dt, "K": dt, "V": dt, **(FP8_CACHE if kv8 else {})}
+            yield ("_decode_attn_kernel", sig,
                    dict(G=6, GP=16, D=128, DP=128, SPLIT_N=cfg["split_n"], BLOCK_N=cfg["block_n"], WINDOW=window,
-                        SOFTCAP=softcap, IEEE=ieee, BOUNDED=bool(cfg.get("bounded"))), cfg["num_warps"])
+                        SOFTCAP=softcap, IEEE=ieee, BOUNDED=bool(cfg.get("bounded")), KV8=kv8), cfg["num_warps"])
     for d, dp in ((96, 128), (256, 256)):  # Phi-3's head dim (padded to 128), Gemma's
-        yield ("_decode_attn_kernel", ATTN_SIG, dict(G=4, GP=16, D=d, DP=dp, SPLIT_N=64, BLOCK_N=64, WINDOW=0,
-                                                     SOFTCAP=0.0, IEEE=False, BOUNDED=True), 4)
+        for kv8 in (False, True):
+            yield ("_decode_attn_kernel", {**ATTN_SIG, **(FP8_CACHE if kv8 else {})},
+                   dict(G=4, GP=16, D=d, DP=dp, SPLIT_N=64, BLOCK_N=64, WINDOW=0, SOFTCAP=0.0, IEEE=False,
+                        BOUNDED=True, KV8=kv8), 4)
     yield ("_block_stats_kernel", {"X": "*bf16", "sxb": "i32", "V": "i32", "inv_t": "fp32", "BMAX": "*fp32",
                                    "BSUM": "*fp32", "NB": "i32"}, dict(BPP=16, BLK=128), 4)
     for gated in (False, True):

@@ -45,6 +45,32 @@ def attention() -> dict:
     return {"max_abs_error": worst}
 
 
+def attention_fp8_cache() -> dict:
+    """Every configuration reading an fp8 cache (e4m3 with a scale per slot, the slots' sizes four decades apart)
+    against the reference reading it back; the error is relative to the output's size."""
+    from verlflow.core.ml.fastgen.layers import quantize_slots
+
+    g = torch.Generator().manual_seed(1)
+    B, nh, nkv, T = 4, 12, 2, 300
+    pad = torch.tensor([0, 63, 64, 150])
+    size = torch.logspace(-2, 2, T).view(T, 1)
+    worst = {}
+    for cfg in FastGen._ATTN_CONFIGS:
+        err = 0.0
+        for D, slots, (win, cap) in ((32, [127, 128, 191, 299], (0, 0.0)), (32, [64, 255, 256, 150], (40, 2.0)),
+                                     (24, [299, 63, 64, 191], (0, 0.0))):
+            q = torch.randn(B, nh, D, generator=g)
+            (kc, ks), (vc, vs) = (quantize_slots(torch.randn(B, nkv, T, D, generator=g) * sz)
+                                  for sz in (size, size.flip(0)))
+            slot = torch.tensor(slots)
+            got = combine_splits(*decode_attention_triton(q, kc, vc, pad, slot, 0.2, nkv, window=win, softcap=cap,
+                                                          ks=ks, vs=vs, **cfg), nh // nkv)
+            want = reference_decode_attention(q, kc, vc, pad, slot, 0.2, window=win, softcap=cap, ks=ks, vs=vs)
+            err = max(err, ((got - want).abs().max() / want.abs().max()).item())
+        worst[json.dumps(cfg, sort_keys=True)] = err
+    return {"max_rel_error": worst}
+
+
 def nucleus() -> dict:
     """The two-pass nucleus test against the one-pass kernel and the torch sampler, for the same uniforms."""
     g = torch.Generator().manual_seed(0)
@@ -129,6 +155,37 @@ def engine() -> dict:
     engine_mod.decode_attention_triton = lambda *a, **k: tuple(t[:, :, :1] for t in real_attn(*a, **k))  # 1 split
     eng._self_check()
     res["self_check_after_breaking_attention"] = [eng.attn, eng.sampler]
+    return res
+
+
+def engine_fp8_cache() -> dict:
+    """The engine reading its fp8 cache with the Triton kernel (bounded, under continuous batching, a sliding-window
+    layer): greedy equals HF's generate prompt by prompt over rounded keys and values; the start-up self-check keeps
+    the kernel, and drops one that ignores the values' scales."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from kv8_reference import fp8_cache
+
+    model = tiny_model()
+    ps = prompts([5, 11, 3, 9, 1, 12], seed=3)
+    eng = FastGen(model, batch_size=3, max_prompt_len=12, max_new_tokens=8, attn="triton", sampler="torch",
+                  check_every=2, kv_cache="fp8")
+    eng.attn_cfg = {"split_n": 16, "block_n": 8, "num_warps": 1, "bounded": True}  # splits of two blocks
+    ours, _ = eng.generate_many(ps, SamplingConfig(0.0), [EOS], PAD, refill_min=1)
+    hf = []
+    with fp8_cache(model):
+        for p in ps:
+            ids = torch.tensor([p])
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                                 do_sample=False, pad_token_id=PAD, eos_token_id=EOS)[0, len(p):].tolist()
+            hf.append(out[:out.index(EOS) + 1] if EOS in out else out)
+    res = {"greedy_equals_hf": ours == hf, "cache": str(eng.kc[0].dtype)}
+    eng._self_check()
+    res["self_check_keeps"] = eng.attn
+    real_attn = engine_mod.decode_attention_triton
+    engine_mod.decode_attention_triton = lambda *a, vs=None, **k: real_attn(*a, vs=torch.ones_like(vs), **k)
+    eng._self_check()
+    engine_mod.decode_attention_triton = real_attn
+    res["self_check_after_breaking_the_scales"] = eng.attn
     return res
 
 

@@ -94,11 +94,11 @@ def source_counts(held: HeldOut) -> dict[str, int]:
 
 def sampling(bp: Blueprint) -> RolloutSpec:
     """The rollout's engine settings with the eval's sampling: eval.n samples at eval.temperature / eval.top_p
-    (no top-k), at most eval.max_new_tokens (else rollout.max_new_tokens); the model's own weights (not
-    rollout.weights=fp8: the evaluation measures the policy)."""
+    (no top-k), at most eval.max_new_tokens (else rollout.max_new_tokens); the model's own weights and cache (not
+    rollout.weights/kv_cache=fp8: the evaluation measures the policy)."""
     ev = bp.eval
     return bp.rollout.model_copy(update={"n": ev.n, "temperature": ev.temperature, "top_p": ev.top_p, "top_k": 0,
-                                         "weights": "model",
+                                         "weights": "model", "kv_cache": "model",
                                          "max_new_tokens": ev.max_new_tokens or bp.rollout.max_new_tokens})
 
 

@@ -64,12 +64,13 @@ def check_devices(ctx: StageContext, r: Report):
             free, total = torch.cuda.mem_get_info(ctx.device)
             r.add("device_memory", True, f"rank {ctx.rank}: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free",
                   fatal=False)
-            if ctx.bp.rollout.weights == "fp8":  # before build: the engine would refuse it at the first rollout
+            fp8 = [f"rollout.{f}" for f in ("weights", "kv_cache") if getattr(ctx.bp.rollout, f) == "fp8"]
+            if fp8:  # before build: the engine would refuse it at the first rollout
                 from verlflow.core.ml.fastgen.layers import fp8_gpu_problem
 
-                problem = fp8_gpu_problem(ctx.device)
-                r.add("fp8_matmul", problem is None, problem or f"rollout.weights=fp8: "
-                      f"{torch.cuda.get_device_name(ctx.device)} has fp8 matmuls")
+                problem = fp8_gpu_problem(ctx.device, fp8[0])
+                r.add("fp8_support", problem is None, problem or f"{', '.join(fp8)}=fp8: "
+                      f"{torch.cuda.get_device_name(ctx.device)} has fp8 support")
     else:
         r.add("accelerators", True, f"cpu with gloo, {res.nproc_per_node} rank(s) per node", fatal=False)
 

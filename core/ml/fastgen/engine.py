@@ -18,7 +18,8 @@ from verlflow.core.ml.fastgen.kernels import (HAVE_TRITON, _cands_from_stats, _f
                                     reference_decode_attention, sample_logits_triton)
 from verlflow.core.ml.fastgen import choices
 from verlflow.core.ml.fastgen.layers import (FP8, FP8_MAX, PROJECTIONS, _decode_layer, _fp8_linear, _head, _logits,
-                                            _norm, _post_attn, _pre_attn, _prefill_layer, _Weights)
+                                            _norm, _post_attn, _pre_attn, _prefill_layer, _Weights,
+                                            dequantize_slots, quantize_slots)
 from verlflow.core.ml.fastgen.sampling import SamplingConfig, _Stats, sample_logits
 from verlflow.core.ml.generate import chosen_logprobs, sampling_temperature
 
@@ -72,16 +73,19 @@ class FastGen:
     log-probs the engine returns are then the fp8 model's, the policy it sampled from; ``fp8_fast_accum`` (env
     VERLFLOW_FASTGEN_FP8_FAST_ACCUM=1) takes the GPU's fast fp8 accumulation (off by default: an A/B); ``fp8_gemm``
     (env VERLFLOW_FASTGEN_FP8_GEMM): "aten" (the op's own kernel, compiled as is) or "autotune" (inductor may pick
-    its Triton fp8 templates: an A/B)."""
+    its Triton fp8 templates: an A/B). ``kv_cache``: "model" (the model's dtype) or "fp8" (e4m3 with a scale per KV
+    head and slot: half the cache's bytes, which the Triton kernel reads directly; every token, the prompt's too,
+    attends to the rounded keys and values, so the log-probs returned are that model's)."""
 
     def __init__(self, model, batch_size: int, max_prompt_len: int, max_new_tokens: int, *,
                  use_graphs: bool | None = None, compile: bool | None = None, bucket: int = 64,
                  check_every: int = 16, attn: str = "auto", sampler: str = "auto", prefill_tokens: int = 32768,
                  compile_backend: str = "inductor", bucket_compile: str | None = None, nucleus: str | None = None,
-                 weights: str = "model", fp8_fast_accum: bool | None = None, fp8_gemm: str | None = None):
+                 weights: str = "model", fp8_fast_accum: bool | None = None, fp8_gemm: str | None = None,
+                 kv_cache: str = "model"):
         if fp8_fast_accum is None:
             fp8_fast_accum = os.environ.get("VERLFLOW_FASTGEN_FP8_FAST_ACCUM") == "1"
-        self.w = _Weights(model, weights, fp8_fast_accum)
+        self.w = _Weights(model, weights, fp8_fast_accum, kv_cache)
         self.fp8_gemm = fp8_gemm or os.environ.get("VERLFLOW_FASTGEN_FP8_GEMM", "aten")
         if self.fp8_gemm not in ("aten", "autotune"):
             raise ValueError(f"fp8_gemm must be 'aten' or 'autotune', got {self.fp8_gemm!r}")
@@ -131,8 +135,13 @@ class FastGen:
         w, dev, dt = self.w, self.device, self.w.dtype
         # One spare slot, never read or written: every bucket, the last too, is then a strided view of the cache,
         # and one compiled decode step serves them all (a whole-cache view is contiguous: a graph of its own)
-        self.kc = [torch.zeros(self.B, w.nkv, self.T + 1, w.hd, dtype=dt, device=dev) for _ in range(w.n_layers)]
-        self.vc = [torch.zeros(self.B, w.nkv, self.T + 1, w.hd, dtype=dt, device=dev) for _ in range(w.n_layers)]
+        kv8 = w.spec.kv8
+        cdt = FP8 if kv8 else dt
+        self.kc = [torch.zeros(self.B, w.nkv, self.T + 1, w.hd, dtype=cdt, device=dev) for _ in range(w.n_layers)]
+        self.vc = [torch.zeros(self.B, w.nkv, self.T + 1, w.hd, dtype=cdt, device=dev) for _ in range(w.n_layers)]
+        # an fp8 cache's scales, one per (row, KV head, slot); None per layer otherwise
+        self.ks = [torch.zeros(self.B, w.nkv, self.T + 1, device=dev) if kv8 else None for _ in range(w.n_layers)]
+        self.vs = [torch.zeros(self.B, w.nkv, self.T + 1, device=dev) if kv8 else None for _ in range(w.n_layers)]
         # the Triton kernel splits the slots it is given: without the spare one it runs no split of masked slots
         self._kT, self._vT = [c[:, :, :self.T] for c in self.kc], [c[:, :, :self.T] for c in self.vc]
         pos = torch.arange(self.T, device=dev)
@@ -173,7 +182,7 @@ class FastGen:
         if cuda and attn_auto and self.attn == "triton":  # what an engine of this shape timed on this machine before
             timing_key = choices.key(dev, rows=self.B, slots=self.T, bucket=self.bucket, heads=w.nh, kv_heads=w.nkv,
                                      head_dim=w.hd, dtype=dt, windows=sorted(set(self.windows)), softcap=w.spec.softcap,
-                                     configs=self._ATTN_CONFIGS)  # a new candidate is timed, not passed over
+                                     configs=self._ATTN_CONFIGS, kv_cache="fp8" if w.spec.kv8 else "model")  # a new candidate is timed, not passed over
             kept = choices.load(timing_key)
             if kept is not None:
                 self._take_choice(kept)
@@ -225,7 +234,7 @@ class FastGen:
             w, B, dev = self.w, self.B, self.device
             cur = min(self.T - 2, self.max_prompt + self.max_new // 2)
             q = torch.randn(B, w.nh, w.hd, device=dev).to(w.dtype)
-            kc, vc = self._kT[0], self._vT[0]
+            kc, vc, ks, vs = self._kT[0], self._vT[0], self.ks[0], self.vs[0]
             pad = torch.zeros(B, dtype=torch.long, device=dev)
             spread = torch.linspace(min(self.max_prompt, self.T - 2), self.T - 2, B, device=dev).long()
             scenarios = {  # (each row's slot, the slots sdpa reads)
@@ -243,11 +252,12 @@ class FastGen:
             for name, (slot, kv) in scenarios.items():
                 bias = torch.zeros(B, 1, 1, kv, dtype=w.dtype, device=dev)
                 fns = {} if w.spec.softcap else {"sdpa": (0.0, lambda kv=kv, bias=bias: F.scaled_dot_product_attention(
-                    q.unsqueeze(2), kc[:, :, :kv], vc[:, :, :kv], attn_mask=bias, scale=w.scaling, enable_gqa=True))}
+                    q.unsqueeze(2), *self._cache_view(kc, vc, ks, vs, kv), attn_mask=bias, scale=w.scaling,
+                    enable_gqa=True))}
                 for i, cfg in ok_cfgs:  # + the split merge, fused into the next projection in the compiled step
                     # (~4 us on the H200): timing it eagerly here would count its launches
                     fns[f"triton{i}"] = (4.0, lambda cfg=cfg, slot=slot: decode_attention_triton(
-                        q, kc, vc, pad, slot, w.scaling, w.nkv, **cfg, **variant))
+                        q, kc, vc, pad, slot, w.scaling, w.nkv, **cfg, **variant, ks=ks, vs=vs))
                 times = choices.graph_times(fns, dev)
                 best = min(times, key=times.get)
                 picked[name] = (("sdpa", {}) if best == "sdpa" else ("triton", dict(self._ATTN_CONFIGS[int(best[6:])])),
@@ -293,14 +303,19 @@ class FastGen:
         q = torch.randn(B, w.nh, w.hd, generator=g, device=dev).to(dt)
         kc = torch.randn(B, w.nkv, T, w.hd, generator=g, device=dev).to(dt)
         vc = torch.randn(B, w.nkv, T, w.hd, generator=g, device=dev).to(dt)
+        scales = {}
+        if w.spec.kv8:  # as the cache holds them: e4m3 with a scale per slot, the slots' sizes over 4 decades
+            spread = torch.logspace(-2, 2, T, device=dev).view(T, 1)
+            (kc, ks), (vc, vs) = quantize_slots(kc * spread.to(dt)), quantize_slots(vc * spread.flip(0).to(dt))
+            scales = dict(ks=ks, vs=vs)
         pad = torch.tensor([0, 37, 150], device=dev)
         slot = torch.tensor([170, 120, 199], device=dev)
         errs = []
         for win in sorted(set(self.windows)):
             extra = dict(window=win, softcap=w.spec.softcap)
-            got = combine_splits(*decode_attention_triton(q, kc, vc, pad, slot, w.scaling, w.nkv, **cfg, **extra),
-                                 w.nh // w.nkv)
-            want = reference_decode_attention(q, kc, vc, pad, slot, w.scaling, **extra)
+            got = combine_splits(*decode_attention_triton(q, kc, vc, pad, slot, w.scaling, w.nkv, **cfg, **extra,
+                                                          **scales), w.nh // w.nkv)
+            want = reference_decode_attention(q, kc, vc, pad, slot, w.scaling, **extra, **scales)
             errs.append((got - want).abs().max())
         return torch.stack(errs).max().item()  # NaN stays NaN (Python's max would drop it) and fails the check
 
@@ -401,10 +416,10 @@ class FastGen:
         if self.attn == "triton":
             for i, L in enumerate(w.layers):
                 cos, sin = rope[w.rope_of[i]]
-                q = fn["pre"](h, L, self.kc[i], self.vc[i], self.slot, cos, sin, S)
+                q = fn["pre"](h, L, self.kc[i], self.vc[i], self.slot, cos, sin, S, self.ks[i], self.vs[i])
                 mp, lp, op = decode_attention_triton(q, self._kT[i], self._vT[i], self.pad_off, self.slot,
                                                      S.scaling, S.nkv, window=self.windows[i], softcap=S.softcap,
-                                                     **self.attn_cfg)
+                                                     ks=self.ks[i], vs=self.vs[i], **self.attn_cfg)
                 x, h = fn["post"](x, mp, lp, op, L, nexts[i], S)
         else:
             s, cur = self.slots[:kv_len].unsqueeze(0), self.slot.unsqueeze(1)
@@ -421,12 +436,19 @@ class FastGen:
             for i, L in enumerate(w.layers):
                 cos, sin = rope[w.rope_of[i]]
                 x, h = fn["layer"](x, h, L, nexts[i], self.kc[i], self.vc[i], self.slot, cos, sin,
-                                   bias[self.windows[i]], S, self.attn)
+                                   bias[self.windows[i]], S, self.attn, self.ks[i], self.vs[i])
         if final:
             logits = fn["head"](h, w.lm_w, w.final_cap)
         else:
             logits = fn["logits"](x, w.norm_w, w.lm_w, w.norm_eps, S.norm32, w.final_cap)
         self._advance(*self._sample(logits, cfg))
+
+    def _cache_view(self, kc, vc, ks, vs, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first kv_len slots of a layer's cache in the model's dtype (an fp8 cache read back: sdpa's input)."""
+        K, V = kc[:, :, :kv_len], vc[:, :, :kv_len]
+        if ks is None:
+            return K, V
+        return dequantize_slots(K, ks[:, :, :kv_len], self.w.dtype), dequantize_slots(V, vs[:, :, :kv_len], self.w.dtype)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         x = F.embedding(ids, self.w.embed)
@@ -558,18 +580,21 @@ class FastGen:
                 cos, sin = rope[w.rope_of[i]]
                 args = (L, cos, sin, masks[self.windows[i]], w.spec)
                 try:
-                    x2, k, v = self._fn["prefill"](x, *args)
+                    x2, k, v, sk, sv = self._fn["prefill"](x, *args)
                 except Exception as e:  # noqa: BLE001 - a compile failure: eager from now on
                     if self._fn["prefill"] is _prefill_layer:
                         raise
                     log.warning("fastgen: compiled prefill failed (%s: %s); eager prefill", type(e).__name__,
                                 str(e).splitlines()[0] if str(e) else "")
                     self._fn["prefill"] = _prefill_layer
-                    x2, k, v = _prefill_layer(x, *args)
+                    x2, k, v, sk, sv = _prefill_layer(x, *args)
                 x = x2
                 dst = slice(r0, r1) if rows is None else rows[r0:r1]
                 self.kc[i][dst, :, :P] = k[:n]
                 self.vc[i][dst, :, :P] = v[:n]
+                if sk is not None:
+                    self.ks[i][dst, :, :P] = sk[:n]
+                    self.vs[i][dst, :, :P] = sv[:n]
             outs.append(x[:n, -1])
         return torch.cat(outs)
 
@@ -620,7 +645,7 @@ class FastGen:
         them, sample each one's first token, and set the rows' decode state so the next step continues them."""
         P = ids.shape[1]
         every = len(rows) == self.B  # all rows (a micro-batch): plain slices, not an index_put over the cache
-        for c in (self.kc + self.vc):
+        for c in [c for c in self.kc + self.vc + self.ks + self.vs if c is not None]:
             if every:
                 c[:, :, P:].zero_()  # slots past the prompt: no stale non-finite values under a zero weight
             else:
@@ -815,12 +840,13 @@ class FastGen:
 _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def engine_for(model, batch_size: int, max_prompt_len: int, max_new_tokens: int, weights: str = "model") -> FastGen:
-    """A cached engine for this model object big enough for the request, with its weights' precision (weights
-    re-read on reuse)."""
+def engine_for(model, batch_size: int, max_prompt_len: int, max_new_tokens: int, weights: str = "model",
+               kv_cache: str = "model") -> FastGen:
+    """A cached engine for this model object big enough for the request, with its weights' and cache's precision
+    (weights re-read on reuse)."""
     eng = _ENGINES.pop(model, None)
     if (eng is not None and eng.B >= batch_size and eng.max_prompt >= max_prompt_len and eng.max_new == max_new_tokens
-            and eng.w.fp8 == (weights == "fp8")):
+            and eng.w.fp8 == (weights == "fp8") and eng.w.spec.kv8 == (kv_cache == "fp8")):
         eng.refresh_weights()
         _ENGINES[model] = eng
         return eng
@@ -830,7 +856,7 @@ def engine_for(model, batch_size: int, max_prompt_len: int, max_new_tokens: int,
         gc.collect()  # captured graphs hold their memory pool until the engine is collected
         if cuda:
             torch.cuda.empty_cache()
-    eng = FastGen(model, batch_size, max_prompt_len, max_new_tokens, weights=weights)
+    eng = FastGen(model, batch_size, max_prompt_len, max_new_tokens, weights=weights, kv_cache=kv_cache)
     _ENGINES[model] = eng
     return eng
 
@@ -841,7 +867,7 @@ def sample(model, tok, prompts: list[list[int]], cfg, device, seed: int, progres
     """Same contract as ``verlflow.core.ml.generate.sample`` (responses without padding, EOS kept), on the static engine.
 
     cfg: a RolloutSpec (temperature, top_p, top_k, max_new_tokens, micro_batch_size: the engine's rows, batching,
-    weights).
+    weights, kv_cache).
     top_k=0 means off.
     The engine's set-up (building it, compiling, capturing graphs) is added to ``timings["setup_s"]``;
     ``logprobs`` (a list) gets each response's fp32 log-probs under the sampling logits, as from HF's path."""
@@ -853,7 +879,8 @@ def sample(model, tok, prompts: list[list[int]], cfg, device, seed: int, progres
     mb = min(cfg.micro_batch_size, max(1, len(prompts)))
     width = max((len(p) for p in prompts), default=1)
     t0 = time.perf_counter()
-    eng = engine_for(model, mb, width, cfg.max_new_tokens, getattr(cfg, "weights", "model"))
+    eng = engine_for(model, mb, width, cfg.max_new_tokens, getattr(cfg, "weights", "model"),
+                     getattr(cfg, "kv_cache", "model"))
     setup_s = [time.perf_counter() - t0]
 
     def generate(ids, mask):

@@ -23,16 +23,24 @@ except ImportError:  # pragma: no cover - depends on the install
 if HAVE_TRITON:
 
     @triton.jit
-    def _attn_block(q, K, V, base, n, ok, skt, d, D, scale, m_i, l_i, acc, SOFTCAP: tl.constexpr,
-                    IEEE: tl.constexpr):
+    def _attn_block(q, K, V, KS, VS, base, sbase, n, ok, skt, d, D, scale, m_i, l_i, acc, SOFTCAP: tl.constexpr,
+                    IEEE: tl.constexpr, KV8: tl.constexpr):
         """Online softmax over one block of slots n (masked by ok): the running max, sum and output, updated. d runs
-        over the head dim padded to a power of two (Phi-3's 96: 128); the lanes past D load zeros."""
+        over the head dim padded to a power of two (Phi-3's 96: 128); the lanes past D load zeros. KV8: the cache
+        is e4m3 with a scale per slot (KS/VS at sbase + n): K's scales multiply the scores after the dot, V's the
+        probabilities before it (the softmax's sum stays unscaled)."""
         k = tl.load(K + base + n[:, None] * skt + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
         v = tl.load(V + base + n[:, None] * skt + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
+        if KV8:  # e4m3 is exact in bf16 and fp32: the dots run in the query's dtype
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.dot(q, tl.trans(k))
+        if KV8:
+            s = s * tl.load(KS + sbase + n, mask=ok, other=0.0)[None, :]
+        s = s * scale
         if SOFTCAP > 0:  # tanh(y) = 1 - 2 / (exp(2y) + 1): exact limits at +-inf, no libdevice needed
             s = SOFTCAP * (1.0 - 2.0 / (tl.exp(2.0 * (s / SOFTCAP)) + 1.0))
         s = tl.where(ok[None, :], s, float("-inf"))
@@ -40,6 +48,8 @@ if HAVE_TRITON:
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if KV8:
+            p = p * tl.load(VS + sbase + n, mask=ok, other=0.0)[None, :]
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -47,18 +57,19 @@ if HAVE_TRITON:
         return m_new, l_i, acc
 
     @triton.jit
-    def _decode_attn_kernel(Q, K, V, PAD, SLOT, MP, LP, OP, scale,
-                            sqb, sqh, skb, skh, skt, NKV, NSPLIT,
+    def _decode_attn_kernel(Q, K, V, KS, VS, PAD, SLOT, MP, LP, OP, scale,
+                            sqb, sqh, skb, skh, skt, ssb, ssh, NKV, NSPLIT,
                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                             SPLIT_N: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-                            SOFTCAP: tl.constexpr, IEEE: tl.constexpr, BOUNDED: tl.constexpr):
+                            SOFTCAP: tl.constexpr, IEEE: tl.constexpr, BOUNDED: tl.constexpr, KV8: tl.constexpr):
         """One (row, KV head, split of the cache): the group's G query heads against the shared K/V head,
         valid slots only ([pad_b, slot_b], and the last WINDOW of them when WINDOW > 0: sliding-window layers);
         scores soft-capped (SOFTCAP * tanh(s / SOFTCAP)) when SOFTCAP > 0; writes the split's running max, sum and
-        unnormalised output. WINDOW and SOFTCAP are compile-time: 0 compiles the plain kernel. IEEE (fp32 caches):
+        unnormalised output. WINDOW and SOFTCAP are compile-time: 0 compiles the plain kernel. IEEE (fp32 models):
         the dots in full fp32, not TF32 (whose 10-bit mantissa tipped greedy near-ties away from HF's). BOUNDED:
         a block of slots with none valid is skipped (a split past the row's slot, or before its pad, runs none);
-        otherwise every block runs, its invalid slots masked (loaded as nothing, still computed)."""
+        otherwise every block runs, its invalid slots masked (loaded as nothing, still computed). KV8: an fp8 cache
+        with a scale per (row, KV head, slot) in KS/VS (strides ssb, ssh; slots contiguous)."""
         pid = tl.program_id(0)
         sp = tl.program_id(1)
         b = pid // NKV
@@ -75,15 +86,18 @@ if HAVE_TRITON:
         l_i = tl.zeros([GP], dtype=tl.float32)
         acc = tl.zeros([GP, DP], dtype=tl.float32)
         base = b * skb + h * skh
+        sbase = b * ssb + h * ssh
         for n0 in range(0, SPLIT_N, BLOCK_N):  # masked loads of invalid slots fetch nothing
             start = sp * SPLIT_N + n0
             n = start + tl.arange(0, BLOCK_N)
             ok = (n >= pad) & (n <= cur)
             if BOUNDED:  # (a branch, not loop bounds from the loaded slots: Triton's interpreter cannot run those)
                 if (start <= cur) & (start + BLOCK_N > pad):
-                    m_i, l_i, acc = _attn_block(q, K, V, base, n, ok, skt, d, D, scale, m_i, l_i, acc, SOFTCAP, IEEE)
+                    m_i, l_i, acc = _attn_block(q, K, V, KS, VS, base, sbase, n, ok, skt, d, D, scale, m_i, l_i, acc,
+                                                    SOFTCAP, IEEE, KV8)
             else:
-                m_i, l_i, acc = _attn_block(q, K, V, base, n, ok, skt, d, D, scale, m_i, l_i, acc, SOFTCAP, IEEE)
+                m_i, l_i, acc = _attn_block(q, K, V, KS, VS, base, sbase, n, ok, skt, d, D, scale, m_i, l_i, acc,
+                                                    SOFTCAP, IEEE, KV8)
         row = (pid * NSPLIT + sp) * G  # only the G real query rows go out
         tl.store(MP + row + g, m_i, mask=g < G)
         tl.store(LP + row + g, l_i, mask=g < G)
@@ -146,11 +160,12 @@ def _pow2(n: int) -> int:
 
 def decode_attention_triton(q, kc, vc, pad_off, slot, scale: float, nkv: int, split_n: int = 64,
                             block_n: int = 64, num_warps: int = 4, window: int = 0, softcap: float = 0.0,
-                            bounded: bool = False):
+                            bounded: bool = False, ks=None, vs=None):
     """Partial results of decode attention (see ``_decode_attn_kernel``): (m, l, o) per split, for
     ``combine_splits``. q (B, nh, D); kc/vc (B, nkv, T, D), last dim contiguous; pad_off, slot (B,) long: row b
     attends to slots [pad_off[b], slot[b]]. window: a sliding-window
-    layer's window (0: off); softcap: attention logit soft-capping (0: off); bounded: loop over valid slots only."""
+    layer's window (0: off); softcap: attention logit soft-capping (0: off); bounded: loop over valid slots only;
+    ks/vs (B, nkv, >= T) fp32: an fp8 cache's scales per slot (None: the cache is in the query's dtype)."""
     B, nh, D = q.shape
     T = kc.shape[2]
     G = nh // nkv
@@ -159,17 +174,24 @@ def decode_attention_triton(q, kc, vc, pad_off, slot, scale: float, nkv: int, sp
     mp = torch.empty(B, nkv, ns, G, dtype=torch.float32, device=q.device)
     lp = torch.empty_like(mp)
     op = torch.empty(B, nkv, ns, G, D, dtype=torch.float32, device=q.device)
+    kv8 = ks is not None
+    if not kv8:  # (pointers the kernel never reads)
+        ks = vs = mp
     _decode_attn_kernel[(B * nkv, ns)](
-        q, kc, vc, pad_off, slot, mp, lp, op, scale, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1),
-        kc.stride(2), nkv, ns, G=G, GP=GP, D=D, DP=max(16, _pow2(D)), SPLIT_N=split_n, BLOCK_N=block_n, WINDOW=int(window),
-        SOFTCAP=float(softcap), IEEE=kc.dtype == torch.float32, BOUNDED=bool(bounded), num_warps=num_warps)
+        q, kc, vc, ks, vs, pad_off, slot, mp, lp, op, scale, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1),
+        kc.stride(2), ks.stride(0) if kv8 else 0, ks.stride(1) if kv8 else 0, nkv, ns, G=G, GP=GP, D=D,
+        DP=max(16, _pow2(D)), SPLIT_N=split_n, BLOCK_N=block_n, WINDOW=int(window), SOFTCAP=float(softcap),
+        IEEE=q.dtype == torch.float32, BOUNDED=bool(bounded), KV8=kv8, num_warps=num_warps)
     return mp, lp, op
 
 
 def reference_decode_attention(q, kc, vc, pad_off, slot, scale: float, window: int = 0,
-                               softcap: float = 0.0) -> torch.Tensor:
-    """What the kernel computes, in fp32 torch: (B, nh * D)."""
+                               softcap: float = 0.0, ks=None, vs=None) -> torch.Tensor:
+    """What the kernel computes, in fp32 torch: (B, nh * D) (an fp8 cache read back with its scales ks/vs)."""
     B, nh, D = q.shape
+    if ks is not None:
+        T = kc.shape[2]
+        kc, vc = kc.float() * ks[..., :T, None], vc.float() * vs[..., :T, None]
     nkv, T = kc.shape[1], kc.shape[2]
     t = torch.arange(T, device=q.device)
     slot = slot.view(-1, 1)  # (B, 1), or (1, 1): one slot for every row

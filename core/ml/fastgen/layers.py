@@ -37,6 +37,7 @@ class Spec(NamedTuple):
     act: str = "silu"  # "silu", "gelu", "gelu_tanh"
     softcap: float = 0.0  # attention logits: cap * tanh(scores / cap); 0: off
     fp8_fast: bool = False  # fp8 projections: the GPU's fast accumulation (fewer fp32 promotions; an A/B)
+    kv8: bool = False  # the KV cache in e4m3, a scale per KV head and slot (rollout.kv_cache=fp8)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float, f32: bool = False) -> torch.Tensor:
@@ -93,6 +94,17 @@ def _fp8_linear(x, w8, sw, b, fast: bool = False):
     return y.view(*lead, w8.shape[0])
 
 
+def quantize_slots(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., hd), one KV head's vector per slot, as e4m3 with one fp32 scale per vector: x ~ x8 * scale[..., None]
+    (the cache's layout: a slot's scale is written with it, so nothing is rescaled when later slots come)."""
+    scale = x.float().abs().amax(-1).clamp(min=1e-12) / FP8_MAX
+    return (x.float() / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize_slots(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (x8.float() * scale.unsqueeze(-1)).to(dtype)
+
+
 def _linear(h, L, p: str, S: Spec):
     """Projection ``p`` of the layer: in the model's dtype, or fp8 where the weights hold a scale for it."""
     if L["s" + p] is None:
@@ -135,15 +147,19 @@ def _after_attn(x, o, L, S: Spec):
     return x + _norm(_mlp(_norm(x, L["ln2"], S), L, S), L["ln_pf"], S)
 
 
-def _pre_attn(h, L, kc, vc, slot, cos, sin, S: Spec):
+def _pre_attn(h, L, kc, vc, slot, cos, sin, S: Spec, ks=None, vs=None):
     """q/k/v of the layer's normed input h (the previous layer's graph computed the norm, fused with its last
-    residual: one kernel fewer a layer), rotary, and this step's K/V into the cache at each row's ``slot`` (B,);
-    returns q (B, nh, hd)."""
+    residual: one kernel fewer a layer), rotary, and this step's K/V into the cache at each row's ``slot`` (B,)
+    (an fp8 cache: with their scales into ks/vs (B, nkv, T)); returns q (B, nh, hd)."""
     q, k, v = _qkv(h, L, S)
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)
     q = _rope(q, c, s, S.rot)
     k = _rope(k, c, s, S.rot)
     rows = torch.arange(h.shape[0], device=h.device)
+    if S.kv8:
+        (k, sk), (v, sv) = quantize_slots(k), quantize_slots(v)
+        ks[rows, :, slot] = sk
+        vs[rows, :, slot] = sv
     kc[rows, :, slot] = k  # (B, nkv, hd): row b at slot[b]
     vc[rows, :, slot] = v
     return q.contiguous()
@@ -169,18 +185,24 @@ def _capped_attention(q, k, v, mask, S: Spec):
 
 
 def _prefill_layer(x, L, cos, sin, mask, S: Spec):
-    """One decoder layer over left-padded prompts x (n, P, H); returns (x, k, v) with k/v (n, nkv, P, hd)."""
+    """One decoder layer over left-padded prompts x (n, P, H); returns (x, k, v, k scales, v scales) with k/v (n,
+    nkv, P, hd) as the cache keeps them (an fp8 cache: e4m3, with scales (n, nkv, P); else the scales are None)."""
     n, P, _ = x.shape
     q, k, v = _qkv(_norm(x, L["ln1"], S), L, S)
     q = _rope(q.transpose(1, 2), cos, sin, S.rot)
     k = _rope(k.transpose(1, 2), cos, sin, S.rot)
     v = v.transpose(1, 2)
+    kept = (k, v, None, None)
+    if S.kv8:  # the prompt attends to what the cache keeps, as every later token does: one model throughout
+        (k8, sk), (v8, sv) = quantize_slots(k), quantize_slots(v)
+        kept = (k8, v8, sk, sv)
+        k, v = dequantize_slots(k8, sk, x.dtype), dequantize_slots(v8, sv, x.dtype)
     if S.softcap:
         o = _capped_attention(q, k, v, mask, S)
     else:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=S.scaling, enable_gqa=True)
     x = _after_attn(x, o.transpose(1, 2).reshape(n, P, S.nh * S.hd), L, S)
-    return x, k, v
+    return (x, *kept)
 
 
 def _head(h, lm_w, cap: float = 0.0):
@@ -195,16 +217,19 @@ def _logits(x, norm_w, lm_w, eps: float, f32: bool = False, cap: float = 0.0):
     return _head(_rms(x, norm_w, eps, f32), lm_w, cap)
 
 
-def _decode_layer(x, h, L, nxt, kc, vc, slot, cos, sin, bias, S: Spec, attn: str = "bmm"):
+def _decode_layer(x, h, L, nxt, kc, vc, slot, cos, sin, bias, S: Spec, attn: str = "bmm", ks=None, vs=None):
     """One decoder layer for one new token per row. x (B, H) and h, x under the layer's input norm; kc/vc (B, nkv,
     T, hd) written at ``slot`` ((B,) long: each row's own); bias (B, kv_len) float: 0 where the slot is valid for the
     row (and inside the layer's sliding window), -inf elsewhere. The cache bucket's length kv_len is bias's: a
-    dynamic size, so one compile serves every bucket. Returns x and x under the next norm ``nxt`` (see
-    ``_post_attn``)."""
+    dynamic size, so one compile serves every bucket. An fp8 cache (ks/vs its scales) is read back in the model's
+    dtype: the Triton kernel reads it directly, these paths are its reference. Returns x and x under the next norm
+    ``nxt`` (see ``_post_attn``)."""
     B, kv_len = x.shape[0], bias.shape[-1]
-    q = _pre_attn(h, L, kc, vc, slot, cos, sin, S)
+    q = _pre_attn(h, L, kc, vc, slot, cos, sin, S, ks, vs)
     K = kc[:, :, :kv_len]
     V = vc[:, :, :kv_len]
+    if S.kv8:
+        K, V = dequantize_slots(K, ks[:, :, :kv_len], q.dtype), dequantize_slots(V, vs[:, :, :kv_len], q.dtype)
     if attn == "sdpa":  # the engine never picks it with soft-capping
         o = F.scaled_dot_product_attention(q.unsqueeze(2), K, V, attn_mask=bias[:, None, None, :].to(q.dtype),
                                            scale=S.scaling, enable_gqa=True)  # (B, nh, 1, hd)
@@ -222,13 +247,14 @@ def _decode_layer(x, h, L, nxt, kc, vc, slot, cos, sin, bias, S: Spec, attn: str
 # ------------------------------------------------------------------------------------------------ weights
 
 
-def fp8_gpu_problem(device: torch.device) -> str | None:
-    """Why this CUDA device cannot run the fp8 projections (None: it can); the validate stage asks it per rank."""
+def fp8_gpu_problem(device: torch.device, field: str = "rollout.weights") -> str | None:
+    """Why this CUDA device cannot run ``field``=fp8 (None: it can): the fp8 projections' matmuls, or the Triton
+    kernel's e4m3 conversions reading an fp8 KV cache; the validate stage asks it per rank."""
     cap = torch.cuda.get_device_capability(device)
-    if cap >= (8, 9):  # fp8 tensor cores came with Ada (8.9) and Hopper (9.0)
+    if cap >= (8, 9):  # fp8 tensor cores and conversions came with Ada (8.9) and Hopper (9.0)
         return None
-    return (f"rollout.weights=fp8 needs a GPU with fp8 matmuls (compute capability 8.9 or newer); "
-            f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}: use rollout.weights=model")
+    return (f"{field}=fp8 needs a GPU with fp8 support (compute capability 8.9 or newer); "
+            f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}: use {field}=model")
 
 
 def _fp8_wanted(weights: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -245,6 +271,17 @@ def _fp8_wanted(weights: str, device: torch.device, dtype: torch.dtype) -> bool:
             raise ValueError(f"rollout.weights=fp8 on CUDA needs a bf16 model, this one is {dtype}: set "
                              "fsdp.mixed_precision=bf16, or rollout.weights=model")
     return True
+
+
+def _kv8_wanted(kv_cache: str, device: torch.device) -> bool:
+    """rollout.kv_cache: "model" (the model's dtype) or "fp8", refused where this device cannot run it."""
+    if kv_cache not in ("model", "fp8"):
+        raise ValueError(f"rollout.kv_cache must be 'model' or 'fp8', got {kv_cache!r}")
+    if kv_cache == "fp8" and device.type == "cuda":
+        problem = fp8_gpu_problem(device, "rollout.kv_cache")
+        if problem:
+            raise ValueError(problem)
+    return kv_cache == "fp8"
 
 
 def _bias_of(x: torch.Tensor | None, n: int, like: torch.Tensor) -> torch.Tensor | None:
@@ -272,7 +309,7 @@ class _Weights:
     """The model's tensors in the layout the engine wants, read through its family's adapter; fused matrices
     and fp32 norm scales are copies (``refresh`` re-copies them in place), the rest are the model's own."""
 
-    def __init__(self, model, weights: str = "model", fp8_fast_accum: bool = False):
+    def __init__(self, model, weights: str = "model", fp8_fast_accum: bool = False, kv_cache: str = "model"):
         cfg = model.config
         model_type = getattr(cfg, "model_type", None)
         fam: Family | None = FAMILIES.get(model_type)
@@ -348,8 +385,9 @@ class _Weights:
                          norm32=fam.norm_form != "llama", qk=fam.qk_norm, act=ACTIVATIONS[act], softcap=attn_cap)
         self.norm_eps = _eps(base.norm)
         self.fp8 = _fp8_wanted(weights, self.device, self.dtype)
-        if self.fp8 and fp8_fast_accum:
-            self.spec = self.spec._replace(fp8_fast=True)
+        self.spec = self.spec._replace(fp8_fast=self.fp8 and fp8_fast_accum,
+                                       kv8=_kv8_wanted(kv_cache, self.device))  # (the engine's cache, set here
+        # with the rest of the static facts the compiled functions specialise on)
         self.layers: list[dict] = []
         self.refresh()
 

@@ -1,0 +1,147 @@
+"""rollout.kv_cache=fp8: the static engine's KV cache in e4m3, one fp32 scale per KV head and slot. On CPU, fp32:
+the engine is the model whose attention reads rounded keys and values, exactly (HF with its attention's inputs
+rounded, ``kv8_reference.py``): greedy tokens token for token, the recorded log-probs that model's, on every path that
+reads the cache (bmm, sdpa, continuous batching's refills, with fp8 projections too). The Triton kernel reading the
+cache directly runs under Triton's interpreter in tests/test_triton_kernels.py."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kv8_reference import fp8_cache, round_kv  # noqa: E402
+from test_fastgen import EOS, PAD, cut, eos_biased, hf_generate, left_padded, prompts_of  # noqa: E402
+from test_fastgen_families import build  # noqa: E402
+from test_fastgen_fp8 import fp8_reference, live_tokens, teacher_forced_logp  # noqa: E402
+from verlflow.core.ml.fastgen import FastGen, SamplingConfig  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("case,attn", [("qwen3", "bmm"), ("qwen3", "sdpa"), ("gemma2", "bmm"), ("gemma3_text", "sdpa"),
+                                       ("mistral-window", "bmm"), ("phi3", "sdpa"), ("olmo2", "bmm")])
+def test_fp8_cache_engine_is_the_rounded_cache_model_token_for_token(case, attn):
+    model = build(case)
+    n = 16
+    ids, mask = left_padded([5, 11, 3, 16, 8, 1], seed=0)
+    eng = FastGen(model, batch_size=6, max_prompt_len=16, max_new_tokens=n, bucket=8, attn=attn, kv_cache="fp8")
+    assert all(c.dtype == torch.float8_e4m3fn for c in eng.kc + eng.vc) and eng.w.spec.kv8
+    ours = eng.generate(ids, mask, SamplingConfig(temperature=0.0), [EOS], PAD)
+    with fp8_cache(model):
+        assert torch.equal(ours, hf_generate(model, ids, mask, n)), case
+    torch.manual_seed(3)
+    out = eng.generate(ids, mask, SamplingConfig(0.8), [EOS], PAD)
+    live = live_tokens(out)
+    with fp8_cache(model):
+        want = teacher_forced_logp(model, ids, mask, out, 0.8)
+    # e4m3 rounding is a step function: a key computed in another order can land one step apart (see the fp8
+    # projections' test); nearly every token agrees to fp32 noise
+    diff = (eng.last_logprobs[live] - want[live]).abs()
+    close = diff <= 2e-5 + 1e-4 * want[live].abs()
+    assert close.float().mean() >= 0.9 and diff.max() < 0.5, (close.float().mean(), diff.max())
+    # ... and the rounded cache is another model than the model's own
+    gap = (teacher_forced_logp(model, ids, mask, out, 0.8) - want)[live].abs().max().item()
+    assert gap > 1e-3, gap
+
+
+@pytest.mark.parametrize("case,attn,weights", [("qwen3", "bmm", "model"), ("mistral-window", "sdpa", "fp8")])
+def test_fp8_cache_continuous_batching_is_the_rounded_cache_model_prompt_by_prompt(case, attn, weights):
+    """The pipeline's default path: rows refilled mid-generation, each refill's prompt prefilled into its rows with
+    its scales, next to rows still decoding; with fp8 projections too (both switches: one fp8 model)."""
+    model = eos_biased(build(case), factor=2.0)
+    ref = fp8_reference(model) if weights == "fp8" else model
+    lens = [5, 11, 3, 16, 8, 1, 13, 2, 9]
+    limits = [20, 3, 20, 7, 20, 20, 1, 20, 11]
+    prompts = prompts_of(lens, seed=4)
+    eng = FastGen(model, batch_size=3, max_prompt_len=16, max_new_tokens=20, bucket=8, attn=attn, check_every=2,
+                  weights=weights, kv_cache="fp8")
+    ours, _ = eng.generate_many(prompts, SamplingConfig(temperature=0.0), [EOS], PAD, limits=limits, refill_min=1)
+    with fp8_cache(ref):
+        want = [cut(hf_generate(ref, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long), n)[0].tolist())
+                for p, n in zip(prompts, limits)]
+    assert ours == want and eng.last_stats["refills"] >= 4
+    assert len({len(r) for r in ours}) >= 4  # responses of many lengths: rows refilled at different steps
+
+
+def test_the_cache_keeps_each_vector_with_its_own_scale():
+    """Vectors four decades apart in size keep their relative precision (one scale per slot, not per tensor), and
+    the round trip is the reference's rounding."""
+    from verlflow.core.ml.fastgen.layers import dequantize_slots, quantize_slots
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 40, 16, generator=g) * torch.logspace(-3, 1, 40).view(40, 1)
+    x8, s = quantize_slots(x)
+    assert x8.dtype == torch.float8_e4m3fn and s.shape == (2, 3, 40) and s.dtype == torch.float32
+    back = dequantize_slots(x8, s, torch.float32)
+    assert torch.equal(back, round_kv(x))
+    rel = ((back - x).abs().amax(-1) / x.abs().amax(-1))
+    assert rel.max() < 2 ** -4, rel.max()  # e4m3's 3 mantissa bits, at every size
+    assert torch.equal(dequantize_slots(*quantize_slots(torch.zeros(1, 4)), torch.float32), torch.zeros(1, 4))
+
+
+def test_compiled_fp8_cache_step_equals_the_eager_one():
+    """The decode step as the GPU compiles it (dynamo + AOTAutograd), the cache's quantize and read-back inside the
+    traced graph: greedy tokens equal the eager engine's, and the decode layer compiles once for every bucket."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from verlflow.core.ml.fastgen.layers import _decode_layer
+
+    torch._dynamo.reset()
+    model = build("qwen3")
+    ids, mask = left_padded([5, 11, 3, 8])
+    eager = FastGen(model, 4, 12, 10, bucket=8, kv_cache="fp8").generate(ids, mask, SamplingConfig(0.0), [EOS], PAD)
+    eng = FastGen(model, 4, 12, 10, bucket=8, compile=True, compile_backend="aot_eager", kv_cache="fp8")
+    assert torch.equal(eng.generate(ids, mask, SamplingConfig(0.0), [EOS], PAD), eager)
+    assert len(_debug_get_cache_entry_list(_decode_layer.__code__)) == 1
+
+
+def test_fp8_cache_refused_where_it_cannot_run(monkeypatch):
+    from verlflow.core.ml.fastgen.engine import engine_for
+    from verlflow.core.ml.fastgen.layers import _kv8_wanted
+
+    model = build("qwen3")
+    with pytest.raises(ValueError, match="rollout.kv_cache must be"):
+        FastGen(model, 2, 8, 4, kv_cache="int4")
+    a = engine_for(model, 2, 8, 4)
+    b = engine_for(model, 2, 8, 4, kv_cache="fp8")  # the cached engine of another cache is not reused
+    assert b is not a and b.w.spec.kv8 and engine_for(model, 2, 8, 4, kv_cache="fp8") is b
+    assert not engine_for(model, 2, 8, 4).w.spec.kv8
+    # a GPU without fp8 conversions (the Triton kernel's e4m3 loads): the message names the field and the fix
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match=r"rollout.kv_cache=fp8 needs .*8.9.*A100 has 8.0: use rollout.kv_cache=model"):
+        _kv8_wanted("fp8", torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["rollout.kv_cache=fp8"], r"rollout.kv_cache=fp8 is the static engine's"),
+    (["rollout.kv_cache=fp8", "rollout.engine=static"],
+     r"rollout.kv_cache=fp8 samples .*algorithm.rollout_correction=true.*old_logprobs=rollout"),
+])
+def test_fp8_cache_blueprint_refuses_what_it_cannot_do(overrides, message):
+    from verlflow.core.blueprint import load_blueprint
+    from verlflow.core.errors import BlueprintError
+
+    with pytest.raises(BlueprintError, match=message):
+        load_blueprint(None, overrides)
+    for fix in ("algorithm.rollout_correction=true", "algorithm.old_logprobs=rollout"):
+        bp = load_blueprint(None, ["rollout.kv_cache=fp8", "rollout.engine=static", fix])
+        assert bp.rollout.kv_cache == "fp8"
+
+
+def test_evaluation_reads_the_models_own_cache():
+    from verlflow.core.blueprint import load_blueprint
+    from verlflow.core.ml.evaluate import sampling
+
+    bp = load_blueprint(None, ["rollout.kv_cache=fp8", "rollout.weights=fp8", "rollout.engine=static",
+                               "algorithm.rollout_correction=true"])
+    assert (sampling(bp).kv_cache, sampling(bp).weights) == ("model", "model")
+    assert (bp.rollout.kv_cache, bp.rollout.weights) == ("fp8", "fp8")
