@@ -133,6 +133,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default=None)
     ap.add_argument("--weights", default="model", choices=["model", "fp8"], help="the projections' precision "
                     "(rollout.weights)")
+    ap.add_argument("--kv-cache", default="model", choices=["model", "fp8"], help="the KV cache's precision "
+                    "(rollout.kv_cache)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU-sized: tiny shape, 4 rows, 16 prompts, 2..64 new")
     ap.add_argument("--no-cudnn-sdp", action="store_true", help="sdpa without its cuDNN backend (is the first call's "
@@ -151,10 +153,10 @@ def main(argv=None) -> dict:
     say(f"{args.shape}: {args.prompts} prompts, {args.batch} rows, budgets {min(budgets)}..{max(budgets)} "
         f"(mean {sum(budgets) / len(budgets):.0f}), device {dev}")
     t0 = time.perf_counter()
-    eng = FastGen(model, args.batch, args.prompt, args.new, weights=args.weights)
+    eng = FastGen(model, args.batch, args.prompt, args.new, weights=args.weights, kv_cache=args.kv_cache)
     eng.prepare([eos], pad, cfg, args.prompt // 2, every_slot=True)
     sync(dev)
-    res = {"shape": args.shape, "weights": args.weights, "rows": args.batch, "prompts": args.prompts,
+    res = {"shape": args.shape, "weights": args.weights, "kv_cache": args.kv_cache, "rows": args.batch, "prompts": args.prompts,
            "engine_setup_s": time.perf_counter() - t0,
            "attn": [eng.attn, eng.attn_cfg], "attn_continuous": eng.ragged_attn or "the same",
            "attn_timings_us": {"one length": eng.attn_timings, "spread lengths": eng.ragged_timings},

@@ -489,11 +489,16 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
             return policy_gap(model, ids, mask, resp, e.last_logprobs, eos, ucfg, rows=args.tf_rows)
 
         attempt("model_policy_gap", lambda: gap_of(eng))  # for scale: the engine's own kernels against HF's forward
-        variants = [("fp8", {})] + ([("fp8_fast_accum", {"fp8_fast_accum": True}),
-                                     ("fp8_autotuned", {"fp8_gemm": "autotune"})] if cuda else [])
+        f8 = {"weights": "fp8"}
+        variants = [("fp8", f8)] + ([("fp8_fast_accum", {**f8, "fp8_fast_accum": True}),
+                                     ("fp8_autotuned", {**f8, "fp8_gemm": "autotune"})] if cuda else [])
+        variants += [("kv8", {"kv_cache": "fp8"}), ("fp8_kv8", {**f8, "kv_cache": "fp8"})]
         for name, extra in variants:
-            e = FastGen(model, B, P, N, attn=eng.attn, sampler=eng.sampler, weights="fp8", **extra)
-            e.attn_cfg = dict(eng.attn_cfg)
+            if "kv_cache" in extra:  # the cache's reader is timed for it (sdpa reads an fp8 cache back first)
+                e = FastGen(model, B, P, N, sampler=eng.sampler, **extra)
+            else:
+                e = FastGen(model, B, P, N, attn=eng.attn, sampler=eng.sampler, **extra)
+                e.attn_cfg = dict(eng.attn_cfg)
             if attempt(f"ours_{name}_sampled", lambda: run_ours(e, ids, mask, scfg, eos, pad, dev)):
                 attempt(f"{name}_policy_gap", lambda: gap_of(e))
             del e
@@ -600,20 +605,24 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
                       ("ours_one_pass_nucleus_sampled", "the one-pass nucleus test"),
                       ("ours_fp8_sampled", "fp8 projections (rollout.weights=fp8)"),
                       ("ours_fp8_fast_accum_sampled", "fp8 projections, fast accumulation"),
-                      ("ours_fp8_autotuned_sampled", "fp8 projections, inductor's autotuned fp8 GEMMs")):
+                      ("ours_fp8_autotuned_sampled", "fp8 projections, inductor's autotuned fp8 GEMMs"),
+                      ("ours_kv8_sampled", "an fp8 KV cache (rollout.kv_cache=fp8)"),
+                      ("ours_fp8_kv8_sampled", "fp8 projections and an fp8 KV cache")):
         ab = r.get(key)
         if isinstance(ab, dict) and "ms_per_step" in ab:
             rows.append((f"decode ms/step, sampled, ours with {what}", "-", ab["ms_per_step"], "-",
                          fl["mem_floor_ms"]))
-    f8 = r.get("ours_fp8_sampled")
-    if isinstance(f8, dict) and "tokens" in f8 and ours_s:
-        t_model, t_f8 = g(ours_s, "tokens") / g(ours_s, "total_s"), f8["tokens"] / f8["total_s"]
-        rows.append(("generated tok/s, sampled: ours (baseline column) and ours with fp8 projections (floor: bf16 "
-                     "weights)", t_model, t_f8,
-                     f"{t_f8 / t_model:.2f}x", floor_tps))
+    for key, what in (("ours_fp8_sampled", "fp8 projections"), ("ours_kv8_sampled", "an fp8 KV cache"),
+                      ("ours_fp8_kv8_sampled", "fp8 projections and KV cache")):
+        f8 = r.get(key)
+        if isinstance(f8, dict) and "tokens" in f8 and ours_s:
+            t_model, t_f8 = g(ours_s, "tokens") / g(ours_s, "total_s"), f8["tokens"] / f8["total_s"]
+            rows.append((f"generated tok/s, sampled: ours (baseline column) and ours with {what} (floor: bf16 "
+                         "weights and cache)", t_model, t_f8, f"{t_f8 / t_model:.2f}x", floor_tps))
     for key, what in (("model_policy_gap", "model weights"), ("fp8_policy_gap", "fp8 projections"),
                       ("fp8_fast_accum_policy_gap", "fp8 projections, fast accumulation"),
-                      ("fp8_autotuned_policy_gap", "fp8 projections, autotuned GEMMs")):
+                      ("fp8_autotuned_policy_gap", "fp8 projections, autotuned GEMMs"),
+                      ("kv8_policy_gap", "an fp8 KV cache"), ("fp8_kv8_policy_gap", "fp8 projections and KV cache")):
         gap = r.get(key)
         if isinstance(gap, dict) and "k3" in gap:
             rows.append((f"sampling policy vs the model's forward ({gap['tokens']} tokens, top_p 1), ours with "

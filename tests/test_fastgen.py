@@ -589,6 +589,9 @@ def test_benchmark_smoke_prints_the_table():
     assert "ours with fp8 projections" in out and r["ours_fp8_sampled"]["tokens"] > 0
     model_gap, fp8_gap = r["model_policy_gap"], r["fp8_policy_gap"]
     assert model_gap["abs_logp_diff"] < 1e-4 and fp8_gap["abs_logp_diff"] > 1e-3, (model_gap, fp8_gap)
+    # ... and the fp8 KV cache's, alone and with fp8 projections
+    assert "ours with an fp8 KV cache" in out and r["ours_fp8_kv8_sampled"]["tokens"] > 0
+    assert r["kv8_policy_gap"]["abs_logp_diff"] > 1e-4 and r["fp8_kv8_policy_gap"]["abs_logp_diff"] > 1e-3
 
 
 def test_ragged_benchmark_smoke_same_tokens_fewer_steps():

@@ -145,3 +145,25 @@ def test_evaluation_reads_the_models_own_cache():
                                "algorithm.rollout_correction=true"])
     assert (sampling(bp).kv_cache, sampling(bp).weights) == ("model", "model")
     assert (bp.rollout.kv_cache, bp.rollout.weights) == ("fp8", "fp8")
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+                    reason="the Triton kernel's e4m3 loads need a GPU of compute capability 8.9 or newer")
+def test_cuda_engine_reads_its_fp8_cache_and_samples_from_that_model():
+    """bf16 on the GPU, compiled and graph-captured, the Triton kernel reading the fp8 cache (its self-check passed):
+    the log-probs it records are the rounded-cache model's (HF over rounded keys and values) more closely than the
+    bf16 model's."""
+    import copy
+
+    model = copy.deepcopy(build("qwen3")).to("cuda", torch.bfloat16)
+    ids, mask = (t.cuda() for t in left_padded([5, 11, 3, 16, 8, 1], seed=0))
+    eng = FastGen(model, batch_size=6, max_prompt_len=16, max_new_tokens=20, attn="triton", kv_cache="fp8")
+    assert eng.use_graphs and eng.attn == "triton" and eng.kc[0].dtype == torch.float8_e4m3fn
+    torch.manual_seed(0)
+    out = eng.generate(ids, mask, SamplingConfig(1.0), [EOS], PAD)
+    live = live_tokens(out)
+    lp = eng.last_logprobs[live]
+    with fp8_cache(model):
+        to_kv8 = (lp - teacher_forced_logp(model, ids, mask, out, 1.0)[live]).abs().mean().item()
+    to_model = (lp - teacher_forced_logp(model, ids, mask, out, 1.0)[live]).abs().mean().item()
+    assert to_kv8 < to_model, (to_kv8, to_model)
