@@ -501,6 +501,8 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
                 e.attn_cfg = dict(eng.attn_cfg)
             if attempt(f"ours_{name}_sampled", lambda: run_ours(e, ids, mask, scfg, eos, pad, dev)):
                 attempt(f"{name}_policy_gap", lambda: gap_of(e))
+            r[f"ours_{name}_engine"] = {"attn": e.attn, "attn_cfg": e.attn_cfg, "attn_timings_us": e.attn_timings}
+            say(f"ours_{name} engine:", r[f"ours_{name}_engine"])
             del e
     r["ours_engine"] = {"graphs": eng.use_graphs, "compile": eng.compile, "bucket": eng.bucket, "attn": eng.attn,
                         "sampler": eng.sampler, "nucleus": eng.nucleus, "attn_cfg": eng.attn_cfg,
