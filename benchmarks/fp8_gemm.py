@@ -8,7 +8,8 @@ shape, at M rows (the engine's batch), each replayed from CUDA graphs (``choices
   and with one scale per tensor;
 * the activations' quantization alone (row max, scale, cast), compiled;
 * the engine's projection as it compiles it: the RMSNorm before it, then the quantization and the GEMM (``_fp8_linear``
-  under ``torch.compile`` with the ATen GEMM), against the same with bf16 ``F.linear``.
+  under ``torch.compile`` with the ATen GEMM), against the same with bf16 ``F.linear``; and with the unit-scaled GEMM
+  (``fp8_gemm="unit"``), whose scales are applied in the kernel after it (a SiLU here, as after gate/up).
 
 Then (``--steps``) the decode step of the bf16 and the fp8 engine under the profiler: their kernel tables side by
 side in ``--out``.
@@ -61,6 +62,10 @@ def times_for(M: int, N: int, K: int, dev) -> dict:
     q_compiled = torch.compile(quantize_act, **opts)
     norm_bf16 = torch.compile(lambda x: F.linear(_rms(x, norm_w, 1e-6), w), **opts)
     norm_fp8 = torch.compile(lambda x: _fp8_linear(_rms(x, norm_w, 1e-6), w8, sw, None), **opts)
+    # the unit-scaled GEMM, its scales applied after it with the activation that follows (SiLU, as gate/up's)
+    norm_fp8_unit = torch.compile(lambda x: F.silu(_fp8_linear(_rms(x, norm_w, 1e-6), w8, sw, None, unit=True)),
+                                  **opts)
+    norm_bf16_act = torch.compile(lambda x: F.silu(F.linear(_rms(x, norm_w, 1e-6), w)), **opts)
     fns = {
         "bf16_linear": (0.0, lambda: F.linear(x, w)),
         "fp8_gemm_rowwise": (0.0, lambda: torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw,
@@ -72,6 +77,8 @@ def times_for(M: int, N: int, K: int, dev) -> dict:
         "quantize_compiled": (0.0, lambda: q_compiled(x)),
         "norm_then_bf16_linear_compiled": (0.0, lambda: norm_bf16(x)),
         "norm_then_fp8_linear_compiled": (0.0, lambda: norm_fp8(x)),
+        "norm_bf16_linear_silu_compiled": (0.0, lambda: norm_bf16_act(x)),
+        "norm_fp8_unit_linear_silu_compiled": (0.0, lambda: norm_fp8_unit(x)),
     }
     out = {}
     for name, fn in fns.items():  # one at a time: a failing variant (a GEMM this torch lacks) is reported, not fatal

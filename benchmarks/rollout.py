@@ -491,7 +491,8 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
         attempt("model_policy_gap", lambda: gap_of(eng))  # for scale: the engine's own kernels against HF's forward
         f8 = {"weights": "fp8"}
         variants = [("fp8", f8)] + ([("fp8_fast_accum", {**f8, "fp8_fast_accum": True}),
-                                     ("fp8_autotuned", {**f8, "fp8_gemm": "autotune"})] if cuda else [])
+                                     ("fp8_autotuned", {**f8, "fp8_gemm": "autotune"}),
+                                     ("fp8_unit", {**f8, "fp8_gemm": "unit"})] if cuda else [])
         variants += [("kv8", {"kv_cache": "fp8"}), ("fp8_kv8", {**f8, "kv_cache": "fp8"})]
         for name, extra in variants:
             if "kv_cache" in extra:  # the cache's reader is timed for it (sdpa reads an fp8 cache back first)
@@ -608,6 +609,7 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
                       ("ours_fp8_sampled", "fp8 projections (rollout.weights=fp8)"),
                       ("ours_fp8_fast_accum_sampled", "fp8 projections, fast accumulation"),
                       ("ours_fp8_autotuned_sampled", "fp8 projections, inductor's autotuned fp8 GEMMs"),
+                      ("ours_fp8_unit_sampled", "fp8 projections, unit-scaled GEMMs (scales after)"),
                       ("ours_kv8_sampled", "an fp8 KV cache (rollout.kv_cache=fp8)"),
                       ("ours_fp8_kv8_sampled", "fp8 projections and an fp8 KV cache")):
         ab = r.get(key)
@@ -624,6 +626,7 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
     for key, what in (("model_policy_gap", "model weights"), ("fp8_policy_gap", "fp8 projections"),
                       ("fp8_fast_accum_policy_gap", "fp8 projections, fast accumulation"),
                       ("fp8_autotuned_policy_gap", "fp8 projections, autotuned GEMMs"),
+                      ("fp8_unit_policy_gap", "fp8 projections, unit-scaled GEMMs"),
                       ("kv8_policy_gap", "an fp8 KV cache"), ("fp8_kv8_policy_gap", "fp8 projections and KV cache")):
         gap = r.get(key)
         if isinstance(gap, dict) and "k3" in gap:

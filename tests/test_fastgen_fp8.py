@@ -79,13 +79,15 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-@pytest.mark.parametrize("case", ["qwen3", "phi3", "gemma2", "olmo2", "mistral-window"])
-def test_fp8_engine_is_the_fp8_model_token_for_token(case):
+@pytest.mark.parametrize("case,gemm", [("qwen3", "aten"), ("phi3", "aten"), ("gemma2", "aten"), ("olmo2", "aten"),
+                                       ("mistral-window", "aten"), ("qwen3", "unit"), ("gemma2", "unit")])
+def test_fp8_engine_is_the_fp8_model_token_for_token(case, gemm):
+    """Either GEMM (the row-scaled one, or the unit-scaled one with the scales applied after it) is the fp8 model."""
     model = build(case)
     ref = fp8_reference(model)
     n = 16
     ids, mask = left_padded([5, 11, 3, 16, 8, 1], seed=0)
-    eng = FastGen(model, batch_size=6, max_prompt_len=16, max_new_tokens=n, bucket=8, weights="fp8")
+    eng = FastGen(model, batch_size=6, max_prompt_len=16, max_new_tokens=n, bucket=8, weights="fp8", fp8_gemm=gemm)
     assert eng.w.fp8 and all(L["w" + p].dtype == torch.float8_e4m3fn for L in eng.w.layers
                              for p in ("qkv", "o", "gu", "down"))
     ours = eng.generate(ids, mask, SamplingConfig(temperature=0.0), [EOS], PAD)
@@ -97,10 +99,11 @@ def test_fp8_engine_is_the_fp8_model_token_for_token(case):
     live = live_tokens(out)
     want = teacher_forced_logp(ref, ids, mask, out, 0.8)
     # Rounding to e4m3 is a step function: where the engine's decode and HF's prefill differ by an fp32 rounding, an
-    # element can land one e4m3 step (~6 %) apart, and that token's log-prob moves. Most tokens agree to fp32 noise.
+    # element can land one e4m3 step (~6 %) apart, and that token's log-prob moves (and the row's later ones, through
+    # its cache): most tokens agree to fp32 noise (86 % with the unit-scaled GEMM, whose scales come after the sum).
     diff = (eng.last_logprobs[live] - want[live]).abs()
     close = diff <= 2e-5 + 1e-4 * want[live].abs()
-    assert close.float().mean() >= 0.9 and diff.max() < 0.5, (close.float().mean(), diff.max())
+    assert close.float().mean() >= 0.8 and diff.max() < 0.5, (close.float().mean(), diff.max())
     fp32 = teacher_forced_logp(model, ids, mask, out, 0.8)
     gap = (fp32 - want)[live].abs().max().item()
     assert gap > 1e-3 or not torch.equal(ours, plain), gap
@@ -222,6 +225,8 @@ def test_fast_accumulation_is_an_fp8_switch(monkeypatch):
     monkeypatch.delenv("VERLFLOW_FASTGEN_FP8_FAST_ACCUM")
     assert not FastGen(model, 2, 8, 4, weights="fp8").w.spec.fp8_fast
     assert FastGen(model, 2, 8, 4, weights="fp8").fp8_gemm == "aten"  # inductor keeps the op's own kernel
+    assert FastGen(model, 2, 8, 4, weights="fp8", fp8_gemm="unit").w.spec.fp8_unit
+    assert not FastGen(model, 2, 8, 4, fp8_gemm="unit").w.spec.fp8_unit  # no fp8 projections to scale
     with pytest.raises(ValueError, match="fp8_gemm must be"):
         FastGen(model, 2, 8, 4, weights="fp8", fp8_gemm="cutlass")
 

@@ -18,7 +18,7 @@ from verlflow.core.ml.fastgen.kernels import (HAVE_TRITON, _cands_from_stats, _f
                                     reference_decode_attention, sample_logits_triton)
 from verlflow.core.ml.fastgen import choices
 from verlflow.core.ml.fastgen.layers import (FP8, FP8_MAX, PROJECTIONS, _decode_layer, _fp8_linear, _head, _logits,
-                                            _norm, _post_attn, _pre_attn, _prefill_layer, _Weights,
+                                            _norm, _post_attn, _pre_attn, _prefill_layer, _Weights, Precision,
                                             dequantize_slots, quantize_slots)
 from verlflow.core.ml.fastgen.sampling import SamplingConfig, _Stats, sample_logits
 from verlflow.core.ml.generate import chosen_logprobs, sampling_temperature
@@ -72,8 +72,8 @@ class FastGen:
     projections in the model's dtype) or "fp8" (e4m3 per output channel, activations per token: ``layers.py``); the
     log-probs the engine returns are then the fp8 model's, the policy it sampled from; ``fp8_fast_accum`` (env
     VERLFLOW_FASTGEN_FP8_FAST_ACCUM=1) takes the GPU's fast fp8 accumulation (off by default: an A/B); ``fp8_gemm``
-    (env VERLFLOW_FASTGEN_FP8_GEMM): "aten" (the op's own kernel, compiled as is) or "autotune" (inductor may pick
-    its Triton fp8 templates: an A/B). ``kv_cache``: "model" (the model's dtype) or "fp8" (e4m3 with a scale per KV
+    (env VERLFLOW_FASTGEN_FP8_GEMM): "aten" (the row-scaled op's own kernel, compiled as is), "autotune" (inductor
+    may pick its Triton fp8 templates) or "unit" (a unit-scaled GEMM, the scales applied after it): A/Bs. ``kv_cache``: "model" (the model's dtype) or "fp8" (e4m3 with a scale per KV
     head and slot: half the cache's bytes, which the Triton kernel reads directly; every token, the prompt's too,
     attends to the rounded keys and values, so the log-probs returned are that model's)."""
 
@@ -85,10 +85,10 @@ class FastGen:
                  kv_cache: str = "model"):
         if fp8_fast_accum is None:
             fp8_fast_accum = os.environ.get("VERLFLOW_FASTGEN_FP8_FAST_ACCUM") == "1"
-        self.w = _Weights(model, weights, fp8_fast_accum, kv_cache)
         self.fp8_gemm = fp8_gemm or os.environ.get("VERLFLOW_FASTGEN_FP8_GEMM", "aten")
-        if self.fp8_gemm not in ("aten", "autotune"):
-            raise ValueError(f"fp8_gemm must be 'aten' or 'autotune', got {self.fp8_gemm!r}")
+        if self.fp8_gemm not in ("aten", "autotune", "unit"):
+            raise ValueError(f"fp8_gemm must be 'aten', 'autotune' or 'unit', got {self.fp8_gemm!r}")
+        self.w = _Weights(model, Precision(weights, kv_cache, fp8_fast_accum, fp8_unit_scaled=self.fp8_gemm == "unit"))
         self.device = self.w.device
         cuda = _on_cuda(self.device)
         env = os.environ
@@ -209,7 +209,7 @@ class FastGen:
             # on a cold cache, and a kernel the start-up check never ran. fp8_gemm="aten" keeps the op's own kernel
             # (cuBLASLt), as for the bf16 matmuls; "autotune" lets inductor choose (an A/B)
             opts = ({"options": {"max_autotune_gemm_backends": "ATEN"}}
-                    if self.w.fp8 and self.fp8_gemm == "aten" and self.compile_backend == "inductor" else {})
+                    if self.w.fp8 and self.fp8_gemm != "autotune" and self.compile_backend == "inductor" else {})
             fns = {k: torch.compile(f, fullgraph=k not in ("sample",), backend=self.compile_backend, **opts)
                    for k, f in fns.items()}
         self._fn = fns
@@ -330,7 +330,7 @@ class FastGen:
             if sw is None:
                 continue
             x = torch.randn(5, w8.shape[1], generator=g, device=dev).to(self.w.dtype)
-            got = _fp8_linear(x, w8, sw, None, self.w.spec.fp8_fast).float()
+            got = _fp8_linear(x, w8, sw, None, self.w.spec.fp8_fast, self.w.spec.fp8_unit).float()
             sx = x.float().abs().amax(-1, keepdim=True) / FP8_MAX
             want = ((x.float() / sx).to(FP8).float() * sx) @ (w8.float() * sw.t()).t()
             errs.append((got - want).abs().max() / want.abs().max())

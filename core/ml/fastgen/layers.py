@@ -37,6 +37,7 @@ class Spec(NamedTuple):
     act: str = "silu"  # "silu", "gelu", "gelu_tanh"
     softcap: float = 0.0  # attention logits: cap * tanh(scores / cap); 0: off
     fp8_fast: bool = False  # fp8 projections: the GPU's fast accumulation (fewer fp32 promotions; an A/B)
+    fp8_unit: bool = False  # fp8 projections: a unit-scaled GEMM, the row and column scales applied after it
     kv8: bool = False  # the KV cache in e4m3, a scale per KV head and slot (rollout.kv_cache=fp8)
 
 
@@ -81,14 +82,22 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.t().contiguous()
 
 
-def _fp8_linear(x, w8, sw, b, fast: bool = False):
+def _fp8_linear(x, w8, sw, b, fast: bool = False, unit: bool = False):
     """x @ (w8 * sw).T + b with x scaled to e4m3 per token (row): the GPU's fp8 matmul, accumulating in fp32
-    (``fast``: Hopper's fast accumulation, which promotes the partial sums to fp32 less often)."""
+    (``fast``: Hopper's fast accumulation, which promotes the partial sums to fp32 less often). ``unit``: the GEMM
+    with unit scales (cuBLASLt's tensor-scaled kernels; the row-scaled ones were slower than bf16 at decode shapes on
+    the H200) and the token and channel scales applied to its output, a pointwise product inductor fuses into the
+    kernel after it."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K).float()
     sx = x2.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
     x8 = (x2 / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8).contiguous()  # row-major, as the GPU kernel takes it
-    y = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype, use_fast_accum=fast)
+    if unit:
+        one = torch.ones((), device=x.device)
+        y = torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=x.dtype, use_fast_accum=fast)
+        y = (y.float() * sx * sw).to(x.dtype)
+    else:
+        y = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype, use_fast_accum=fast)
     if b is not None:
         y = y + b
     return y.view(*lead, w8.shape[0])
@@ -109,7 +118,7 @@ def _linear(h, L, p: str, S: Spec):
     """Projection ``p`` of the layer: in the model's dtype, or fp8 where the weights hold a scale for it."""
     if L["s" + p] is None:
         return F.linear(h, L["w" + p], L["b" + p])
-    return _fp8_linear(h, L["w" + p], L["s" + p], L["b" + p], S.fp8_fast)
+    return _fp8_linear(h, L["w" + p], L["s" + p], L["b" + p], S.fp8_fast, S.fp8_unit)
 
 
 def _qkv(h, L, S: Spec):
@@ -273,6 +282,16 @@ def _fp8_wanted(weights: str, device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
+class Precision(NamedTuple):
+    """The engine's numerics: rollout.weights and rollout.kv_cache ("model" or "fp8"), and the fp8 GEMM's A/B
+    switches (fast accumulation; unit scales with the scales applied after the GEMM)."""
+
+    weights: str = "model"
+    kv_cache: str = "model"
+    fp8_fast_accum: bool = False
+    fp8_unit_scaled: bool = False
+
+
 def _kv8_wanted(kv_cache: str, device: torch.device) -> bool:
     """rollout.kv_cache: "model" (the model's dtype) or "fp8", refused where this device cannot run it."""
     if kv_cache not in ("model", "fp8"):
@@ -309,7 +328,7 @@ class _Weights:
     """The model's tensors in the layout the engine wants, read through its family's adapter; fused matrices
     and fp32 norm scales are copies (``refresh`` re-copies them in place), the rest are the model's own."""
 
-    def __init__(self, model, weights: str = "model", fp8_fast_accum: bool = False, kv_cache: str = "model"):
+    def __init__(self, model, precision: Precision = Precision()):
         cfg = model.config
         model_type = getattr(cfg, "model_type", None)
         fam: Family | None = FAMILIES.get(model_type)
@@ -384,10 +403,10 @@ class _Weights:
                          scaling=float(getattr(a0, "scaling", a0.head_dim ** -0.5)), rot=rots.pop(),
                          norm32=fam.norm_form != "llama", qk=fam.qk_norm, act=ACTIVATIONS[act], softcap=attn_cap)
         self.norm_eps = _eps(base.norm)
-        self.fp8 = _fp8_wanted(weights, self.device, self.dtype)
-        self.spec = self.spec._replace(fp8_fast=self.fp8 and fp8_fast_accum,
-                                       kv8=_kv8_wanted(kv_cache, self.device))  # (the engine's cache, set here
-        # with the rest of the static facts the compiled functions specialise on)
+        self.fp8 = _fp8_wanted(precision.weights, self.device, self.dtype)
+        self.spec = self.spec._replace(  # (the engine's cache too: a static fact the compiled functions specialise on)
+            fp8_fast=self.fp8 and precision.fp8_fast_accum, fp8_unit=self.fp8 and precision.fp8_unit_scaled,
+            kv8=_kv8_wanted(precision.kv_cache, self.device))
         self.layers: list[dict] = []
         self.refresh()
 
