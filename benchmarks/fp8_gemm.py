@@ -33,7 +33,7 @@ from rollout import SHAPES, build_model, make_prompts, model_config, profile_ste
 
 from verlflow.core.ml.fastgen import FastGen, SamplingConfig  # noqa: E402
 from verlflow.core.ml.fastgen import choices  # noqa: E402
-from verlflow.core.ml.fastgen.layers import FP8, FP8_MAX, _fp8_linear, _rms, quantize_rows  # noqa: E402
+from verlflow.core.ml.fastgen.layers import FP8, FP8_MAX, _fp8_linear, _rms, _row_amax, quantize_rows  # noqa: E402
 
 
 def projections(shape: str) -> dict[str, tuple[int, int]]:
@@ -50,6 +50,11 @@ def quantize_act(x):
     return (x.float() / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8), sx
 
 
+def quantize_act_engine(x):  # as _fp8_linear does it (a long row's maximum in two levels)
+    sx = _row_amax(x.float()).clamp(min=1e-12) / FP8_MAX
+    return (x.float() / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8), sx
+
+
 def times_for(M: int, N: int, K: int, dev) -> dict:
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(M, K, generator=g, device=dev).to(torch.bfloat16)
@@ -60,6 +65,7 @@ def times_for(M: int, N: int, K: int, dev) -> dict:
     one = torch.ones((), device=dev)
     opts = {"options": {"max_autotune_gemm_backends": "ATEN"}}
     q_compiled = torch.compile(quantize_act, **opts)
+    q_engine = torch.compile(quantize_act_engine, **opts)
     norm_bf16 = torch.compile(lambda x: F.linear(_rms(x, norm_w, 1e-6), w), **opts)
     norm_fp8 = torch.compile(lambda x: _fp8_linear(_rms(x, norm_w, 1e-6), w8, sw, None), **opts)
     # the unit-scaled GEMM, its scales applied after it with the activation that follows (SiLU, as gate/up's)
@@ -75,6 +81,7 @@ def times_for(M: int, N: int, K: int, dev) -> dict:
         "fp8_gemm_tensorwise": (0.0, lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one,
                                                               out_dtype=torch.bfloat16)),
         "quantize_compiled": (0.0, lambda: q_compiled(x)),
+        "quantize_engine_compiled": (0.0, lambda: q_engine(x)),
         "norm_then_bf16_linear_compiled": (0.0, lambda: norm_bf16(x)),
         "norm_then_fp8_linear_compiled": (0.0, lambda: norm_fp8(x)),
         "norm_bf16_linear_silu_compiled": (0.0, lambda: norm_bf16_act(x)),
@@ -108,12 +115,12 @@ def main():
         ids, mask = make_prompts(args.rows, 128, model.config.vocab_size, False, dev)
         cfg = SamplingConfig(1.0, 0.95)
         out = Path(args.out or ".")
-        for weights in ("model", "fp8"):
-            eng = FastGen(model, args.rows, 128, 128, weights=weights)
+        for name, kw in (("model", {}), ("fp8", {"weights": "fp8"}), ("fp8_unit", {"weights": "fp8", "fp8_gemm": "unit"})):
+            eng = FastGen(model, args.rows, 128, 128, **kw)
             eng.prepare([eos], pad, cfg, 128)
-            table = profile_step(eng, ids, mask, cfg, eos, pad, out / f"profile_{args.shape}_{weights}_step.txt",
+            table = profile_step(eng, ids, mask, cfg, eos, pad, out / f"profile_{args.shape}_{name}_step.txt",
                                  graphs=True)
-            say(f"decode step, weights={weights}:\n" + "\n".join(table.splitlines()[:22]))
+            say(f"decode step, {name}:\n" + "\n".join(table.splitlines()[:22]))
             del eng
             torch.cuda.empty_cache()
     if args.json:

@@ -494,6 +494,8 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
                                      ("fp8_autotuned", {**f8, "fp8_gemm": "autotune"}),
                                      ("fp8_unit", {**f8, "fp8_gemm": "unit"})] if cuda else [])
         variants += [("kv8", {"kv_cache": "fp8"}), ("fp8_kv8", {**f8, "kv_cache": "fp8"})]
+        if args.fp8_variants:  # a few of them (a call's time is short)
+            variants = [v for v in variants if v[0] in args.fp8_variants.split(",")]
         for name, extra in variants:
             if "kv_cache" in extra:  # the cache's reader is timed for it (sdpa reads an fp8 cache back first)
                 e = FastGen(model, B, P, N, sampler=eng.sampler, **extra)
@@ -700,6 +702,8 @@ def main(argv=None):
                     help="also time ours with one decode compile per cache bucket (bucket_compile=static)")
     ap.add_argument("--ab-fp8", action="store_true",
                     help="also time the engine with fp8 projections (rollout.weights=fp8) and measure its policy gap")
+    ap.add_argument("--fp8-variants", default=None, help="--ab-fp8: only these (comma-separated: fp8, fp8_fast_accum, "
+                    "fp8_autotuned, fp8_unit, kv8, fp8_kv8)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default=None, help="folder for profiles")
     ap.add_argument("--json", default=None)

@@ -150,6 +150,22 @@ def test_fp8_matmul_keeps_the_bias_and_the_leading_dims():
     torch.testing.assert_close(got, Fp8Reference(lin)(x), rtol=1e-5, atol=1e-5)
     rel = (got - lin(x)).norm() / lin(x).norm()
     assert 1e-4 < rel < 0.1, rel  # quantized, and close
+    torch.testing.assert_close(_fp8_linear(x, w8, s, lin.bias.detach(), unit=True), Fp8Reference(lin)(x), rtol=1e-5,
+                               atol=1e-5)  # the unit-scaled GEMM, its scales applied after
+
+
+def test_a_long_rows_scale_is_its_largest_element_wherever_it_lies():
+    """down's input (8,960 at 1.5B) takes its row maximum in blocks of 128, then over the blocks: the same scale
+    as one pass, whichever block holds the largest element."""
+    from verlflow.core.ml.fastgen.layers import _fp8_linear, quantize_rows
+
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(8960, 32, bias=False)
+    x = torch.randn(4, 8960, generator=g)
+    for row, col in enumerate((0, 127, 128, 8959)):  # first, last of a block, first of the next, the last element
+        x[row, col] = 50.0 * (-1) ** row
+    w8, s = quantize_rows(lin.weight.detach())
+    torch.testing.assert_close(_fp8_linear(x, w8, s, None), Fp8Reference(lin)(x), rtol=1e-5, atol=1e-5)
 
 
 def test_warm_fp8_engine_requantizes_in_place_when_the_policy_changes():
