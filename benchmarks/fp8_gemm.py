@@ -9,7 +9,8 @@ shape, at M rows (the engine's batch), each replayed from CUDA graphs (``choices
 * the activations' quantization alone (row max, scale, cast), compiled;
 * the engine's projection as it compiles it: the RMSNorm before it, then the quantization and the GEMM (``_fp8_linear``
   under ``torch.compile`` with the ATen GEMM), against the same with bf16 ``F.linear``; and with the unit-scaled GEMM
-  (``fp8_gemm="unit"``), whose scales are applied in the kernel after it (a SiLU here, as after gate/up).
+  (``fp8_gemm="unit"``, the default), whose scales are applied in the kernel after it (a SiLU here, as after
+  gate/up).
 
 Then (``--steps``) the decode step of the bf16 and the fp8 engine under the profiler: their kernel tables side by
 side in ``--out``.
@@ -115,7 +116,8 @@ def main():
         ids, mask = make_prompts(args.rows, 128, model.config.vocab_size, False, dev)
         cfg = SamplingConfig(1.0, 0.95)
         out = Path(args.out or ".")
-        for name, kw in (("model", {}), ("fp8", {"weights": "fp8"}), ("fp8_unit", {"weights": "fp8", "fp8_gemm": "unit"})):
+        for name, kw in (("model", {}), ("fp8_rowwise", {"weights": "fp8", "fp8_gemm": "rowwise"}),
+                         ("fp8", {"weights": "fp8"})):
             eng = FastGen(model, args.rows, 128, 128, **kw)
             eng.prepare([eos], pad, cfg, 128)
             table = profile_step(eng, ids, mask, cfg, eos, pad, out / f"profile_{args.shape}_{name}_step.txt",

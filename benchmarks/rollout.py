@@ -492,7 +492,7 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
         f8 = {"weights": "fp8"}
         variants = [("fp8", f8)] + ([("fp8_fast_accum", {**f8, "fp8_fast_accum": True}),
                                      ("fp8_autotuned", {**f8, "fp8_gemm": "autotune"}),
-                                     ("fp8_unit", {**f8, "fp8_gemm": "unit"})] if cuda else [])
+                                     ("fp8_rowwise", {**f8, "fp8_gemm": "rowwise"})] if cuda else [])
         variants += [("kv8", {"kv_cache": "fp8"}), ("fp8_kv8", {**f8, "kv_cache": "fp8"})]
         if args.fp8_variants:  # a few of them (a call's time is short)
             variants = [v for v in variants if v[0] in args.fp8_variants.split(",")]
@@ -610,8 +610,8 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
                       ("ours_one_pass_nucleus_sampled", "the one-pass nucleus test"),
                       ("ours_fp8_sampled", "fp8 projections (rollout.weights=fp8)"),
                       ("ours_fp8_fast_accum_sampled", "fp8 projections, fast accumulation"),
-                      ("ours_fp8_autotuned_sampled", "fp8 projections, inductor's autotuned fp8 GEMMs"),
-                      ("ours_fp8_unit_sampled", "fp8 projections, unit-scaled GEMMs (scales after)"),
+                      ("ours_fp8_autotuned_sampled", "fp8 projections, row-scaled, inductor's autotuned fp8 GEMMs"),
+                      ("ours_fp8_rowwise_sampled", "fp8 projections, row-scaled GEMMs"),
                       ("ours_kv8_sampled", "an fp8 KV cache (rollout.kv_cache=fp8)"),
                       ("ours_fp8_kv8_sampled", "fp8 projections and an fp8 KV cache")):
         ab = r.get(key)
@@ -628,7 +628,7 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
     for key, what in (("model_policy_gap", "model weights"), ("fp8_policy_gap", "fp8 projections"),
                       ("fp8_fast_accum_policy_gap", "fp8 projections, fast accumulation"),
                       ("fp8_autotuned_policy_gap", "fp8 projections, autotuned GEMMs"),
-                      ("fp8_unit_policy_gap", "fp8 projections, unit-scaled GEMMs"),
+                      ("fp8_rowwise_policy_gap", "fp8 projections, row-scaled GEMMs"),
                       ("kv8_policy_gap", "an fp8 KV cache"), ("fp8_kv8_policy_gap", "fp8 projections and KV cache")):
         gap = r.get(key)
         if isinstance(gap, dict) and "k3" in gap:
@@ -703,7 +703,7 @@ def main(argv=None):
     ap.add_argument("--ab-fp8", action="store_true",
                     help="also time the engine with fp8 projections (rollout.weights=fp8) and measure its policy gap")
     ap.add_argument("--fp8-variants", default=None, help="--ab-fp8: only these (comma-separated: fp8, fp8_fast_accum, "
-                    "fp8_autotuned, fp8_unit, kv8, fp8_kv8)")
+                    "fp8_autotuned, fp8_rowwise, kv8, fp8_kv8)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default=None, help="folder for profiles")
     ap.add_argument("--json", default=None)

@@ -79,8 +79,8 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-@pytest.mark.parametrize("case,gemm", [("qwen3", "aten"), ("phi3", "aten"), ("gemma2", "aten"), ("olmo2", "aten"),
-                                       ("mistral-window", "aten"), ("qwen3", "unit"), ("gemma2", "unit")])
+@pytest.mark.parametrize("case,gemm", [("qwen3", "unit"), ("phi3", "unit"), ("gemma2", "unit"), ("olmo2", "unit"),
+                                       ("mistral-window", "unit"), ("qwen3", "rowwise"), ("gemma2", "rowwise")])
 def test_fp8_engine_is_the_fp8_model_token_for_token(case, gemm):
     """Either GEMM (the row-scaled one, or the unit-scaled one with the scales applied after it) is the fp8 model."""
     model = build(case)
@@ -211,13 +211,19 @@ def test_fp8_refused_where_it_cannot_run(monkeypatch):
     assert seen == [True]  # ... and is gone before its replacement takes memory (two KV caches may not fit)
 
 
-def test_the_start_up_check_refuses_a_gpu_whose_fp8_matmul_is_wrong_or_missing(monkeypatch):
-    """The CUDA engine's fp8 check, run here on CPU against a torch._scaled_mm broken on purpose: one that drops the
-    weights' scales (what a wrong scale layout does), one that the GPU does not have (CUBLAS_STATUS_NOT_SUPPORTED,
-    as on some Blackwell parts). Both refuse, naming rollout.weights=model; the real op passes."""
-    eng = FastGen(build("qwen3"), 2, 8, 4, weights="fp8")
+@pytest.mark.parametrize("gemm", ["unit", "rowwise"])
+def test_the_start_up_check_refuses_a_gpu_whose_fp8_matmul_is_wrong_or_missing(monkeypatch, gemm):
+    """The CUDA engine's fp8 check, run here on CPU against a torch._scaled_mm broken on purpose: one whose sums are
+    off by the last bit of e4m3's mantissa (2^-4, what a wrong scale or a lossy accumulation does), one that drops the
+    weights' scales (the row-scaled GEMM's wrong layout), one that the GPU does not have
+    (CUBLAS_STATUS_NOT_SUPPORTED, as on some Blackwell parts). Each refuses, naming rollout.weights=model; the real op
+    passes."""
+    eng = FastGen(build("qwen3"), 2, 8, 4, weights="fp8", fp8_gemm=gemm)
     eng._self_check()
     real = torch._scaled_mm
+
+    def off(*a, **kw):
+        return real(*a, **kw) * (1 + 2 ** -4)
 
     def unscaled(a, b, scale_a, scale_b, **kw):
         return real(a, b, scale_a=scale_a, scale_b=torch.ones_like(scale_b), **kw)
@@ -225,7 +231,10 @@ def test_the_start_up_check_refuses_a_gpu_whose_fp8_matmul_is_wrong_or_missing(m
     def missing(*a, **kw):
         raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmulAlgoGetHeuristic")
 
-    for broken, message in ((unscaled, "differs from its reference"), (missing, "CUBLAS_STATUS_NOT_SUPPORTED")):
+    cases = [(off, "differs from its reference"), (missing, "CUBLAS_STATUS_NOT_SUPPORTED")]
+    if gemm == "rowwise":
+        cases.append((unscaled, "differs from its reference"))
+    for broken, message in cases:
         monkeypatch.setattr(torch, "_scaled_mm", broken)
         with pytest.raises(RuntimeError, match=f"rollout.weights=fp8.*{message}.*use rollout.weights=model"):
             eng._self_check()
@@ -240,9 +249,9 @@ def test_fast_accumulation_is_an_fp8_switch(monkeypatch):
     assert not FastGen(model, 2, 8, 4, weights="fp8", fp8_fast_accum=False).w.spec.fp8_fast
     monkeypatch.delenv("VERLFLOW_FASTGEN_FP8_FAST_ACCUM")
     assert not FastGen(model, 2, 8, 4, weights="fp8").w.spec.fp8_fast
-    assert FastGen(model, 2, 8, 4, weights="fp8").fp8_gemm == "aten"  # inductor keeps the op's own kernel
-    assert FastGen(model, 2, 8, 4, weights="fp8", fp8_gemm="unit").w.spec.fp8_unit
-    assert not FastGen(model, 2, 8, 4, fp8_gemm="unit").w.spec.fp8_unit  # no fp8 projections to scale
+    assert FastGen(model, 2, 8, 4, weights="fp8").w.spec.fp8_unit  # the default: scales after a unit-scaled GEMM
+    assert not FastGen(model, 2, 8, 4, weights="fp8", fp8_gemm="rowwise").w.spec.fp8_unit
+    assert not FastGen(model, 2, 8, 4).w.spec.fp8_unit  # no fp8 projections to scale
     with pytest.raises(ValueError, match="fp8_gemm must be"):
         FastGen(model, 2, 8, 4, weights="fp8", fp8_gemm="cutlass")
 
