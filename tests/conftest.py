@@ -107,3 +107,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: tests keep their order in a file
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Torch on one thread for a module of tiny-shape tests (more threads only spin, and CI runs two workers on two
+    cores); a module asks for it with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -56,12 +56,7 @@ FAMILY_OF = {case: case.split("-")[0] for case in CASES}
 _MODELS: dict = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny shapes: more threads only spin (and CI runs two workers on two cores)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def build(case: str, **fields):

@@ -75,9 +75,9 @@ class FastGen:
     (env VERLFLOW_FASTGEN_FP8_GEMM): "unit" (the default: a unit-scaled GEMM, cuBLASLt's tensor-scaled kernels,
     the token and channel scales applied after it), "rowwise" (the row-scaled GEMM: its cuBLASLt kernel ran every
     decode projection at 1.5B on one 128x128 tile, slower than bf16 on the H200) or "autotune" (row-scaled,
-    inductor may pick its Triton fp8 templates): A/Bs. ``kv_cache``: "model" (the model's dtype) or "fp8" (e4m3 with a scale per KV
-    head and slot: half the cache's bytes, which the Triton kernel reads directly; every token, the prompt's too,
-    attends to the rounded keys and values, so the log-probs returned are that model's)."""
+    inductor may pick its Triton fp8 templates): A/Bs. ``kv_cache``: "model" (the model's dtype) or "fp8" (e4m3
+    with a scale per KV head and slot: half the cache's bytes, which the Triton kernel reads directly; every token,
+    the prompt's too, attends to the rounded keys and values, so the log-probs returned are that model's)."""
 
     def __init__(self, model, batch_size: int, max_prompt_len: int, max_new_tokens: int, *,
                  use_graphs: bool | None = None, compile: bool | None = None, bucket: int = 64,
@@ -184,7 +184,8 @@ class FastGen:
         if cuda and attn_auto and self.attn == "triton":  # what an engine of this shape timed on this machine before
             timing_key = choices.key(dev, rows=self.B, slots=self.T, bucket=self.bucket, heads=w.nh, kv_heads=w.nkv,
                                      head_dim=w.hd, dtype=dt, windows=sorted(set(self.windows)), softcap=w.spec.softcap,
-                                     configs=self._ATTN_CONFIGS, kv_cache="fp8" if w.spec.kv8 else "model")  # a new candidate is timed, not passed over
+                                     configs=self._ATTN_CONFIGS,  # a new candidate is timed, not passed over
+                                     kv_cache="fp8" if w.spec.kv8 else "model")
             kept = choices.load(timing_key)
             if kept is not None:
                 self._take_choice(kept)
@@ -208,7 +209,8 @@ class FastGen:
         if compiled:  # the prefill sees a new (rows, width) per micro-batch: _prefill marks those two dims dynamic
             # (dynamic=True would make every size and float symbolic: a slower compile, even from the cache)
             # Inductor autotunes fp8 matmuls against its Triton templates even without max-autotune: set-up time
-            # on a cold cache, and a kernel the start-up check never ran. fp8_gemm="unit"/"rowwise" keep the op's own kernel
+            # on a cold cache, and a kernel the start-up check never ran. fp8_gemm="unit"/"rowwise" keep the op's own
+            # kernel
             # (cuBLASLt), as for the bf16 matmuls; "autotune" lets inductor choose (an A/B)
             opts = ({"options": {"max_autotune_gemm_backends": "ATEN"}}
                     if self.w.fp8 and self.fp8_gemm != "autotune" and self.compile_backend == "inductor" else {})
@@ -450,7 +452,8 @@ class FastGen:
         K, V = kc[:, :, :kv_len], vc[:, :, :kv_len]
         if ks is None:
             return K, V
-        return dequantize_slots(K, ks[:, :, :kv_len], self.w.dtype), dequantize_slots(V, vs[:, :, :kv_len], self.w.dtype)
+        dt = self.w.dtype
+        return dequantize_slots(K, ks[:, :, :kv_len], dt), dequantize_slots(V, vs[:, :, :kv_len], dt)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         x = F.embedding(ids, self.w.embed)
