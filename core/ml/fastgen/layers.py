@@ -82,16 +82,6 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.t().contiguous()
 
 
-def _row_amax(x2: torch.Tensor) -> torch.Tensor:
-    """Each row's largest |x| (M, 1). A long row (down's input, 8,960 at 1.5B) in two levels, blocks of 128 and then
-    the blocks: the same maximum, but inductor's one-level kernel for it ran one program per row, looping (13.6 us at
-    M = 256 on the H200, where the GEMM it feeds saves 5.5)."""
-    M, K = x2.shape
-    if K > 4096 and K % 128 == 0:
-        return x2.view(M, K // 128, 128).abs().amax(-1).amax(-1, keepdim=True)
-    return x2.abs().amax(-1, keepdim=True)
-
-
 def _fp8_linear(x, w8, sw, b, fast: bool = False, unit: bool = False):
     """x @ (w8 * sw).T + b with x scaled to e4m3 per token (row): the GPU's fp8 matmul, accumulating in fp32
     (``fast``: Hopper's fast accumulation, which promotes the partial sums to fp32 less often). ``unit``: the GEMM
@@ -100,7 +90,7 @@ def _fp8_linear(x, w8, sw, b, fast: bool = False, unit: bool = False):
     kernel after it."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K).float()
-    sx = _row_amax(x2).clamp(min=1e-12) / FP8_MAX
+    sx = x2.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
     x8 = (x2 / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8).contiguous()  # row-major, as the GPU kernel takes it
     if unit:
         one = torch.ones((), device=x.device)
