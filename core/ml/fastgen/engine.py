@@ -19,7 +19,7 @@ from verlflow.core.ml.fastgen.kernels import (HAVE_TRITON, _cands_from_stats, _f
 from verlflow.core.ml.fastgen import choices
 from verlflow.core.ml.fastgen.layers import (FP8, FP8_MAX, PROJECTIONS, _decode_layer, _fp8_linear, _head, _logits,
                                             _norm, _post_attn, _pre_attn, _prefill_layer, _Weights, Precision,
-                                            dequantize_slots, quantize_slots)
+                                            quantize_slots, read_cache)
 from verlflow.core.ml.fastgen.sampling import SamplingConfig, _Stats, sample_logits
 from verlflow.core.ml.generate import chosen_logprobs, sampling_temperature
 
@@ -210,8 +210,7 @@ class FastGen:
             # (dynamic=True would make every size and float symbolic: a slower compile, even from the cache)
             # Inductor autotunes fp8 matmuls against its Triton templates even without max-autotune: set-up time
             # on a cold cache, and a kernel the start-up check never ran. fp8_gemm="unit"/"rowwise" keep the op's own
-            # kernel
-            # (cuBLASLt), as for the bf16 matmuls; "autotune" lets inductor choose (an A/B)
+            # kernel (cuBLASLt), as for the bf16 matmuls; "autotune" lets inductor choose (an A/B)
             opts = ({"options": {"max_autotune_gemm_backends": "ATEN"}}
                     if self.w.fp8 and self.fp8_gemm != "autotune" and self.compile_backend == "inductor" else {})
             fns = {k: torch.compile(f, fullgraph=k not in ("sample",), backend=self.compile_backend, **opts)
@@ -256,7 +255,7 @@ class FastGen:
             for name, (slot, kv) in scenarios.items():
                 bias = torch.zeros(B, 1, 1, kv, dtype=w.dtype, device=dev)
                 fns = {} if w.spec.softcap else {"sdpa": (0.0, lambda kv=kv, bias=bias: F.scaled_dot_product_attention(
-                    q.unsqueeze(2), *self._cache_view(kc, vc, ks, vs, kv), attn_mask=bias, scale=w.scaling,
+                    q.unsqueeze(2), *read_cache(kc, vc, ks, vs, kv, w.dtype), attn_mask=bias, scale=w.scaling,
                     enable_gqa=True))}
                 for i, cfg in ok_cfgs:  # + the split merge, fused into the next projection in the compiled step
                     # (~4 us on the H200): timing it eagerly here would count its launches
@@ -345,10 +344,10 @@ class FastGen:
         w, dev, dt = self.w, self.device, self.w.dtype
         g = torch.Generator(device=dev).manual_seed(0)
         if w.fp8:
-            try:  # row-scaled fp8 matmuls are not on every GPU and torch build (some Blackwell parts lack them)
+            try:  # fp8 matmuls are not on every GPU and torch build (some Blackwell parts lack the row-scaled one)
                 err = self._fp8_error()
             except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, ValueError or NotImplementedError
-                raise RuntimeError(f"rollout.weights=fp8: torch._scaled_mm with per-row scales fails on {dev} "
+                raise RuntimeError(f"rollout.weights=fp8: torch._scaled_mm ({self.fp8_gemm}) fails on {dev} "
                                    f"({e}); use rollout.weights=model") from e
             if not err < 1e-2:  # bf16 output rounding is ~4e-3; a wrong scale layout is off by O(1)
                 raise RuntimeError(f"rollout.weights=fp8: torch._scaled_mm on this GPU differs from its reference "
@@ -446,14 +445,6 @@ class FastGen:
         else:
             logits = fn["logits"](x, w.norm_w, w.lm_w, w.norm_eps, S.norm32, w.final_cap)
         self._advance(*self._sample(logits, cfg))
-
-    def _cache_view(self, kc, vc, ks, vs, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first kv_len slots of a layer's cache in the model's dtype (an fp8 cache read back: sdpa's input)."""
-        K, V = kc[:, :, :kv_len], vc[:, :, :kv_len]
-        if ks is None:
-            return K, V
-        dt = self.w.dtype
-        return dequantize_slots(K, ks[:, :, :kv_len], dt), dequantize_slots(V, vs[:, :, :kv_len], dt)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         x = F.embedding(ids, self.w.embed)

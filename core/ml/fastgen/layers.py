@@ -114,6 +114,15 @@ def dequantize_slots(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
     return (x8.float() * scale.unsqueeze(-1)).to(dtype)
 
 
+def read_cache(kc, vc, ks, vs, kv_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's first kv_len cache slots in the model's dtype: the cache itself, or an fp8 cache (ks/vs its scales)
+    read back (bmm's and sdpa's input; the Triton kernel reads the fp8 cache directly)."""
+    K, V = kc[:, :, :kv_len], vc[:, :, :kv_len]
+    if ks is None:
+        return K, V
+    return dequantize_slots(K, ks[:, :, :kv_len], dtype), dequantize_slots(V, vs[:, :, :kv_len], dtype)
+
+
 def _linear(h, L, p: str, S: Spec):
     """Projection ``p`` of the layer: in the model's dtype, or fp8 where the weights hold a scale for it."""
     if L["s" + p] is None:
@@ -235,10 +244,7 @@ def _decode_layer(x, h, L, nxt, kc, vc, slot, cos, sin, bias, S: Spec, attn: str
     ``nxt`` (see ``_post_attn``)."""
     B, kv_len = x.shape[0], bias.shape[-1]
     q = _pre_attn(h, L, kc, vc, slot, cos, sin, S, ks, vs)
-    K = kc[:, :, :kv_len]
-    V = vc[:, :, :kv_len]
-    if S.kv8:
-        K, V = dequantize_slots(K, ks[:, :, :kv_len], q.dtype), dequantize_slots(V, vs[:, :, :kv_len], q.dtype)
+    K, V = read_cache(kc, vc, ks, vs, kv_len, q.dtype)
     if attn == "sdpa":  # the engine never picks it with soft-capping
         o = F.scaled_dot_product_attention(q.unsqueeze(2), K, V, attn_mask=bias[:, None, None, :].to(q.dtype),
                                            scale=S.scaling, enable_gqa=True)  # (B, nh, 1, hd)
