@@ -7,6 +7,7 @@
 
 `make install-dev` installs Triton on CPU machines (GPU machines have torch's own)."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -37,12 +38,13 @@ def interpreted(check: str) -> dict:
 
 
 def test_every_timed_attention_configuration_equals_the_reference():
-    """Each configuration attn="auto" may keep, the bounded ones (which skip blocks with no valid slot) among them,
-    at slots and pads on and beside block edges, with windows and soft-capping."""
+    """Each configuration attn="auto" may keep, the bounded ones (which skip blocks with no valid slot) and the
+    ranged ones (loops bounded by each row's slots, some splits empty) among them, at slots and pads on and beside block edges, with windows and soft-capping."""
     from verlflow.core.ml.fastgen import FastGen
 
     errors = interpreted("attention")["max_abs_error"]
-    assert len(errors) == len(FastGen._ATTN_CONFIGS) and any('"bounded": true' in k for k in errors)
+    assert len(errors) == len(FastGen._ATTN_CONFIGS)
+    assert any('"bounded": true' in k for k in errors) and any('"splits": 4' in k for k in errors)
     bad = {cfg: err for cfg, err in errors.items() if not err < 1e-5}
     assert not bad, bad
 
@@ -77,6 +79,7 @@ def test_two_pass_nucleus_test_picks_the_one_pass_and_torch_samplers_tokens():
 def test_engine_on_the_triton_paths_and_its_self_check():
     res = interpreted("engine")
     assert res["greedy_equals_hf"]  # bounded attention under continuous batching, a sliding-window layer
+    assert res["greedy_equals_hf_ranged"]  # ranged: loops bounded by each refilled row's own pad and slot
     assert res["sampled_two_eq_one"] and res["sampled_two_eq_torch"] and res["sampled_differs_from_greedy"]
     assert res["logp_diff"] < 1e-5
     assert res["self_check_keeps"] == ["triton", "triton"]
@@ -98,36 +101,39 @@ ATTN_SIG = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KS": "*fp32", "VS": "*fp3
             "MP": "*fp32", "LP": "*fp32", "OP": "*fp32", "scale": "fp32", "sqb": "i32", "sqh": "i32", "skb": "i32",
             "skh": "i32", "skt": "i32", "ssb": "i32", "ssh": "i32", "NKV": "i32", "NSPLIT": "i32"}
 FP8_CACHE = {"K": "*fp8e4nv", "V": "*fp8e4nv"}
+ALIGNED = ("sqb", "sqh", "skb", "skh", "skt", "sxb")  # strides the engine's tensors give, multiples of 16
 SAMPLER_SIG = {"X": "*bf16", "sxb": "i32", "V": "i32", "inv_t": "fp32", "M": "*fp32", "XC": "*bf16"}
 
 
 def variants():
-    """(kernel name, signature, constants, warps): every kernel in the variants the engine launches."""
+    """(kernel name, signature, constants, warps, stages): every kernel in the variants the engine launches."""
     from verlflow.core.ml.fastgen import FastGen
 
     for i, cfg in enumerate(FastGen._ATTN_CONFIGS):  # each configuration, plain and reading an fp8 cache; the
-        # window, soft-cap and fp32 variants of the first plain and the first bounded one (the variants change the
+        # window, soft-cap and fp32 variants of the first plain, bounded and ranged one (the variants change the
         # body, not the loop structure)
-        firsts = (0, next(j for j, c in enumerate(FastGen._ATTN_CONFIGS) if c.get("bounded")))
+        firsts = [next(j for j, c in enumerate(FastGen._ATTN_CONFIGS) if pick(c))
+                  for pick in (lambda c: True, lambda c: c.get("bounded"), lambda c: c.get("splits"))]
         extra = ((4096, 0.0, False), (4096, 50.0, False), (0, 0.0, True)) if i in firsts else ()
         for window, softcap, ieee, kv8 in ((0, 0.0, False, False), (0, 0.0, False, True),
                                            *((*e, False) for e in extra), *((*e, True) for e in extra)):
             dt = "*fp32" if ieee else "*bf16"
             sig = {**ATTN_SIG, "Q": dt, "K": dt, "V": dt, **(FP8_CACHE if kv8 else {})}
             yield ("_decode_attn_kernel", sig,
-                   dict(G=6, GP=16, D=128, DP=128, SPLIT_N=cfg["split_n"], BLOCK_N=cfg["block_n"], WINDOW=window,
-                        SOFTCAP=softcap, IEEE=ieee, BOUNDED=bool(cfg.get("bounded")), KV8=kv8), cfg["num_warps"])
+                   dict(G=6, GP=16, D=128, DP=128, SPLIT_N=cfg.get("split_n", 64), BLOCK_N=cfg["block_n"],
+                        WINDOW=window, SOFTCAP=softcap, IEEE=ieee, BOUNDED=bool(cfg.get("bounded")), KV8=kv8,
+                        RANGED=bool(cfg.get("splits"))), cfg["num_warps"], cfg.get("num_stages", 3))
     for d, dp in ((96, 128), (256, 256)):  # Phi-3's head dim (padded to 128), Gemma's
-        for kv8 in (False, True):
+        for kv8, ranged in itertools.product((False, True), (False, True)):
             yield ("_decode_attn_kernel", {**ATTN_SIG, **(FP8_CACHE if kv8 else {})},
                    dict(G=4, GP=16, D=d, DP=dp, SPLIT_N=64, BLOCK_N=64, WINDOW=0, SOFTCAP=0.0, IEEE=False,
-                        BOUNDED=True, KV8=kv8), 4)
+                        BOUNDED=not ranged, KV8=kv8, RANGED=ranged), 4, 3)
     yield ("_block_stats_kernel", {"X": "*bf16", "sxb": "i32", "V": "i32", "inv_t": "fp32", "BMAX": "*fp32",
-                                   "BSUM": "*fp32", "NB": "i32"}, dict(BPP=16, BLK=128), 4)
+                                   "BSUM": "*fp32", "NB": "i32"}, dict(BPP=16, BLK=128), 4, 3)
     for gated in (False, True):
         yield ("_member_kernel", {**SAMPLER_SIG, "LE": "*fp32", "NCH": "i32", "DONE": "*u8"},
-               dict(C=7, CP=8, CHUNK=8192 if gated else 2048, SUB=1024, GATED=gated), 8)
-    yield ("_first_mass_kernel", {**SAMPLER_SIG, "sxc": "i32", "LE": "*fp32", "NCH": "i32"}, dict(BLK=2048), 4)
+               dict(C=7, CP=8, CHUNK=8192 if gated else 2048, SUB=1024, GATED=gated), 8, 3)
+    yield ("_first_mass_kernel", {**SAMPLER_SIG, "sxc": "i32", "LE": "*fp32", "NCH": "i32"}, dict(BLK=2048), 4, 3)
 
 
 def test_every_kernel_variant_compiles_for_the_h200():
@@ -138,11 +144,18 @@ def test_every_kernel_variant_compiles_for_the_h200():
     from verlflow.core.ml.fastgen import kernels
 
     built = []
-    for name, sig, const, warps in variants():
+    for name, sig, const, warps, stages in variants():
         fn = getattr(kernels, name)
         sig = {**sig, **{k: "constexpr" for k in const}}
         assert list(sig) == fn.arg_names, f"{name}: the test's signature is not the kernel's: {fn.arg_names}"
-        c = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        # as the launch specializes them (pointers and the cache's strides are multiples of 16): what lets Triton
+        # pipeline the loads through shared memory, and so what decides the kernel's shared memory
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+                 if sig[a].startswith("*") or a in ALIGNED}
+        c = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": warps, "num_stages": stages})
         assert c.asm["cubin"], (name, const)
+        # the H200's 227 KiB a block: a kernel over it compiles but fails at launch
+        assert c.metadata.shared <= 232448, (name, const, c.metadata.shared)
         built.append(name)
     assert {"_decode_attn_kernel", "_block_stats_kernel", "_member_kernel", "_first_mass_kernel"} <= set(built)

@@ -13,6 +13,23 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
+def _scalar_index_shim():
+    """Triton 3.6's interpreter turns a scalar tensor into a Python int with int() on a one-element array, which
+    numpy >= 2.4 refuses; a loop whose bounds are loaded values (the RANGED attention) needs it. Compiled kernels do
+    not pass through here."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+_scalar_index_shim()
+
 from verlflow.core.ml.fastgen import FastGen, SamplingConfig  # noqa: E402
 from verlflow.core.ml.fastgen import engine as engine_mod  # noqa: E402
 from verlflow.core.ml.fastgen.kernels import (combine_splits, decode_attention_triton, first_mass_triton,  # noqa: E402
@@ -122,14 +139,16 @@ def engine() -> dict:
     res = {}
     eng = FastGen(model, batch_size=3, max_prompt_len=12, max_new_tokens=8, attn="triton", sampler="triton",
                   check_every=2)
-    eng.attn_cfg = {"split_n": 16, "block_n": 8, "num_warps": 1, "bounded": True}  # splits of two blocks
-    ours, _ = eng.generate_many(ps, SamplingConfig(0.0), [EOS], PAD, refill_min=1)
     hf = []
     for p in ps:
         ids = torch.tensor([p])
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                              pad_token_id=PAD, eos_token_id=EOS)[0, len(p):].tolist()
         hf.append(out[:out.index(EOS) + 1] if EOS in out else out)
+    eng.attn_cfg = {"splits": 3, "block_n": 8, "num_warps": 1}  # each row's slots in 3 runs, of 1-2 blocks
+    res["greedy_equals_hf_ranged"] = eng.generate_many(ps, SamplingConfig(0.0), [EOS], PAD, refill_min=1)[0] == hf
+    eng.attn_cfg = {"split_n": 16, "block_n": 8, "num_warps": 1, "bounded": True}  # splits of two blocks
+    ours, _ = eng.generate_many(ps, SamplingConfig(0.0), [EOS], PAD, refill_min=1)
     res["greedy_equals_hf"] = ours == hf
     cfg = SamplingConfig(1.0, 0.9)
     sampled = {}

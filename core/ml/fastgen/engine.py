@@ -220,13 +220,17 @@ class FastGen:
     MAX_EOS = 8  # EOS ids a generation may stop at (a fixed-size buffer: captured steps need not change)
 
     # the Triton kernel's configurations attn="auto" times; "bounded" skips the blocks of slots with none valid
-    # (past the row's slot, before its pad or window), which the others load as nothing but still compute
+    # (past the row's slot, before its pad or window), which the others load as nothing but still compute;
+    # "splits" cuts each row's valid slots into that many runs, each one program's pipelined loop
     _ATTN_CONFIGS = ({"split_n": 64, "block_n": 64, "num_warps": 4}, {"split_n": 128, "block_n": 64, "num_warps": 4},
                      {"split_n": 128, "block_n": 128, "num_warps": 4}, {"split_n": 128, "block_n": 128, "num_warps": 8},
                      {"split_n": 64, "block_n": 32, "num_warps": 2},
                      {"split_n": 64, "block_n": 64, "num_warps": 4, "bounded": True},
                      {"split_n": 128, "block_n": 64, "num_warps": 4, "bounded": True},
-                     {"split_n": 256, "block_n": 64, "num_warps": 4, "bounded": True})
+                     {"split_n": 256, "block_n": 64, "num_warps": 4, "bounded": True},
+                     {"splits": 1, "block_n": 64, "num_warps": 4}, {"splits": 2, "block_n": 64, "num_warps": 4},
+                     {"splits": 4, "block_n": 64, "num_warps": 4},
+                     {"splits": 2, "block_n": 32, "num_warps": 4, "num_stages": 4})
 
     def _pick_attention(self):
         """attn="auto" on CUDA: time one layer's decode attention, replayed from CUDA graphs, for the Triton kernel's

@@ -61,15 +61,18 @@ if HAVE_TRITON:
                             sqb, sqh, skb, skh, skt, ssb, ssh, NKV, NSPLIT,
                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                             SPLIT_N: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-                            SOFTCAP: tl.constexpr, IEEE: tl.constexpr, BOUNDED: tl.constexpr, KV8: tl.constexpr):
+                            SOFTCAP: tl.constexpr, IEEE: tl.constexpr, BOUNDED: tl.constexpr, KV8: tl.constexpr,
+                            RANGED: tl.constexpr):
         """One (row, KV head, split of the cache): the group's G query heads against the shared K/V head,
         valid slots only ([pad_b, slot_b], and the last WINDOW of them when WINDOW > 0: sliding-window layers);
         scores soft-capped (SOFTCAP * tanh(s / SOFTCAP)) when SOFTCAP > 0; writes the split's running max, sum and
         unnormalised output. WINDOW and SOFTCAP are compile-time: 0 compiles the plain kernel. IEEE (fp32 models):
         the dots in full fp32, not TF32 (whose 10-bit mantissa tipped greedy near-ties away from HF's). BOUNDED:
         a block of slots with none valid is skipped (a split past the row's slot, or before its pad, runs none);
-        otherwise every block runs, its invalid slots masked (loaded as nothing, still computed). KV8: an fp8 cache
-        with a scale per (row, KV head, slot) in KS/VS (strides ssb, ssh; slots contiguous)."""
+        otherwise every block runs, its invalid slots masked (loaded as nothing, still computed). RANGED: the row's
+        valid slots are cut into NSPLIT equal runs, one per program, each a loop whose bounds come from the row's
+        pad and slot (SPLIT_N unused): no block outside them, no branch in the loop, so Triton pipelines its loads.
+        KV8: an fp8 cache with a scale per (row, KV head, slot) in KS/VS (strides ssb, ssh; slots contiguous)."""
         pid = tl.program_id(0)
         sp = tl.program_id(1)
         b = pid // NKV
@@ -87,17 +90,26 @@ if HAVE_TRITON:
         acc = tl.zeros([GP, DP], dtype=tl.float32)
         base = b * skb + h * skh
         sbase = b * ssb + h * ssh
-        for n0 in range(0, SPLIT_N, BLOCK_N):  # masked loads of invalid slots fetch nothing
-            start = sp * SPLIT_N + n0
-            n = start + tl.arange(0, BLOCK_N)
-            ok = (n >= pad) & (n <= cur)
-            if BOUNDED:  # (a branch, not loop bounds from the loaded slots: Triton's interpreter cannot run those)
-                if (start <= cur) & (start + BLOCK_N > pad):
+        if RANGED:
+            span = tl.cdiv(tl.cdiv(cur + 1 - pad, NSPLIT), BLOCK_N) * BLOCK_N
+            lo = pad + sp * span
+            hi = tl.minimum(lo + span, cur + 1)
+            for start in tl.range(lo, hi, BLOCK_N):
+                n = start + tl.arange(0, BLOCK_N)
+                m_i, l_i, acc = _attn_block(q, K, V, KS, VS, base, sbase, n, n < hi, skt, d, D, scale, m_i, l_i, acc,
+                                            SOFTCAP, IEEE, KV8)
+        else:
+            for n0 in range(0, SPLIT_N, BLOCK_N):  # masked loads of invalid slots fetch nothing
+                start = sp * SPLIT_N + n0
+                n = start + tl.arange(0, BLOCK_N)
+                ok = (n >= pad) & (n <= cur)
+                if BOUNDED:  # (a branch in the loop: Triton does not pipeline its loads; RANGED does)
+                    if (start <= cur) & (start + BLOCK_N > pad):
+                        m_i, l_i, acc = _attn_block(q, K, V, KS, VS, base, sbase, n, ok, skt, d, D, scale,
+                                                    m_i, l_i, acc, SOFTCAP, IEEE, KV8)
+                else:
                     m_i, l_i, acc = _attn_block(q, K, V, KS, VS, base, sbase, n, ok, skt, d, D, scale, m_i, l_i, acc,
-                                                    SOFTCAP, IEEE, KV8)
-            else:
-                m_i, l_i, acc = _attn_block(q, K, V, KS, VS, base, sbase, n, ok, skt, d, D, scale, m_i, l_i, acc,
-                                                    SOFTCAP, IEEE, KV8)
+                                                SOFTCAP, IEEE, KV8)
         row = (pid * NSPLIT + sp) * G  # only the G real query rows go out
         tl.store(MP + row + g, m_i, mask=g < G)
         tl.store(LP + row + g, l_i, mask=g < G)
@@ -160,17 +172,17 @@ def _pow2(n: int) -> int:
 
 def decode_attention_triton(q, kc, vc, pad_off, slot, scale: float, nkv: int, split_n: int = 64,
                             block_n: int = 64, num_warps: int = 4, window: int = 0, softcap: float = 0.0,
-                            bounded: bool = False, ks=None, vs=None):
+                            bounded: bool = False, ks=None, vs=None, splits: int = 0, num_stages: int = 3):
     """Partial results of decode attention (see ``_decode_attn_kernel``): (m, l, o) per split, for
     ``combine_splits``. q (B, nh, D); kc/vc (B, nkv, T, D), last dim contiguous; pad_off, slot (B,) long: row b
     attends to slots [pad_off[b], slot[b]]. window: a sliding-window
     layer's window (0: off); softcap: attention logit soft-capping (0: off); bounded: loop over valid slots only;
-    ks/vs (B, nkv, >= T) fp32: an fp8 cache's scales per slot (None: the cache is in the query's dtype)."""
+    splits > 0: each row's valid slots in that many runs (the kernel's RANGED; split_n unused); ks/vs (B, nkv, >= T) fp32: an fp8 cache's scales per slot (None: the cache is in the query's dtype)."""
     B, nh, D = q.shape
     T = kc.shape[2]
     G = nh // nkv
     GP = max(16, _pow2(G))
-    ns = triton.cdiv(T, split_n)
+    ns = splits if splits else triton.cdiv(T, split_n)
     mp = torch.empty(B, nkv, ns, G, dtype=torch.float32, device=q.device)
     lp = torch.empty_like(mp)
     op = torch.empty(B, nkv, ns, G, D, dtype=torch.float32, device=q.device)
@@ -181,7 +193,8 @@ def decode_attention_triton(q, kc, vc, pad_off, slot, scale: float, nkv: int, sp
         q, kc, vc, ks, vs, pad_off, slot, mp, lp, op, scale, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1),
         kc.stride(2), ks.stride(0) if kv8 else 0, ks.stride(1) if kv8 else 0, nkv, ns, G=G, GP=GP, D=D,
         DP=max(16, _pow2(D)), SPLIT_N=split_n, BLOCK_N=block_n, WINDOW=int(window), SOFTCAP=float(softcap),
-        IEEE=q.dtype == torch.float32, BOUNDED=bool(bounded), KV8=kv8, num_warps=num_warps)
+        IEEE=q.dtype == torch.float32, BOUNDED=bool(bounded), KV8=kv8, RANGED=bool(splits), num_warps=num_warps,
+        num_stages=num_stages)
     return mp, lp, op
 
 
