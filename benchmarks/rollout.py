@@ -473,6 +473,10 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
         eng_sb.attn_cfg = dict(eng.attn_cfg)
         attempt("ours_static_buckets_sampled", lambda: run_ours(eng_sb, ids, mask, scfg, eos, pad, dev))
         del eng_sb
+    if cuda and args.ab_attn and eng.attn != "sdpa":  # the same engine on sdpa (cuDNN): the choice it replaced
+        eng_sd = FastGen(model, B, P, N, attn="sdpa", sampler=eng.sampler)
+        attempt("ours_sdpa_attention_sampled", lambda: run_ours(eng_sd, ids, mask, scfg, eos, pad, dev))
+        del eng_sd
     if cuda and args.ab_nucleus and eng.sampler == "triton":  # the same engine, the one-pass nucleus test
         eng_np = FastGen(model, B, P, N, attn=eng.attn, sampler=eng.sampler, nucleus="one_pass")
         eng_np.attn_cfg = dict(eng.attn_cfg)
@@ -698,6 +702,8 @@ def main(argv=None):
     ap.add_argument("--no-micro", action="store_true")
     ap.add_argument("--ab-nucleus", action="store_true",
                     help="also time ours with the one-pass nucleus test of the Triton sampler (nucleus=one_pass)")
+    ap.add_argument("--ab-attn", action="store_true",
+                    help="also time the engine with sdpa attention, where its timing picked the Triton kernel")
     ap.add_argument("--ab-static-buckets", action="store_true",
                     help="also time ours with one decode compile per cache bucket (bucket_compile=static)")
     ap.add_argument("--ab-fp8", action="store_true",
