@@ -10,7 +10,9 @@ shape, at M rows (the engine's batch), each replayed from CUDA graphs (``choices
 * the engine's projection as it compiles it: the RMSNorm before it, then the quantization and the GEMM (``_fp8_linear``
   under ``torch.compile`` with the ATen GEMM), against the same with bf16 ``F.linear``; and with the unit-scaled GEMM
   (``fp8_gemm="unit"``, the default), whose scales are applied in the kernel after it (a SiLU here, as after
-  gate/up).
+  gate/up);
+* the down projection's e4m3 input from the unit gate/up GEMM's output: the torch path as inductor compiles it, and
+  the Triton kernel (``fp8_act``, the default on CUDA).
 
 Then (``--steps``) the decode step of the bf16 and the fp8 engine under the profiler: their kernel tables side by
 side in ``--out``.
@@ -34,6 +36,7 @@ from rollout import SHAPES, build_model, make_prompts, model_config, profile_ste
 
 from verlflow.core.ml.fastgen import FastGen, SamplingConfig  # noqa: E402
 from verlflow.core.ml.fastgen import choices  # noqa: E402
+from verlflow.core.ml.fastgen.kernels import silu_mul_fp8  # noqa: E402
 from verlflow.core.ml.fastgen.layers import FP8, FP8_MAX, _fp8_linear, _rms, quantize_rows  # noqa: E402
 
 
@@ -57,6 +60,24 @@ def quantize_act_two_level(x):  # a long row's maximum over blocks of 128, then 
     amax = x2.view(M, K // 128, 128).abs().amax(-1).amax(-1, keepdim=True) if K % 128 == 0 else x2.abs().amax(-1, True)
     sx = amax.clamp(min=1e-12) / FP8_MAX
     return (x2 / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8), sx
+
+
+def act_times(M: int, inter: int, dev) -> dict:
+    """The down projection's e4m3 input from the unit gate/up GEMM's raw output (M, 2 * inter): as inductor compiles
+    the torch path (scales, SiLU x up, row max, cast), and as the Triton kernel does it (``fp8_act``)."""
+    g = torch.Generator(device=dev).manual_seed(1)
+    y = torch.randn(M, 2 * inter, generator=g, device=dev).to(torch.bfloat16)
+    sy = torch.rand(M, 1, generator=g, device=dev) + 0.5
+    sw = torch.rand(1, 2 * inter, generator=g, device=dev) * 1e-2
+
+    def torch_path(y):
+        a, u = (y.float() * sy * sw).to(y.dtype).chunk(2, dim=-1)
+        return quantize_act(F.silu(a) * u)
+
+    compiled = torch.compile(torch_path, options={"max_autotune_gemm_backends": "ATEN"})
+    fns = {"act_quant_compiled": (0.0, lambda: compiled(y)),
+           "act_quant_triton": (0.0, lambda: silu_mul_fp8(y, sy, sw, FP8_MAX))}
+    return {k: round(v, 1) for k, v in choices.graph_times(fns, dev).items()}
 
 
 def times_for(M: int, N: int, K: int, dev) -> dict:
@@ -114,13 +135,15 @@ def main():
     for name, (N, K) in projections(args.shape).items():
         res["us"][name] = t = times_for(args.rows, N, K, dev)
         say(f"{name} (N={N}, K={K}): {json.dumps(t)}")
+    res["us"]["down_input"] = t = act_times(args.rows, projections(args.shape)["down"][1], dev)
+    say(f"down's input from gate/up's output: {json.dumps(t)}")
     if args.steps:
         model, eos, pad = build_model(args.shape, torch.bfloat16, dev)
         ids, mask = make_prompts(args.rows, 128, model.config.vocab_size, False, dev)
         cfg = SamplingConfig(1.0, 0.95)
         out = Path(args.out or ".")
         for name, kw in (("model", {}), ("fp8_rowwise", {"weights": "fp8", "fp8_gemm": "rowwise"}),
-                         ("fp8", {"weights": "fp8"})):
+                         ("fp8_act_torch", {"weights": "fp8", "fp8_act": "torch"}), ("fp8", {"weights": "fp8"})):
             eng = FastGen(model, args.rows, 128, 128, **kw)
             eng.prepare([eos], pad, cfg, 128)
             table = profile_step(eng, ids, mask, cfg, eos, pad, out / f"profile_{args.shape}_{name}_step.txt",

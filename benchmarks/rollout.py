@@ -496,7 +496,8 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
         f8 = {"weights": "fp8"}
         variants = [("fp8", f8)] + ([("fp8_fast_accum", {**f8, "fp8_fast_accum": True}),
                                      ("fp8_autotuned", {**f8, "fp8_gemm": "autotune"}),
-                                     ("fp8_rowwise", {**f8, "fp8_gemm": "rowwise"})] if cuda else [])
+                                     ("fp8_rowwise", {**f8, "fp8_gemm": "rowwise"}),
+                                     ("fp8_act_torch", {**f8, "fp8_act": "torch"})] if cuda else [])
         variants += [("kv8", {"kv_cache": "fp8"}), ("fp8_kv8", {**f8, "kv_cache": "fp8"})]
         if args.fp8_variants:  # a few of them (a call's time is short)
             variants = [v for v in variants if v[0] in args.fp8_variants.split(",")]
@@ -709,7 +710,7 @@ def main(argv=None):
     ap.add_argument("--ab-fp8", action="store_true",
                     help="also time the engine with fp8 projections (rollout.weights=fp8) and measure its policy gap")
     ap.add_argument("--fp8-variants", default=None, help="--ab-fp8: only these (comma-separated: fp8, fp8_fast_accum, "
-                    "fp8_autotuned, fp8_rowwise, kv8, fp8_kv8)")
+                    "fp8_autotuned, fp8_rowwise, fp8_act_torch, kv8, fp8_kv8)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default=None, help="folder for profiles")
     ap.add_argument("--json", default=None)

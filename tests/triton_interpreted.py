@@ -28,7 +28,33 @@ def _scalar_index_shim():
     interpreter._patch_lang_tensor = patched
 
 
+def _rounding_shim():
+    """Triton 3.6's interpreter casts fp32 down (to e4m3, bf16, fp16) rounding half up without carrying into the
+    exponent (31.76 to e4m3 becomes 16, not 32); the GPU's cvt.rn rounds to nearest even, as torch does. Kernels that
+    round (the down projection's fp8 input) are held to torch's casts, so the interpreter casts with torch."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    convert = interpreter._convert_float
+    to = {tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8), tl.bfloat16: (torch.bfloat16, torch.int16),
+          tl.float16: (torch.float16, torch.int16)}
+
+    def rounded(input, input_dtype, output_dtype, rounding_mode):
+        if output_dtype in to and input_dtype == tl.float32:
+            dt, bits = to[output_dtype]
+            x = torch.from_numpy(np.ascontiguousarray(input).view(np.float32))
+            if dt == torch.float8_e4m3fn:  # (the GPU's cast saturates; torch's gives NaN past 448)
+                x = x.clamp(-448.0, 448.0)
+            return x.to(dt).view(bits).numpy().view(np.uint8 if bits == torch.uint8 else np.uint16).reshape(
+                input.shape)
+        return convert(input, input_dtype, output_dtype, rounding_mode)
+
+    interpreter._convert_float = rounded
+
+
 _scalar_index_shim()
+_rounding_shim()
 
 from verlflow.core.ml.fastgen import FastGen, SamplingConfig  # noqa: E402
 from verlflow.core.ml.fastgen import engine as engine_mod  # noqa: E402
@@ -205,6 +231,51 @@ def engine_fp8_cache() -> dict:
     eng._self_check()
     engine_mod.decode_attention_triton = real_attn
     res["self_check_after_breaking_the_scales"] = eng.attn
+    return res
+
+
+def fp8_act() -> dict:
+    """The kernel between the fp8 gate/up and down GEMMs against its definition (rows four decades apart, a width
+    not a multiple of the chunk, bf16 and fp32, with and without the unit GEMM's scales); inside the engine, the
+    same tokens and log-probs as the compiled step's torch path; the start-up check keeps it, and drops a broken one."""
+    from verlflow.core.ml.fastgen.kernels import silu_mul_fp8_reference, silu_mul_fp8_triton
+
+    g = torch.Generator().manual_seed(2)
+    worst = {"e4m3_differ": 0.0, "scale_rel_err": 0.0}
+    for dt, scaled in itertools.product((torch.float32, torch.bfloat16), (False, True)):
+        y = (torch.randn(6, 600, generator=g) * torch.logspace(-2, 2, 6).view(6, 1)).to(dt)
+        sy, sw = (torch.rand(6, 1, generator=g) + 0.1, torch.rand(1, 600, generator=g) + 0.1) if scaled else (None,
+                                                                                                             None)
+        x8, sx = silu_mul_fp8_triton(y, sy, sw, 448.0, chunk=128, num_warps=1)
+        r8, rs = silu_mul_fp8_reference(y, sy, sw, 448.0)
+        worst["e4m3_differ"] = max(worst["e4m3_differ"], (x8.float() != r8.float()).float().mean().item())
+        worst["scale_rel_err"] = max(worst["scale_rel_err"], ((sx - rs).abs() / rs).max().item())
+    from verlflow.core.ml.fastgen.kernels import silu_mul_fp8
+
+    y, sy, sw = torch.randn(4, 64, generator=g), torch.rand(4, 1, generator=g) + 0.5, torch.rand(1, 64, generator=g)
+    compiled = torch.compile(lambda *a: silu_mul_fp8(*a, 448.0), fullgraph=True)(y, sy, sw)  # as the step calls it
+    worst["compiled_vs_eager"] = max((a.float() - b.float()).abs().max().item()
+                                     for a, b in zip(compiled, silu_mul_fp8(y, sy, sw, 448.0)))
+    model = tiny_model()
+    ps = prompts([5, 11, 3, 9, 1, 12], seed=4)
+    runs = {}
+    for act in ("triton", "torch"):
+        eng = FastGen(model, batch_size=3, max_prompt_len=12, max_new_tokens=8, attn="bmm", sampler="torch",
+                      check_every=2, weights="fp8", fp8_gemm="unit", fp8_act=act)
+        torch.manual_seed(5)
+        runs[act] = (eng.w.spec.fp8_act, eng.generate_many(ps, SamplingConfig(1.0), [EOS], PAD, refill_min=1))
+    (on, (tok, lp)), (off, (tok_ref, lp_ref)) = runs["triton"], runs["torch"]
+    res = {**worst, "kernel_on": [on, off], "tokens_equal": tok == tok_ref,
+           "logp_diff": max(abs(a - b) for ra, rb in zip(lp, lp_ref) for a, b in zip(ra, rb))}
+    eng = FastGen(model, batch_size=3, max_prompt_len=12, max_new_tokens=8, attn="bmm", sampler="torch",
+                  weights="fp8", fp8_gemm="unit", fp8_act="triton")
+    eng._self_check()
+    res["self_check_keeps"] = eng.w.spec.fp8_act
+    real = engine_mod.silu_mul_fp8
+    engine_mod.silu_mul_fp8 = lambda *a: (lambda x8, sx: (x8, sx * 1.01))(*real(*a))  # scales 1 % off
+    eng._self_check()
+    engine_mod.silu_mul_fp8 = real
+    res["self_check_after_breaking_it"] = eng.w.spec.fp8_act
     return res
 
 

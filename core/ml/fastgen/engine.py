@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from verlflow.core.ml.fastgen.kernels import (HAVE_TRITON, _cands_from_stats, _first_decided, _pick, block_stats_triton,
                                     combine_splits, decode_attention_triton, first_mass_triton, member_mass_triton,
-                                    reference_decode_attention, sample_logits_triton)
+                                    reference_decode_attention, sample_logits_triton, silu_mul_fp8,
+                                    silu_mul_fp8_reference)
 from verlflow.core.ml.fastgen import choices
 from verlflow.core.ml.fastgen.layers import (FP8, FP8_MAX, PROJECTIONS, _decode_layer, _fp8_linear, _head, _logits,
                                             _norm, _post_attn, _pre_attn, _prefill_layer, _Weights, Precision,
@@ -75,7 +76,9 @@ class FastGen:
     (env VERLFLOW_FASTGEN_FP8_GEMM): "unit" (the default: a unit-scaled GEMM, cuBLASLt's tensor-scaled kernels,
     the token and channel scales applied after it), "rowwise" (the row-scaled GEMM: its cuBLASLt kernel ran every
     decode projection at 1.5B on one 128x128 tile, slower than bf16 on the H200) or "autotune" (row-scaled,
-    inductor may pick its Triton fp8 templates): A/Bs. ``kv_cache``: "model" (the model's dtype) or "fp8" (e4m3
+    inductor may pick its Triton fp8 templates): A/Bs. ``fp8_act`` (env VERLFLOW_FASTGEN_FP8_ACT): with unit scales
+    and SiLU, "triton" makes the down projection's e4m3 input from the gate/up GEMM's raw output in one Triton kernel,
+    "torch" leaves it to inductor (an A/B), "auto" (the default) is triton on CUDA. ``kv_cache``: "model" (the model's dtype) or "fp8" (e4m3
     with a scale per KV head and slot: half the cache's bytes, which the Triton kernel reads directly; every token,
     the prompt's too, attends to the rounded keys and values, so the log-probs returned are that model's)."""
 
@@ -84,13 +87,18 @@ class FastGen:
                  check_every: int = 16, attn: str = "auto", sampler: str = "auto", prefill_tokens: int = 32768,
                  compile_backend: str = "inductor", bucket_compile: str | None = None, nucleus: str | None = None,
                  weights: str = "model", fp8_fast_accum: bool | None = None, fp8_gemm: str | None = None,
-                 kv_cache: str = "model"):
+                 kv_cache: str = "model", fp8_act: str | None = None):
         if fp8_fast_accum is None:
             fp8_fast_accum = os.environ.get("VERLFLOW_FASTGEN_FP8_FAST_ACCUM") == "1"
         self.fp8_gemm = fp8_gemm or os.environ.get("VERLFLOW_FASTGEN_FP8_GEMM", "unit")
         if self.fp8_gemm not in ("unit", "rowwise", "autotune"):
             raise ValueError(f"fp8_gemm must be 'unit', 'rowwise' or 'autotune', got {self.fp8_gemm!r}")
-        self.w = _Weights(model, Precision(weights, kv_cache, fp8_fast_accum, fp8_unit_scaled=self.fp8_gemm == "unit"))
+        fp8_act = fp8_act or os.environ.get("VERLFLOW_FASTGEN_FP8_ACT", "auto")
+        if fp8_act not in ("auto", "triton", "torch"):
+            raise ValueError(f"fp8_act must be 'auto', 'triton' or 'torch', got {fp8_act!r}")
+        act_kernel = fp8_act == "triton" or (fp8_act == "auto" and HAVE_TRITON and _on_cuda(next(model.parameters()).device))
+        self.w = _Weights(model, Precision(weights, kv_cache, fp8_fast_accum, fp8_unit_scaled=self.fp8_gemm == "unit",
+                                           fp8_act_kernel=act_kernel))
         self.device = self.w.device
         cuda = _on_cuda(self.device)
         env = os.environ
@@ -343,6 +351,23 @@ class FastGen:
             errs.append((got - want).abs().max() / want.abs().max())
         return torch.stack(errs).max().item()  # NaN stays NaN and fails
 
+    def _act_failure(self) -> str | None:
+        """Why the Triton kernel between the gate/up and down fp8 GEMMs is not to be used (None: it equals its
+        definition on layer 0's channel scales, rows a decade apart in size)."""
+        L, dev = self.w.layers[0], self.device
+        g = torch.Generator(device=dev).manual_seed(2)
+        try:
+            y = (torch.randn(5, L["wgu"].shape[0], generator=g, device=dev)
+                 * torch.logspace(-1, 1, 5, device=dev).view(5, 1)).to(self.w.dtype)
+            sy = torch.rand(5, 1, generator=g, device=dev) + 0.5
+            x8, sx = silu_mul_fp8(y, sy, L["sgu"], FP8_MAX)
+            r8, rs = silu_mul_fp8_reference(y, sy, L["sgu"], FP8_MAX)
+        except Exception as e:  # noqa: BLE001 - Triton's compile and launch errors vary by version
+            return f"{type(e).__name__}: {e}"
+        off = (x8.float() != r8.float()).float().mean().item()  # exp's last bits may tip a value's rounding
+        err = ((sx - rs).abs() / rs).max().item()
+        return None if off < 1e-3 and err < 1e-5 else f"{off:.2%} of its e4m3 values differ, its scales by {err:.2g}"
+
     def _self_check(self):
         """The Triton kernels against the torch paths on small random inputs; a mismatch turns them off."""
         w, dev, dt = self.w, self.device, self.w.dtype
@@ -356,6 +381,12 @@ class FastGen:
             if not err < 1e-2:  # bf16 output rounding is ~4e-3; a wrong scale layout is off by O(1)
                 raise RuntimeError(f"rollout.weights=fp8: torch._scaled_mm on this GPU differs from its reference "
                                    f"(relative error {err:.3g}); use rollout.weights=model")
+        if w.spec.fp8_act:
+            failed = self._act_failure()
+            if failed is not None:
+                log.warning("fastgen: the fp8 SiLU x up kernel failed its check (%s); the compiled step makes the down "
+                            "projection's input", failed)
+                w.spec = w.spec._replace(fp8_act=False)
         if self.attn == "triton":
             failed = self._attn_failure(self.attn_cfg)
             if failed is not None:

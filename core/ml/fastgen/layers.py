@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from verlflow.core.ml.fastgen.families import ACTIVATIONS, FAMILIES, LENGTH_DEPENDENT_ROPE, Family
-from verlflow.core.ml.fastgen.kernels import combine_splits
+from verlflow.core.ml.fastgen.kernels import combine_splits, silu_mul_fp8
 from verlflow.core.ml.fastgen.support import SUPPORTED_MODEL_TYPES
 
 log = logging.getLogger("verlflow.fastgen")
@@ -39,6 +39,7 @@ class Spec(NamedTuple):
     fp8_fast: bool = False  # fp8 projections: the GPU's fast accumulation (fewer fp32 promotions; an A/B)
     fp8_unit: bool = False  # fp8 projections: a unit-scaled GEMM, the row and column scales applied after it
     kv8: bool = False  # the KV cache in e4m3, a scale per KV head and slot (rollout.kv_cache=fp8)
+    fp8_act: bool = False  # unit fp8 GEMMs with SiLU: the down projection's input from one Triton kernel (CUDA)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float, f32: bool = False) -> torch.Tensor:
@@ -82,22 +83,30 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.t().contiguous()
 
 
-def _fp8_linear(x, w8, sw, b, fast: bool = False, unit: bool = False):
-    """x @ (w8 * sw).T + b with x scaled to e4m3 per token (row): the GPU's fp8 matmul, accumulating in fp32
-    (``fast``: Hopper's fast accumulation, which promotes the partial sums to fp32 less often). ``unit``: the GEMM
-    with unit scales (cuBLASLt's tensor-scaled kernels; the row-scaled ones were slower than bf16 at decode shapes on
-    the H200) and the token and channel scales applied to its output, a pointwise product inductor fuses into the
-    kernel after it."""
-    lead, K = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, K).float()
+def quantize_tokens(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 (M, K) as e4m3 with one fp32 scale per token (row): x2 ~ x8 * sx; x8 row-major, as the GPU kernel takes it."""
+    x2 = x2.float()
     sx = x2.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
-    x8 = (x2 / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8).contiguous()  # row-major, as the GPU kernel takes it
-    if unit:
-        one = torch.ones((), device=x.device)
-        y = torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=x.dtype, use_fast_accum=fast)
-        y = (y.float() * sx * sw).to(x.dtype)
-    else:
-        y = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype, use_fast_accum=fast)
+    return (x2 / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8).contiguous(), sx
+
+
+def _fp8_gemm(x8, sx, w8, sw, dtype: torch.dtype, fast: bool, unit: bool, scale: bool = True) -> torch.Tensor:
+    """x8 * sx @ (w8 * sw).T in ``dtype``, accumulating in fp32 (``fast``: Hopper's fast accumulation, which promotes
+    the partial sums to fp32 less often). ``unit``: the GEMM with unit scales (cuBLASLt's tensor-scaled kernels; the
+    row-scaled ones were slower than bf16 at decode shapes on the H200), then the token and channel scales on its
+    output, a pointwise product inductor fuses into the kernel after it; ``scale=False`` leaves that to the caller."""
+    if not unit:
+        return torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=dtype, use_fast_accum=fast)
+    one = torch.ones((), device=x8.device)
+    y = torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=dtype, use_fast_accum=fast)
+    return (y.float() * sx * sw).to(dtype) if scale else y
+
+
+def _fp8_linear(x, w8, sw, b, fast: bool = False, unit: bool = False):
+    """x @ (w8 * sw).T + b with x scaled to e4m3 per token (row): the GPU's fp8 matmul (``_fp8_gemm``)."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    x8, sx = quantize_tokens(x.reshape(-1, K))
+    y = _fp8_gemm(x8, sx, w8, sw, x.dtype, fast, unit)
     if b is not None:
         y = y + b
     return y.view(*lead, w8.shape[0])
@@ -147,6 +156,16 @@ def _qkv(h, L, S: Spec):
 
 
 def _mlp(h, L, S: Spec):
+    if S.fp8_act and L["bgu"] is None:  # fp8 on CUDA: the unit GEMM's raw output to the down GEMM's e4m3 input in
+        # one Triton kernel (gate/up's scales, SiLU x up, the token's max and the cast), the same numbers as below
+        lead, K = h.shape[:-1], h.shape[-1]
+        x8, sx = quantize_tokens(h.reshape(-1, K))
+        y = _fp8_gemm(x8, sx, L["wgu"], L["sgu"], h.dtype, S.fp8_fast, unit=True, scale=False)
+        a8, sa = silu_mul_fp8(y, sx, L["sgu"], FP8_MAX)
+        out = _fp8_gemm(a8, sa, L["wdown"], L["sdown"], h.dtype, S.fp8_fast, unit=True)
+        if L["bdown"] is not None:
+            out = out + L["bdown"]
+        return out.view(*lead, out.shape[-1])
     g, u = _linear(h, L, "gu", S).chunk(2, dim=-1)
     if S.act == "silu":
         a = F.silu(g)
@@ -296,6 +315,7 @@ class Precision(NamedTuple):
     kv_cache: str = "model"
     fp8_fast_accum: bool = False
     fp8_unit_scaled: bool = False
+    fp8_act_kernel: bool = False  # with unit scales and SiLU: the Triton kernel between gate/up and down
 
 
 def _kv8_wanted(kv_cache: str, device: torch.device) -> bool:
@@ -412,7 +432,8 @@ class _Weights:
         self.fp8 = _fp8_wanted(precision.weights, self.device, self.dtype)
         self.spec = self.spec._replace(  # (the engine's cache too: a static fact the compiled functions specialise on)
             fp8_fast=self.fp8 and precision.fp8_fast_accum, fp8_unit=self.fp8 and precision.fp8_unit_scaled,
-            kv8=_kv8_wanted(precision.kv_cache, self.device))
+            kv8=_kv8_wanted(precision.kv_cache, self.device),
+            fp8_act=self.fp8 and precision.fp8_unit_scaled and precision.fp8_act_kernel and self.spec.act == "silu")
         self.layers: list[dict] = []
         self.refresh()
 
