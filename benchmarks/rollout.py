@@ -477,6 +477,16 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
         eng_sd = FastGen(model, B, P, N, attn="sdpa", sampler=eng.sampler)
         attempt("ours_sdpa_attention_sampled", lambda: run_ours(eng_sd, ids, mask, scfg, eos, pad, dev))
         del eng_sd
+    for i, raw in enumerate((args.ab_inductor or []) if cuda else []):  # the same engine under other inductor options
+        os.environ["VERLFLOW_FASTGEN_INDUCTOR"] = raw
+        try:
+            eng_io = FastGen(model, B, P, N, attn=eng.attn, sampler=eng.sampler)
+            eng_io.attn_cfg = dict(eng.attn_cfg)
+            r[f"ours_inductor{i}_options"] = raw
+            attempt(f"ours_inductor{i}_sampled", lambda: run_ours(eng_io, ids, mask, scfg, eos, pad, dev))
+            del eng_io
+        finally:
+            os.environ.pop("VERLFLOW_FASTGEN_INDUCTOR")
     if cuda and args.ab_nucleus and eng.sampler == "triton":  # the same engine, the one-pass nucleus test
         eng_np = FastGen(model, B, P, N, attn=eng.attn, sampler=eng.sampler, nucleus="one_pass")
         eng_np.attn_cfg = dict(eng.attn_cfg)
@@ -705,6 +715,9 @@ def main(argv=None):
                     help="also time ours with the one-pass nucleus test of the Triton sampler (nucleus=one_pass)")
     ap.add_argument("--ab-attn", action="store_true",
                     help="also time the engine with sdpa attention, where its timing picked the Triton kernel")
+    ap.add_argument("--ab-inductor", action="append", metavar="JSON",
+                    help="repeatable: also time the engine under these inductor options (VERLFLOW_FASTGEN_INDUCTOR), "
+                         "e.g. '{\"triton.enable_pdl\": true}'")
     ap.add_argument("--ab-static-buckets", action="store_true",
                     help="also time ours with one decode compile per cache bucket (bucket_compile=static)")
     ap.add_argument("--ab-fp8", action="store_true",

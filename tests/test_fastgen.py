@@ -273,6 +273,23 @@ def test_compiled_engine_compiles_the_decode_step_once_for_every_cache_bucket(mo
     torch._dynamo.reset()
 
 
+def test_inductor_options_from_the_environment_reach_the_compiled_functions(models, monkeypatch):
+    """VERLFLOW_FASTGEN_INDUCTOR, the A/B hook for inductor's options (PDL, GEMM autotuning), is handed to inductor:
+    an option it does not know fails at set-up with inductor's own error; a value that is not a JSON object fails
+    naming the variable; a known option sets up."""
+    def engine():
+        return FastGen(models["qwen2"], batch_size=2, max_prompt_len=8, max_new_tokens=4, compile=True)
+
+    monkeypatch.setenv("VERLFLOW_FASTGEN_INDUCTOR", '{"no_such_option": 1}')
+    with pytest.raises(RuntimeError, match="no_such_option"):
+        engine()
+    monkeypatch.setenv("VERLFLOW_FASTGEN_INDUCTOR", "[1]")
+    with pytest.raises(ValueError, match="VERLFLOW_FASTGEN_INDUCTOR must be a JSON object"):
+        engine()
+    monkeypatch.setenv("VERLFLOW_FASTGEN_INDUCTOR", '{"triton.enable_pdl": true}')
+    assert engine().compile
+
+
 def test_static_bucket_compile_compiles_the_decode_step_once_per_bucket(models):
     """bucket_compile="static" (the A/B against one dynamic compile: benchmarks/rollout.py --ab-static-buckets)
     gives every cache bucket a graph of its own, with its length a constant, and the same tokens as eager. The

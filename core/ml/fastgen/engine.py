@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import math
 import os
@@ -32,6 +33,22 @@ log = logging.getLogger("verlflow.fastgen")
 def _sampled_logp(logits: torch.Tensor, nxt: torch.Tensor, temperature: float) -> torch.Tensor:
     """fp32 log_softmax(logits / temperature) of the sampled tokens (one fused pass when compiled)."""
     return chosen_logprobs(logits.float() / temperature, nxt)
+
+
+def _inductor_options() -> dict:
+    """Inductor options for the engine's compiled functions from env VERLFLOW_FASTGEN_INDUCTOR, a JSON object (an A/B
+    hook: '{"triton.enable_pdl": true}', '{"max_autotune_gemm": true}')."""
+    raw = os.environ.get("VERLFLOW_FASTGEN_INDUCTOR", "").strip()
+    if not raw:
+        return {}
+    try:
+        opts = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"VERLFLOW_FASTGEN_INDUCTOR is not JSON ({e}): give an object such as "
+                         '\'{"triton.enable_pdl": true}\'') from e
+    if not isinstance(opts, dict):
+        raise ValueError(f"VERLFLOW_FASTGEN_INDUCTOR must be a JSON object of inductor options, got {raw!r}")
+    return opts
 
 
 def _on_cuda(device) -> bool:
@@ -219,8 +236,10 @@ class FastGen:
             # Inductor autotunes fp8 matmuls against its Triton templates even without max-autotune: set-up time
             # on a cold cache, and a kernel the start-up check never ran. fp8_gemm="unit"/"rowwise" keep the op's own
             # kernel (cuBLASLt), as for the bf16 matmuls; "autotune" lets inductor choose (an A/B)
-            opts = ({"options": {"max_autotune_gemm_backends": "ATEN"}}
-                    if self.w.fp8 and self.fp8_gemm != "autotune" and self.compile_backend == "inductor" else {})
+            options = ({"max_autotune_gemm_backends": "ATEN"}
+                       if self.w.fp8 and self.fp8_gemm != "autotune" and self.compile_backend == "inductor" else {})
+            options.update(_inductor_options())
+            opts = {"options": options} if options else {}
             fns = {k: torch.compile(f, fullgraph=k not in ("sample",), backend=self.compile_backend, **opts)
                    for k, f in fns.items()}
         self._fn = fns
