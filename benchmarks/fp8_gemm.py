@@ -9,7 +9,7 @@ shape, at M rows (the engine's batch), each replayed from CUDA graphs (``choices
 * the activations' quantization alone (row max, scale, cast), compiled;
 * the engine's projection as it compiles it: the RMSNorm before it, then the quantization and the GEMM (``_fp8_linear``
   under ``torch.compile`` with the ATen GEMM), against the same with bf16 ``F.linear``; and with the unit-scaled GEMM
-  (``fp8_gemm="unit"``, the default), whose scales are applied in the kernel after it (a SiLU here, as after
+  (``Fp8Choices(gemm="unit")``, the default), whose scales are applied in the kernel after it (a SiLU here, as after
   gate/up);
 * the down projection's e4m3 input from the unit gate/up GEMM's output: the torch path as inductor compiles it, and
   the Triton kernel (``fp8_act``, the default on CUDA).
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rollout import SHAPES, build_model, make_prompts, model_config, profile_step, say  # noqa: E402
 
-from verlflow.core.ml.fastgen import FastGen, SamplingConfig  # noqa: E402
+from verlflow.core.ml.fastgen import FastGen, Fp8Choices, SamplingConfig  # noqa: E402
 from verlflow.core.ml.fastgen import choices  # noqa: E402
 from verlflow.core.ml.fastgen.kernels import silu_mul_fp8  # noqa: E402
 from verlflow.core.ml.fastgen.layers import FP8, FP8_MAX, _fp8_linear, _rms, quantize_rows  # noqa: E402
@@ -142,8 +142,9 @@ def main():
         ids, mask = make_prompts(args.rows, 128, model.config.vocab_size, False, dev)
         cfg = SamplingConfig(1.0, 0.95)
         out = Path(args.out or ".")
-        for name, kw in (("model", {}), ("fp8_rowwise", {"weights": "fp8", "fp8_gemm": "rowwise"}),
-                         ("fp8_act_torch", {"weights": "fp8", "fp8_act": "torch"}), ("fp8", {"weights": "fp8"})):
+        for name, kw in (("model", {}), ("fp8_rowwise", {"weights": "fp8", "fp8": Fp8Choices(gemm="rowwise")}),
+                         ("fp8_act_torch", {"weights": "fp8", "fp8": Fp8Choices(act="torch")}),
+                         ("fp8", {"weights": "fp8"})):
             eng = FastGen(model, args.rows, 128, 128, **kw)
             eng.prepare([eos], pad, cfg, 128)
             table = profile_step(eng, ids, mask, cfg, eos, pad, out / f"profile_{args.shape}_{name}_step.txt",

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from verlflow.core.ml.fastgen import FastGen, SamplingConfig  # noqa: E402
+from verlflow.core.ml.fastgen import FastGen, Fp8Choices, SamplingConfig  # noqa: E402
 
 SHAPES = {  # Qwen2.5 shapes (Qwen2Config); "tiny" is the CPU smoke
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -504,10 +504,10 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
 
         attempt("model_policy_gap", lambda: gap_of(eng))  # for scale: the engine's own kernels against HF's forward
         f8 = {"weights": "fp8"}
-        variants = [("fp8", f8)] + ([("fp8_fast_accum", {**f8, "fp8_fast_accum": True}),
-                                     ("fp8_autotuned", {**f8, "fp8_gemm": "autotune"}),
-                                     ("fp8_rowwise", {**f8, "fp8_gemm": "rowwise"}),
-                                     ("fp8_act_torch", {**f8, "fp8_act": "torch"})] if cuda else [])
+        variants = [("fp8", f8)] + ([("fp8_fast_accum", {**f8, "fp8": Fp8Choices(fast_accum=True)}),
+                                     ("fp8_autotuned", {**f8, "fp8": Fp8Choices(gemm="autotune")}),
+                                     ("fp8_rowwise", {**f8, "fp8": Fp8Choices(gemm="rowwise")}),
+                                     ("fp8_act_torch", {**f8, "fp8": Fp8Choices(act="torch")})] if cuda else [])
         variants += [("kv8", {"kv_cache": "fp8"}), ("fp8_kv8", {**f8, "kv_cache": "fp8"})]
         if args.fp8_variants:  # a few of them (a call's time is short)
             variants = [v for v in variants if v[0] in args.fp8_variants.split(",")]

@@ -19,7 +19,7 @@ import transformers  # noqa: E402
 
 from test_fastgen import EOS, PAD, cut, eos_biased, hf_generate, left_padded, prompts_of  # noqa: E402
 from test_fastgen_families import build  # noqa: E402
-from verlflow.core.ml.fastgen import FastGen, SamplingConfig  # noqa: E402
+from verlflow.core.ml.fastgen import FastGen, Fp8Choices, SamplingConfig  # noqa: E402
 
 E4M3_MAX = 448.0
 
@@ -92,7 +92,8 @@ def test_fp8_engine_is_the_fp8_model_token_for_token(case, gemm):
     ref = fp8_reference(model)
     n = 16
     ids, mask = left_padded([5, 11, 3, 16, 8, 1], seed=0)
-    eng = FastGen(model, batch_size=6, max_prompt_len=16, max_new_tokens=n, bucket=8, weights="fp8", fp8_gemm=gemm)
+    eng = FastGen(model, batch_size=6, max_prompt_len=16, max_new_tokens=n, bucket=8, weights="fp8",
+                  fp8=Fp8Choices(gemm=gemm))
     assert eng.w.fp8 and all(L["w" + p].dtype == torch.float8_e4m3fn for L in eng.w.layers
                              for p in ("qkv", "o", "gu", "down"))
     ours = eng.generate(ids, mask, SamplingConfig(temperature=0.0), [EOS], PAD)
@@ -218,7 +219,7 @@ def test_the_start_up_check_refuses_a_gpu_whose_fp8_matmul_is_wrong_or_missing(m
     weights' scales (the row-scaled GEMM's wrong layout), one that the GPU does not have
     (CUBLAS_STATUS_NOT_SUPPORTED, as on some Blackwell parts). Each refuses, naming rollout.weights=model; the real op
     passes."""
-    eng = FastGen(build("qwen3"), 2, 8, 4, weights="fp8", fp8_gemm=gemm)
+    eng = FastGen(build("qwen3"), 2, 8, 4, weights="fp8", fp8=Fp8Choices(gemm=gemm))
     eng._self_check()
     real = torch._scaled_mm
 
@@ -246,14 +247,17 @@ def test_fast_accumulation_is_an_fp8_switch(monkeypatch):
     monkeypatch.setenv("VERLFLOW_FASTGEN_FP8_FAST_ACCUM", "1")
     assert FastGen(model, 2, 8, 4, weights="fp8").w.spec.fp8_fast
     assert not FastGen(model, 2, 8, 4).w.spec.fp8_fast  # nothing to accumulate in fp8
-    assert not FastGen(model, 2, 8, 4, weights="fp8", fp8_fast_accum=False).w.spec.fp8_fast
+    assert not FastGen(model, 2, 8, 4, weights="fp8", fp8=Fp8Choices(fast_accum=False)).w.spec.fp8_fast
     monkeypatch.delenv("VERLFLOW_FASTGEN_FP8_FAST_ACCUM")
     assert not FastGen(model, 2, 8, 4, weights="fp8").w.spec.fp8_fast
     assert FastGen(model, 2, 8, 4, weights="fp8").w.spec.fp8_unit  # the default: scales after a unit-scaled GEMM
-    assert not FastGen(model, 2, 8, 4, weights="fp8", fp8_gemm="rowwise").w.spec.fp8_unit
+    assert not FastGen(model, 2, 8, 4, weights="fp8", fp8=Fp8Choices(gemm="rowwise")).w.spec.fp8_unit
     assert not FastGen(model, 2, 8, 4).w.spec.fp8_unit  # no fp8 projections to scale
-    with pytest.raises(ValueError, match="fp8_gemm must be"):
-        FastGen(model, 2, 8, 4, weights="fp8", fp8_gemm="cutlass")
+    with pytest.raises(ValueError, match="fp8 gemm must be"):
+        FastGen(model, 2, 8, 4, weights="fp8", fp8=Fp8Choices(gemm="cutlass"))
+    monkeypatch.setenv("VERLFLOW_FASTGEN_FP8_ACT", "cuda")
+    with pytest.raises(ValueError, match="fp8 act must be"):
+        FastGen(model, 2, 8, 4, weights="fp8")
 
 
 # ------------------------------------------------------------------------------------ the rollout correction
@@ -387,7 +391,7 @@ def test_fp8_rollout_with_the_correction_through_the_pipeline(tiny_kit, tmp_path
 
 
 @pytest.mark.parametrize("numerics", [{"weights": "fp8"}, {"kv_cache": "fp8"}, {"weights": "fp8", "kv_cache": "fp8"},
-                                      {"weights": "fp8", "fp8_gemm": "rowwise"}])
+                                      {"weights": "fp8", "fp8": Fp8Choices(gemm="rowwise")}])
 def test_compiled_fp8_step_equals_the_eager_one(numerics):
     """The fp8 decode step as the GPU runs it (dynamo + AOTAutograd: inductor's input), torch._scaled_mm and the fp8
     cache's quantize and read-back inside the traced graph: greedy tokens equal the eager fp8 engine's, and the decode

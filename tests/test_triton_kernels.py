@@ -39,7 +39,8 @@ def interpreted(check: str) -> dict:
 
 def test_every_timed_attention_configuration_equals_the_reference():
     """Each configuration attn="auto" may keep, the bounded ones (which skip blocks with no valid slot) and the
-    ranged ones (loops bounded by each row's slots, some splits empty) among them, at slots and pads on and beside block edges, with windows and soft-capping."""
+    ranged ones (loops bounded by each row's slots, some splits empty) among them, at slots and pads on and beside
+    block edges, with windows and soft-capping."""
     from verlflow.core.ml.fastgen import FastGen
 
     errors = interpreted("attention")["max_abs_error"]

@@ -56,7 +56,7 @@ def _rounding_shim():
 _scalar_index_shim()
 _rounding_shim()
 
-from verlflow.core.ml.fastgen import FastGen, SamplingConfig  # noqa: E402
+from verlflow.core.ml.fastgen import FastGen, Fp8Choices, SamplingConfig  # noqa: E402
 from verlflow.core.ml.fastgen import engine as engine_mod  # noqa: E402
 from verlflow.core.ml.fastgen.kernels import (combine_splits, decode_attention_triton, first_mass_triton,  # noqa: E402
                                               reference_decode_attention, sample_logits_triton)
@@ -261,14 +261,14 @@ def fp8_act() -> dict:
     runs = {}
     for act in ("triton", "torch"):
         eng = FastGen(model, batch_size=3, max_prompt_len=12, max_new_tokens=8, attn="bmm", sampler="torch",
-                      check_every=2, weights="fp8", fp8_gemm="unit", fp8_act=act)
+                      check_every=2, weights="fp8", fp8=Fp8Choices(gemm="unit", act=act))
         torch.manual_seed(5)
         runs[act] = (eng.w.spec.fp8_act, eng.generate_many(ps, SamplingConfig(1.0), [EOS], PAD, refill_min=1))
     (on, (tok, lp)), (off, (tok_ref, lp_ref)) = runs["triton"], runs["torch"]
     res = {**worst, "kernel_on": [on, off], "tokens_equal": tok == tok_ref,
            "logp_diff": max(abs(a - b) for ra, rb in zip(lp, lp_ref) for a, b in zip(ra, rb))}
     eng = FastGen(model, batch_size=3, max_prompt_len=12, max_new_tokens=8, attn="bmm", sampler="torch",
-                  weights="fp8", fp8_gemm="unit", fp8_act="triton")
+                  weights="fp8", fp8=Fp8Choices(gemm="unit", act="triton"))
     eng._self_check()
     res["self_check_keeps"] = eng.w.spec.fp8_act
     real = engine_mod.silu_mul_fp8

@@ -10,6 +10,7 @@ import math
 import os
 import time
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,35 @@ def _inductor_options() -> dict:
     return opts
 
 
+class Fp8Choices(NamedTuple):
+    """rollout.weights=fp8's A/B switches. ``gemm``: "unit" (a unit-scaled GEMM, cuBLASLt's tensor-scaled kernels,
+    the token and channel scales applied after it), "rowwise" (the row-scaled GEMM: its cuBLASLt kernel ran every
+    decode projection at 1.5B on one 128x128 tile, slower than bf16 on the H200) or "autotune" (row-scaled, inductor
+    may pick its Triton fp8 templates). ``fast_accum``: Hopper's fast fp8 accumulation. ``act``: with unit scales and
+    SiLU, "triton" makes the down projection's e4m3 input from the gate/up GEMM's raw output in one Triton kernel,
+    "torch" leaves it to inductor, "auto" is triton on CUDA."""
+
+    gemm: str = "unit"
+    fast_accum: bool = False
+    act: str = "auto"
+
+    @classmethod
+    def from_env(cls) -> Fp8Choices:
+        """Each switch from its variable: VERLFLOW_FASTGEN_FP8_GEMM, VERLFLOW_FASTGEN_FP8_FAST_ACCUM=1,
+        VERLFLOW_FASTGEN_FP8_ACT (the benchmarks' A/Bs)."""
+        env = os.environ
+        return cls(gemm=env.get("VERLFLOW_FASTGEN_FP8_GEMM", "unit"),
+                   fast_accum=env.get("VERLFLOW_FASTGEN_FP8_FAST_ACCUM") == "1",
+                   act=env.get("VERLFLOW_FASTGEN_FP8_ACT", "auto"))
+
+    def checked(self) -> Fp8Choices:
+        if self.gemm not in ("unit", "rowwise", "autotune"):
+            raise ValueError(f"fp8 gemm must be 'unit', 'rowwise' or 'autotune', got {self.gemm!r}")
+        if self.act not in ("auto", "triton", "torch"):
+            raise ValueError(f"fp8 act must be 'auto', 'triton' or 'torch', got {self.act!r}")
+        return self
+
+
 def _on_cuda(device) -> bool:
     return torch.device(device).type == "cuda"
 
@@ -88,33 +118,22 @@ class FastGen:
     math attention instead of SDPA. ``sampler``: "triton" (the two full-vocabulary passes of the
     top_p/temperature sampler as Triton kernels) or "torch"; "auto": triton on CUDA. ``weights``: "model" (the
     projections in the model's dtype) or "fp8" (e4m3 per output channel, activations per token: ``layers.py``); the
-    log-probs the engine returns are then the fp8 model's, the policy it sampled from; ``fp8_fast_accum`` (env
-    VERLFLOW_FASTGEN_FP8_FAST_ACCUM=1) takes the GPU's fast fp8 accumulation (off by default: an A/B); ``fp8_gemm``
-    (env VERLFLOW_FASTGEN_FP8_GEMM): "unit" (the default: a unit-scaled GEMM, cuBLASLt's tensor-scaled kernels,
-    the token and channel scales applied after it), "rowwise" (the row-scaled GEMM: its cuBLASLt kernel ran every
-    decode projection at 1.5B on one 128x128 tile, slower than bf16 on the H200) or "autotune" (row-scaled,
-    inductor may pick its Triton fp8 templates): A/Bs. ``fp8_act`` (env VERLFLOW_FASTGEN_FP8_ACT): with unit scales
-    and SiLU, "triton" makes the down projection's e4m3 input from the gate/up GEMM's raw output in one Triton kernel,
-    "torch" leaves it to inductor (an A/B), "auto" (the default) is triton on CUDA. ``kv_cache``: "model" (the model's dtype) or "fp8" (e4m3
-    with a scale per KV head and slot: half the cache's bytes, which the Triton kernel reads directly; every token,
-    the prompt's too, attends to the rounded keys and values, so the log-probs returned are that model's)."""
+    log-probs the engine returns are then the fp8 model's, the policy it sampled from; ``fp8``: its A/B switches
+    (``Fp8Choices``; None: from the environment). ``kv_cache``: "model" (the
+    model's dtype) or "fp8" (e4m3 with a scale per KV head and slot: half the cache's bytes, which the Triton kernel
+    reads directly; every token, the prompt's too, attends to the rounded keys and values, so the log-probs returned
+    are that model's)."""
 
     def __init__(self, model, batch_size: int, max_prompt_len: int, max_new_tokens: int, *,
                  use_graphs: bool | None = None, compile: bool | None = None, bucket: int = 64,
                  check_every: int = 16, attn: str = "auto", sampler: str = "auto", prefill_tokens: int = 32768,
                  compile_backend: str = "inductor", bucket_compile: str | None = None, nucleus: str | None = None,
-                 weights: str = "model", fp8_fast_accum: bool | None = None, fp8_gemm: str | None = None,
-                 kv_cache: str = "model", fp8_act: str | None = None):
-        if fp8_fast_accum is None:
-            fp8_fast_accum = os.environ.get("VERLFLOW_FASTGEN_FP8_FAST_ACCUM") == "1"
-        self.fp8_gemm = fp8_gemm or os.environ.get("VERLFLOW_FASTGEN_FP8_GEMM", "unit")
-        if self.fp8_gemm not in ("unit", "rowwise", "autotune"):
-            raise ValueError(f"fp8_gemm must be 'unit', 'rowwise' or 'autotune', got {self.fp8_gemm!r}")
-        fp8_act = fp8_act or os.environ.get("VERLFLOW_FASTGEN_FP8_ACT", "auto")
-        if fp8_act not in ("auto", "triton", "torch"):
-            raise ValueError(f"fp8_act must be 'auto', 'triton' or 'torch', got {fp8_act!r}")
-        act_kernel = fp8_act == "triton" or (fp8_act == "auto" and HAVE_TRITON and _on_cuda(next(model.parameters()).device))
-        self.w = _Weights(model, Precision(weights, kv_cache, fp8_fast_accum, fp8_unit_scaled=self.fp8_gemm == "unit",
+                 weights: str = "model", kv_cache: str = "model", fp8: Fp8Choices | None = None):
+        fp8 = (fp8 or Fp8Choices.from_env()).checked()
+        self.fp8_gemm = fp8.gemm
+        on_cuda = _on_cuda(next(model.parameters()).device)
+        act_kernel = fp8.act == "triton" or (fp8.act == "auto" and HAVE_TRITON and on_cuda)
+        self.w = _Weights(model, Precision(weights, kv_cache, fp8.fast_accum, fp8_unit_scaled=fp8.gemm == "unit",
                                            fp8_act_kernel=act_kernel))
         self.device = self.w.device
         cuda = _on_cuda(self.device)
@@ -234,8 +253,8 @@ class FastGen:
         if compiled:  # the prefill sees a new (rows, width) per micro-batch: _prefill marks those two dims dynamic
             # (dynamic=True would make every size and float symbolic: a slower compile, even from the cache)
             # Inductor autotunes fp8 matmuls against its Triton templates even without max-autotune: set-up time
-            # on a cold cache, and a kernel the start-up check never ran. fp8_gemm="unit"/"rowwise" keep the op's own
-            # kernel (cuBLASLt), as for the bf16 matmuls; "autotune" lets inductor choose (an A/B)
+            # on a cold cache, and a kernel the start-up check never ran. Fp8Choices.gemm "unit"/"rowwise" keep the
+            # op's own kernel (cuBLASLt), as for the bf16 matmuls; "autotune" lets inductor choose (an A/B)
             options = ({"max_autotune_gemm_backends": "ATEN"}
                        if self.w.fp8 and self.fp8_gemm != "autotune" and self.compile_backend == "inductor" else {})
             options.update(_inductor_options())

@@ -210,7 +210,8 @@ def decode_attention_triton(q, kc, vc, pad_off, slot, scale: float, nkv: int, sp
     ``combine_splits``. q (B, nh, D); kc/vc (B, nkv, T, D), last dim contiguous; pad_off, slot (B,) long: row b
     attends to slots [pad_off[b], slot[b]]. window: a sliding-window
     layer's window (0: off); softcap: attention logit soft-capping (0: off); bounded: loop over valid slots only;
-    splits > 0: each row's valid slots in that many runs (the kernel's RANGED; split_n unused); ks/vs (B, nkv, >= T) fp32: an fp8 cache's scales per slot (None: the cache is in the query's dtype)."""
+    splits > 0: each row's valid slots in that many runs (the kernel's RANGED; split_n unused); ks/vs (B, nkv, >= T)
+    fp32: an fp8 cache's scales per slot (None: the cache is in the query's dtype)."""
     B, nh, D = q.shape
     T = kc.shape[2]
     G = nh // nkv

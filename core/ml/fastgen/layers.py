@@ -157,7 +157,8 @@ def _qkv(h, L, S: Spec):
 
 def _mlp(h, L, S: Spec):
     if S.fp8_act and L["bgu"] is None:  # fp8 on CUDA: the unit GEMM's raw output to the down GEMM's e4m3 input in
-        # one Triton kernel (gate/up's scales, SiLU x up, the token's max and the cast), the same numbers as below
+        # one Triton kernel (gate/up's scales, SiLU x up, the token's max and the cast): the numbers below, without
+        # eager torch's bf16 roundings between SiLU, the product and the cast (inductor's code skips them too)
         lead, K = h.shape[:-1], h.shape[-1]
         x8, sx = quantize_tokens(h.reshape(-1, K))
         y = _fp8_gemm(x8, sx, L["wgu"], L["sgu"], h.dtype, S.fp8_fast, unit=True, scale=False)
