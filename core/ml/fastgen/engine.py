@@ -274,8 +274,7 @@ class FastGen:
                      {"split_n": 64, "block_n": 64, "num_warps": 4, "bounded": True},
                      {"split_n": 128, "block_n": 64, "num_warps": 4, "bounded": True},
                      {"split_n": 256, "block_n": 64, "num_warps": 4, "bounded": True},
-                     {"splits": 1, "block_n": 64, "num_warps": 4}, {"splits": 2, "block_n": 64, "num_warps": 4},
-                     {"splits": 4, "block_n": 64, "num_warps": 4},
+                     {"splits": 2, "block_n": 64, "num_warps": 4},
                      {"splits": 2, "block_n": 32, "num_warps": 4, "num_stages": 4})
 
     def _pick_attention(self):
