@@ -394,8 +394,26 @@ def profile_step(eng: FastGen, ids, mask, cfg, eos, pad, path: Path, graphs: boo
                 eng._step(kv, cfg)
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by=_sort_key(prof), row_limit=25, max_name_column_width=90)
+    if not graphs:  # a replayed graph has no CPU ops to name; step by step, who launched the device copies
+        table += "\n\ndevice copies, by the ops that launched them (op <- its callers), count over 5 steps:\n"
+        table += "\n".join(f"{n:6d}  {chain}" for chain, n in launch_sources(prof, "Memcpy").items())
     path.write_text(table)
     return table
+
+
+def launch_sources(prof, prefix: str) -> dict[str, int]:
+    """The CPU ops under which the device kernels named ``prefix``* were launched, with up to 4 of their callers."""
+    out: dict[str, int] = {}
+    for e in prof.events():
+        if not any(k.name.startswith(prefix) for k in e.kernels):
+            continue
+        chain, p = [e.name], e.cpu_parent
+        while p is not None and len(chain) < 5:
+            chain.append(p.name)
+            p = p.cpu_parent
+        key = " <- ".join(chain)
+        out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 # ---------------------------------------------------------------------------------------------------- main
