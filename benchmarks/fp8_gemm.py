@@ -36,7 +36,7 @@ from rollout import SHAPES, build_model, make_prompts, model_config, profile_ste
 
 from verlflow.core.ml.fastgen import FastGen, Fp8Choices, SamplingConfig  # noqa: E402
 from verlflow.core.ml.fastgen import choices  # noqa: E402
-from verlflow.core.ml.fastgen.kernels import silu_mul_fp8  # noqa: E402
+from verlflow.core.ml.fastgen.kernels import silu_mul_fp8, silu_mul_fp8_triton  # noqa: E402
 from verlflow.core.ml.fastgen.layers import FP8, FP8_MAX, _fp8_linear, _rms, quantize_rows  # noqa: E402
 
 
@@ -77,6 +77,9 @@ def act_times(M: int, inter: int, dev) -> dict:
     compiled = torch.compile(torch_path, options={"max_autotune_gemm_backends": "ATEN"})
     fns = {"act_quant_compiled": (0.0, lambda: compiled(y)),
            "act_quant_triton": (0.0, lambda: silu_mul_fp8(y, sy, sw, FP8_MAX))}
+    for chunk, warps in ((2048, 8), (4096, 16), (16384, 16)):  # the kernel's other shapes (the op's: 8192, 16)
+        fns[f"act_quant_triton_{chunk}x{warps}"] = (0.0, lambda c=chunk, n=warps: silu_mul_fp8_triton(
+            y, sy, sw, FP8_MAX, chunk=c, num_warps=n))
     return {k: round(v, 1) for k, v in choices.graph_times(fns, dev).items()}
 
 

@@ -142,7 +142,7 @@ def variants():
                         BOUNDED=not ranged, KV8=kv8, RANGED=ranged), 4, 3)
     for scaled in (False, True):  # the fp8 down projection's input, from bf16 gate/up outputs
         yield ("_silu_mul_fp8_kernel", {"Y": "*bf16", "sy": "i32", "SY": "*fp32", "SW": "*fp32", "X8": "*fp8e4nv",
-                                        "SX": "*fp32", "I": "i32", "fmax": "fp32"}, dict(CH=2048, SCALED=scaled), 8, 3)
+                                        "SX": "*fp32", "I": "i32", "fmax": "fp32"}, dict(CH=8192, SCALED=scaled), 16, 3)
     yield ("_block_stats_kernel", {"X": "*bf16", "sxb": "i32", "V": "i32", "inv_t": "fp32", "BMAX": "*fp32",
                                    "BSUM": "*fp32", "NB": "i32"}, dict(BPP=16, BLK=128), 4, 3)
     for gated in (False, True):
