@@ -491,11 +491,11 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
         eng_sb.attn_cfg = dict(eng.attn_cfg)
         attempt("ours_static_buckets_sampled", lambda: run_ours(eng_sb, ids, mask, scfg, eos, pad, dev))
         del eng_sb
-    if cuda and args.ab_attn and eng.attn != "sdpa":  # the same engine on sdpa (cuDNN): the choice it replaced
+    if args.ab_attn and eng.attn != "sdpa":  # the same engine on sdpa (cuDNN): the choice it replaced
         eng_sd = FastGen(model, B, P, N, attn="sdpa", sampler=eng.sampler)
         attempt("ours_sdpa_attention_sampled", lambda: run_ours(eng_sd, ids, mask, scfg, eos, pad, dev))
         del eng_sd
-    for i, raw in enumerate((args.ab_inductor or []) if cuda else []):  # the same engine under other inductor options
+    for i, raw in enumerate(args.ab_inductor or []):  # the same engine under other inductor options
         os.environ["VERLFLOW_FASTGEN_INDUCTOR"] = raw
         try:
             eng_io = FastGen(model, B, P, N, attn=eng.attn, sampler=eng.sampler)

@@ -526,15 +526,15 @@ def test_generate_share_dispatches_on_engine(monkeypatch):
     assert called == ["static", "hf"]
 
 
-def smoke(script: str) -> tuple[dict, str]:
-    """benchmarks/<script> --smoke: (its result, what it printed)."""
+def smoke(script: str, *extra: str) -> tuple[dict, str]:
+    """benchmarks/<script> --smoke [extra]: (its result, what it printed)."""
     path = Path(__file__).resolve().parents[1] / "benchmarks" / script
     spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     buf = io.StringIO()
     with redirect_stdout(buf):
-        res = mod.main(["--smoke"])
+        res = mod.main(["--smoke", *extra])
     return res, buf.getvalue()
 
 
@@ -595,7 +595,7 @@ def test_cuda_triton_samplers_logprobs_equal_log_softmax(top_p, dtype):
 
 
 def test_benchmark_smoke_prints_the_table():
-    res, out = smoke("rollout.py")
+    res, out = smoke("rollout.py", "--ab-attn", "--ab-inductor", "{}")
     assert "| measure | baseline (HF generate) | ours (fastgen) | ratio | floor |" in out
     for row in ("generated tok/s, sampled", "decode ms/step, sampled", "generated tok/s, greedy"):
         assert row in out
@@ -609,6 +609,9 @@ def test_benchmark_smoke_prints_the_table():
     # ... and the fp8 KV cache's, alone and with fp8 projections
     assert "ours with an fp8 KV cache" in out and r["ours_fp8_kv8_sampled"]["tokens"] > 0
     assert r["kv8_policy_gap"]["abs_logp_diff"] > 1e-4 and r["fp8_kv8_policy_gap"]["abs_logp_diff"] > 1e-3
+    # the engine on sdpa beside its choice (bmm on CPU), and under inductor options, which it hands back after
+    assert r["ours_sdpa_attention_sampled"]["tokens"] == r["ours_inductor0_sampled"]["tokens"] > 0
+    assert r["ours_inductor0_options"] == "{}" and "VERLFLOW_FASTGEN_INDUCTOR" not in os.environ
 
 
 def test_ragged_benchmark_smoke_same_tokens_fewer_steps():
