@@ -37,7 +37,8 @@ from rollout import SHAPES, build_model, make_prompts, model_config, profile_ste
 from verlflow.core.ml.fastgen import FastGen, Fp8Choices, SamplingConfig  # noqa: E402
 from verlflow.core.ml.fastgen import choices  # noqa: E402
 from verlflow.core.ml.fastgen.kernels import silu_mul_fp8, silu_mul_fp8_triton  # noqa: E402
-from verlflow.core.ml.fastgen.layers import FP8, FP8_MAX, _fp8_linear, _rms, quantize_rows  # noqa: E402
+from verlflow.core.ml.fastgen.layers import (FP8, FP8_MAX, _fp8_linear, _rms, quantize_rows,  # noqa: E402
+                                              quantize_tokens, silu_mul_fp8_reference)
 
 
 def projections(shape: str) -> dict[str, tuple[int, int]]:
@@ -47,11 +48,6 @@ def projections(shape: str) -> dict[str, tuple[int, int]]:
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     hd = getattr(cfg, "head_dim", None) or H // nh
     return {"qkv": ((nh + 2 * nkv) * hd, H), "o": (H, nh * hd), "gate_up": (2 * inter, H), "down": (H, inter)}
-
-
-def quantize_act(x):
-    sx = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
-    return (x.float() / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8), sx
 
 
 def quantize_act_two_level(x):  # a long row's maximum over blocks of 128, then the blocks (the same maximum)
@@ -70,11 +66,8 @@ def act_times(M: int, inter: int, dev) -> dict:
     sy = torch.rand(M, 1, generator=g, device=dev) + 0.5
     sw = torch.rand(1, 2 * inter, generator=g, device=dev) * 1e-2
 
-    def torch_path(y):
-        a, u = (y.float() * sy * sw).to(y.dtype).chunk(2, dim=-1)
-        return quantize_act(F.silu(a) * u)
-
-    compiled = torch.compile(torch_path, options={"max_autotune_gemm_backends": "ATEN"})
+    compiled = torch.compile(lambda y: silu_mul_fp8_reference(y, sy, sw),
+                             options={"max_autotune_gemm_backends": "ATEN"})
     fns = {"act_quant_compiled": (0.0, lambda: compiled(y)),
            "act_quant_triton": (0.0, lambda: silu_mul_fp8(y, sy, sw, FP8_MAX))}
     for chunk, warps in ((2048, 8), (4096, 16), (16384, 16)):  # the kernel's other shapes (the op's: 8192, 16)
@@ -89,10 +82,10 @@ def times_for(M: int, N: int, K: int, dev) -> dict:
     w = (torch.randn(N, K, generator=g, device=dev) * K ** -0.5).to(torch.bfloat16)
     norm_w = torch.ones(K, device=dev, dtype=torch.bfloat16)
     w8, sw = quantize_rows(w)
-    x8, sx = quantize_act(x)
+    x8, sx = quantize_tokens(x)
     one = torch.ones((), device=dev)
     opts = {"options": {"max_autotune_gemm_backends": "ATEN"}}
-    q_compiled = torch.compile(quantize_act, **opts)
+    q_compiled = torch.compile(quantize_tokens, **opts)
     q_two = torch.compile(quantize_act_two_level, **opts)
     norm_bf16 = torch.compile(lambda x: F.linear(_rms(x, norm_w, 1e-6), w), **opts)
     norm_fp8 = torch.compile(lambda x: _fp8_linear(_rms(x, norm_w, 1e-6), w8, sw, None), **opts)

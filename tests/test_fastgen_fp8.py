@@ -71,14 +71,14 @@ def live_tokens(out):
     return live
 
 
-def assert_recorded_logprobs_are(eng, want, live):
+def assert_recorded_logprobs_are(eng, want, live, share: float = 0.8):
     """The engine's recorded log-probs of its live tokens are ``want``, the reference model's. Rounding to e4m3 is a
     step function: where the engine's decode and HF's prefill differ by an fp32 rounding, an element can land one e4m3
     step (~6 %) apart, and that token's log-prob moves (and the row's later ones, through its cache): most tokens
-    agree to fp32 noise (86 % with the unit-scaled GEMM, whose scales come after the sum), none is far."""
+    agree to fp32 noise (``share``: 86 % with the unit-scaled GEMM, whose scales come after the sum), none is far."""
     diff = (eng.last_logprobs[live] - want[live]).abs()
     close = diff <= 2e-5 + 1e-4 * want[live].abs()
-    assert close.float().mean() >= 0.8 and diff.max() < 0.5, (close.float().mean(), diff.max())
+    assert close.float().mean() >= share and diff.max() < 0.5, (close.float().mean(), diff.max())
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -17,12 +17,11 @@ import torch.nn.functional as F
 
 from verlflow.core.ml.fastgen.kernels import (HAVE_TRITON, _cands_from_stats, _first_decided, _pick, block_stats_triton,
                                     combine_splits, decode_attention_triton, first_mass_triton, member_mass_triton,
-                                    reference_decode_attention, sample_logits_triton, silu_mul_fp8,
-                                    silu_mul_fp8_reference)
+                                    reference_decode_attention, sample_logits_triton, silu_mul_fp8)
 from verlflow.core.ml.fastgen import choices
 from verlflow.core.ml.fastgen.layers import (FP8, FP8_MAX, PROJECTIONS, _decode_layer, _fp8_linear, _head, _logits,
                                             _norm, _post_attn, _pre_attn, _prefill_layer, _Weights, Precision,
-                                            quantize_slots, read_cache)
+                                            quantize_slots, read_cache, silu_mul_fp8_reference)
 from verlflow.core.ml.fastgen.sampling import SamplingConfig, _Stats, sample_logits
 from verlflow.core.ml.generate import chosen_logprobs, sampling_temperature
 
@@ -131,10 +130,8 @@ class FastGen:
                  weights: str = "model", kv_cache: str = "model", fp8: Fp8Choices | None = None):
         fp8 = (fp8 or Fp8Choices.from_env()).checked()
         self.fp8_gemm = fp8.gemm
-        on_cuda = _on_cuda(next(model.parameters()).device)
-        act_kernel = fp8.act == "triton" or (fp8.act == "auto" and HAVE_TRITON and on_cuda)
         self.w = _Weights(model, Precision(weights, kv_cache, fp8.fast_accum, fp8_unit_scaled=fp8.gemm == "unit",
-                                           fp8_act_kernel=act_kernel))
+                                           fp8_act=fp8.act))
         self.device = self.w.device
         cuda = _on_cuda(self.device)
         env = os.environ
@@ -398,7 +395,7 @@ class FastGen:
                  * torch.logspace(-1, 1, 5, device=dev).view(5, 1)).to(self.w.dtype)
             sy = torch.rand(5, 1, generator=g, device=dev) + 0.5
             x8, sx = silu_mul_fp8(y, sy, L["sgu"], FP8_MAX)
-            r8, rs = silu_mul_fp8_reference(y, sy, L["sgu"], FP8_MAX)
+            r8, rs = silu_mul_fp8_reference(y, sy, L["sgu"])
         except Exception as e:  # noqa: BLE001 - Triton's compile and launch errors vary by version
             return f"{type(e).__name__}: {e}"
         off = (x8.float() != r8.float()).float().mean().item()  # exp's last bits may tip a value's rounding

@@ -235,8 +235,8 @@ def decode_attention_triton(q, kc, vc, pad_off, slot, scale: float, nkv: int, sp
 def silu_mul_fp8_triton(y: torch.Tensor, sy, sw, fp8_max: float, chunk: int = 8192, num_warps: int = 16):
     """y (M, 2I), the gate/up projection's output (sy (M, 1) / sw (1, 2I) given: a unit-scaled fp8 GEMM's, scaled
     here) -> (x8 (M, I) e4m3, sx (M, 1) fp32): silu(g) * u scaled to e4m3 per token (``_silu_mul_fp8_kernel``;
-    ``silu_mul_fp8_reference`` is its definition). One program a row, whose passes wait on their loads chunk after
-    chunk: wide chunks (2 a pass at 1.5B's 8,960; 83 registers a thread at 16 warps, none spilled) keep the waits
+    ``layers.silu_mul_fp8_reference`` is its definition). One program a row, whose passes wait on their loads chunk
+    after chunk: wide chunks (2 a pass at 1.5B's 8,960; 83 registers a thread at 16 warps, none spilled) keep the waits
     few."""
     M, I = y.shape[0], y.shape[1] // 2
     x8 = torch.empty(M, I, dtype=torch.float8_e4m3fn, device=y.device)
@@ -245,17 +245,6 @@ def silu_mul_fp8_triton(y: torch.Tensor, sy, sw, fp8_max: float, chunk: int = 81
     _silu_mul_fp8_kernel[(M,)](y, y.stride(0), sy if scaled else sx, sw if scaled else sx, x8, sx, I, fp8_max,
                                CH=chunk, SCALED=scaled, num_warps=num_warps)
     return x8, sx
-
-
-def silu_mul_fp8_reference(y: torch.Tensor, sy, sw, fp8_max: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the kernel computes, in torch: the projection's output ((y * sy) * sw in y's dtype, when scaled), then
-    silu(g) * u in fp32 and one scale per row (its max |.| / fp8_max)."""
-    if sy is not None:
-        y = (y.float() * sy * sw).to(y.dtype)
-    g, u = y.float().chunk(2, dim=-1)
-    a = torch.nn.functional.silu(g) * u
-    sx = a.abs().amax(-1, keepdim=True).clamp(min=1e-12) / fp8_max
-    return (a / sx).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn), sx
 
 
 @torch.library.custom_op("verlflow::silu_mul_fp8", mutates_args=())

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from verlflow.core.ml.fastgen.families import ACTIVATIONS, FAMILIES, LENGTH_DEPENDENT_ROPE, Family
-from verlflow.core.ml.fastgen.kernels import combine_splits, silu_mul_fp8
+from verlflow.core.ml.fastgen.kernels import HAVE_TRITON, combine_splits, silu_mul_fp8
 from verlflow.core.ml.fastgen.support import SUPPORTED_MODEL_TYPES
 
 log = logging.getLogger("verlflow.fastgen")
@@ -88,6 +88,15 @@ def quantize_tokens(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x2 = x2.float()
     sx = x2.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
     return (x2 / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8).contiguous(), sx
+
+
+def silu_mul_fp8_reference(y: torch.Tensor, sy, sw) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``kernels.silu_mul_fp8`` computes: the gate/up projection's output ((y * sy) * sw in y's dtype, when
+    scaled), then silu(g) * u in fp32, quantized per token."""
+    if sy is not None:
+        y = (y.float() * sy * sw).to(y.dtype)
+    g, u = y.float().chunk(2, dim=-1)
+    return quantize_tokens(F.silu(g) * u)
 
 
 def _fp8_gemm(x8, sx, w8, sw, dtype: torch.dtype, fast: bool, unit: bool, scale: bool = True) -> torch.Tensor:
@@ -316,7 +325,8 @@ class Precision(NamedTuple):
     kv_cache: str = "model"
     fp8_fast_accum: bool = False
     fp8_unit_scaled: bool = False
-    fp8_act_kernel: bool = False  # with unit scales and SiLU: the Triton kernel between gate/up and down
+    fp8_act: str = "auto"  # with unit scales and SiLU, the Triton kernel between gate/up and down: "triton", "torch"
+    # (inductor's code) or "auto" (triton on CUDA)
 
 
 def _kv8_wanted(kv_cache: str, device: torch.device) -> bool:
@@ -434,7 +444,9 @@ class _Weights:
         self.spec = self.spec._replace(  # (the engine's cache too: a static fact the compiled functions specialise on)
             fp8_fast=self.fp8 and precision.fp8_fast_accum, fp8_unit=self.fp8 and precision.fp8_unit_scaled,
             kv8=_kv8_wanted(precision.kv_cache, self.device),
-            fp8_act=self.fp8 and precision.fp8_unit_scaled and precision.fp8_act_kernel and self.spec.act == "silu")
+            fp8_act=self.fp8 and precision.fp8_unit_scaled and self.spec.act == "silu" and (
+                precision.fp8_act == "triton" or (precision.fp8_act == "auto" and HAVE_TRITON
+                                                  and self.device.type == "cuda")))
         self.layers: list[dict] = []
         self.refresh()
 
