@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rollout import SHAPES, build_model, make_prompts, model_config, profile_step, say  # noqa: E402
 
-from verlflow.core.ml.fastgen import FastGen, Fp8Choices, SamplingConfig  # noqa: E402
+from verlflow.core.ml.fastgen import EngineOptions, FastGen, Fp8Choices, SamplingConfig  # noqa: E402
 from verlflow.core.ml.fastgen import choices  # noqa: E402
 from verlflow.core.ml.fastgen.kernels import silu_mul_fp8, silu_mul_fp8_triton  # noqa: E402
 from verlflow.core.ml.fastgen.layers import (FP8, FP8_MAX, _fp8_linear, _rms, quantize_rows,  # noqa: E402
@@ -141,7 +141,7 @@ def main():
         for name, kw in (("model", {}), ("fp8_rowwise", {"weights": "fp8", "fp8": Fp8Choices(gemm="rowwise")}),
                          ("fp8_act_torch", {"weights": "fp8", "fp8": Fp8Choices(act="torch")}),
                          ("fp8", {"weights": "fp8"})):
-            eng = FastGen(model, args.rows, 128, 128, **kw)
+            eng = FastGen(model, args.rows, 128, 128, EngineOptions(**kw))
             eng.prepare([eos], pad, cfg, 128)
             table = profile_step(eng, ids, mask, cfg, eos, pad, out / f"profile_{args.shape}_{name}_step.txt",
                                  graphs=True)

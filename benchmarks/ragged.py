@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout import SHAPES, build_model, say, sync  # noqa: E402
 
 from verlflow.core.ml.compiletime import Meter  # noqa: E402
-from verlflow.core.ml.fastgen import FastGen, SamplingConfig  # noqa: E402
+from verlflow.core.ml.fastgen import EngineOptions, FastGen, SamplingConfig  # noqa: E402
 
 
 def workload(n: int, plen: int, vocab: int, min_len: int, max_len: int, seed: int = 0):
@@ -153,7 +153,8 @@ def main(argv=None) -> dict:
     say(f"{args.shape}: {args.prompts} prompts, {args.batch} rows, budgets {min(budgets)}..{max(budgets)} "
         f"(mean {sum(budgets) / len(budgets):.0f}), device {dev}")
     t0 = time.perf_counter()
-    eng = FastGen(model, args.batch, args.prompt, args.new, weights=args.weights, kv_cache=args.kv_cache)
+    eng = FastGen(model, args.batch, args.prompt, args.new,
+                  EngineOptions(weights=args.weights, kv_cache=args.kv_cache))
     eng.prepare([eos], pad, cfg, args.prompt // 2, every_slot=True)
     sync(dev)
     res = {"shape": args.shape, "weights": args.weights, "kv_cache": args.kv_cache, "rows": args.batch, "prompts": args.prompts,

@@ -14,6 +14,7 @@ of the valid positions, over the HBM bandwidth (--hbm-tbs, 4.8 TB/s for an H200)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -25,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from verlflow.core.ml.fastgen import FastGen, Fp8Choices, SamplingConfig  # noqa: E402
+from verlflow.core.ml.fastgen import EngineOptions, FastGen, Fp8Choices, SamplingConfig  # noqa: E402
 
 SHAPES = {  # Qwen2.5 shapes (Qwen2Config); "tiny" is the CPU smoke
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -483,42 +484,44 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
                                                           out_dir / f"profile_{shape}_sampler.txt" if out_dir else None))
 
     # ours, main variant: graphs + compile (on CUDA), attention and sampler as the engine picks them
-    eng = FastGen(model, B, P, N, attn=args.attn, sampler=args.sampler)
+    eng = FastGen(model, B, P, N, EngineOptions(attn=args.attn, sampler=args.sampler))
     ours_s = attempt("ours_sampled", lambda: run_ours(eng, ids, mask, scfg, eos, pad, dev))
     ours_g = attempt("ours_greedy", lambda: run_ours(eng, ids, mask, gcfg, eos, pad, dev))
-    if cuda and args.ab_static_buckets:  # the same engine with a decode graph per cache bucket (lengths static)
-        eng_sb = FastGen(model, B, P, N, attn=eng.attn, sampler=eng.sampler, bucket_compile="static")
-        eng_sb.attn_cfg = dict(eng.attn_cfg)
-        attempt("ours_static_buckets_sampled", lambda: run_ours(eng_sb, ids, mask, scfg, eos, pad, dev))
-        del eng_sb
-    if args.ab_attn and eng.attn != "sdpa":  # the same engine on sdpa (cuDNN): the choice it replaced
-        eng_sd = FastGen(model, B, P, N, attn="sdpa", sampler=eng.sampler)
-        attempt("ours_sdpa_attention_sampled", lambda: run_ours(eng_sd, ids, mask, scfg, eos, pad, dev))
-        del eng_sd
+
+    def same_engine(**changes) -> FastGen:
+        """The main engine with ``changes`` to its options: the attention it runs is kept (configuration too)
+        unless ``attn`` is changed ("auto": timed again)."""
+        e = FastGen(model, B, P, N, dataclasses.replace(eng.options, **{"attn": eng.attn, "sampler": eng.sampler,
+                                                                        **changes}))
+        if e.attn == eng.attn and "attn" not in changes:
+            e.attn_cfg = dict(eng.attn_cfg)
+        return e
+
+    def ab(name: str, **changes):
+        """ours_{name}_sampled: the main engine with ``changes``, timed in this process (its cache and graphs go
+        when this returns, before the next variant's come)."""
+        e = same_engine(**changes)
+        return attempt(f"ours_{name}_sampled", lambda: run_ours(e, ids, mask, scfg, eos, pad, dev))
+
+    if cuda and args.ab_static_buckets:  # a decode graph per cache bucket (lengths static)
+        ab("static_buckets", bucket_compile="static")
+    if args.ab_attn and eng.attn != "sdpa":  # sdpa (cuDNN): the choice it replaced
+        ab("sdpa_attention", attn="sdpa")
     elif args.ab_attn and eng.attn_timings:  # timing kept sdpa: its fastest Triton configuration in the step itself
         # (the timing charges each +4 us for the split merge, which the compiled step fuses: is that charge right?)
         timed = [k for k in eng.attn_timings if k.startswith("triton")]
         if timed:
-            eng_tr = FastGen(model, B, P, N, attn="triton", sampler=eng.sampler)
-            eng_tr.attn_cfg = dict(FastGen._ATTN_CONFIGS[int(min(timed, key=eng.attn_timings.get)[6:])])
-            r["ours_triton_attention_cfg"] = eng_tr.attn_cfg
+            cfg = dict(FastGen._ATTN_CONFIGS[int(min(timed, key=eng.attn_timings.get)[6:])])
+            r["ours_triton_attention_cfg"] = cfg
+            eng_tr = same_engine(attn="triton")
+            eng_tr.attn_cfg = cfg
             attempt("ours_triton_attention_sampled", lambda: run_ours(eng_tr, ids, mask, scfg, eos, pad, dev))
             del eng_tr
-    for i, raw in enumerate(args.ab_inductor or []):  # the same engine under other inductor options
-        os.environ["VERLFLOW_FASTGEN_INDUCTOR"] = raw
-        try:
-            eng_io = FastGen(model, B, P, N, attn=eng.attn, sampler=eng.sampler)
-            eng_io.attn_cfg = dict(eng.attn_cfg)
-            r[f"ours_inductor{i}_options"] = raw
-            attempt(f"ours_inductor{i}_sampled", lambda: run_ours(eng_io, ids, mask, scfg, eos, pad, dev))
-            del eng_io
-        finally:
-            os.environ.pop("VERLFLOW_FASTGEN_INDUCTOR")
-    if cuda and args.ab_nucleus and eng.sampler == "triton":  # the same engine, the one-pass nucleus test
-        eng_np = FastGen(model, B, P, N, attn=eng.attn, sampler=eng.sampler, nucleus="one_pass")
-        eng_np.attn_cfg = dict(eng.attn_cfg)
-        attempt("ours_one_pass_nucleus_sampled", lambda: run_ours(eng_np, ids, mask, scfg, eos, pad, dev))
-        del eng_np
+    for i, raw in enumerate(args.ab_inductor or []):  # other inductor options
+        r[f"ours_inductor{i}_options"] = raw
+        ab(f"inductor{i}", inductor=json.loads(raw))
+    if cuda and args.ab_nucleus and eng.sampler == "triton":  # the one-pass nucleus test
+        ab("one_pass_nucleus", nucleus="one_pass")
     if args.ab_fp8 or args.smoke:  # the same engine with fp8 projections, and how far its policy is from the model's
         # The gap is what algorithm.rollout_correction sees: untruncated sampling (it refuses top_p / top_k), a
         # generation of its own; the speed is at the run's sampling settings.
@@ -538,19 +541,17 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
         variants += [("kv8", {"kv_cache": "fp8"}), ("fp8_kv8", {**f8, "kv_cache": "fp8"})]
         if args.fp8_variants:  # a few of them (a call's time is short)
             variants = [v for v in variants if v[0] in args.fp8_variants.split(",")]
-        for name, extra in variants:
-            if "kv_cache" in extra:  # the cache's reader is timed for it (sdpa reads an fp8 cache back first)
-                e = FastGen(model, B, P, N, sampler=eng.sampler, **extra)
-            else:
-                e = FastGen(model, B, P, N, attn=eng.attn, sampler=eng.sampler, **extra)
-                e.attn_cfg = dict(eng.attn_cfg)
+        for name, changes in variants:
+            if "kv_cache" in changes:  # the cache's reader is timed for it (sdpa reads an fp8 cache back first)
+                changes = {**changes, "attn": "auto"}
+            e = same_engine(**changes)
             if attempt(f"ours_{name}_sampled", lambda: run_ours(e, ids, mask, scfg, eos, pad, dev)):
                 attempt(f"{name}_policy_gap", lambda: gap_of(e))
             r[f"ours_{name}_engine"] = {"attn": e.attn, "attn_cfg": e.attn_cfg, "attn_timings_us": e.attn_timings}
             say(f"ours_{name} engine:", r[f"ours_{name}_engine"])
             del e
-    r["ours_engine"] = {"graphs": eng.use_graphs, "compile": eng.compile, "bucket": eng.bucket, "attn": eng.attn,
-                        "sampler": eng.sampler, "nucleus": eng.nucleus, "attn_cfg": eng.attn_cfg,
+    r["ours_engine"] = {"graphs": eng.options.graphs, "compile": eng.compile, "bucket": eng.bucket, "attn": eng.attn,
+                        "sampler": eng.sampler, "nucleus": eng.options.nucleus, "attn_cfg": eng.attn_cfg,
                         "attn_timings_us": eng.attn_timings, "continuous_batching_attn": eng.ragged_attn,
                         "continuous_batching_timings_us": eng.ragged_timings}
     say("ours engine:", r["ours_engine"])
@@ -585,23 +586,19 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
 
     if cuda and not args.no_variants:
         # graphs off (same compiled kernels): isolates the launch overhead; greedy should match the graph run
-        eng_ng = FastGen(model, B, P, N, use_graphs=False, compile=True, attn=eng.attn, sampler=eng.sampler)
-        eng_ng.attn_cfg = dict(eng.attn_cfg)  # the same kernels as the graph run
+        eng_ng = same_engine(graphs=False, compile=True)
         v = attempt("ours_nographs_greedy", lambda: run_ours(eng_ng, ids, mask, gcfg, eos, pad, dev, repeats=1))
         if v and ours_g:
             r["graph_vs_nograph_greedy"] = prefix_agreement(v[0].cpu(), ours_g[0].cpu())
             say("graph vs no-graph (greedy):", r["graph_vs_nograph_greedy"])
         del eng_ng
-        eng_nc = FastGen(model, B, P, N, use_graphs=True, compile=False, attn=eng.attn, sampler=eng.sampler)
-        eng_nc.attn_cfg = dict(eng.attn_cfg)
-        attempt("ours_graphs_nocompile_sampled", lambda: run_ours(eng_nc, ids, mask, scfg, eos, pad, dev))
-        del eng_nc
+        ab("graphs_nocompile", graphs=True, compile=False)
         for attn, smp in (("sdpa", eng.sampler), ("bmm", eng.sampler), (eng.attn, "torch")):
             if (attn, smp) == (eng.attn, eng.sampler):
                 continue
-            e = FastGen(model, B, P, N, attn=attn, sampler=smp)
-            name = f"ours_attn_{e.attn}_sampler_{e.sampler}_sampled"
-            attempt(name, lambda: run_ours(e, ids, mask, scfg, eos, pad, dev))
+            e = same_engine(attn=attn, sampler=smp)
+            attempt(f"ours_attn_{e.attn}_sampler_{e.sampler}_sampled", lambda: run_ours(e, ids, mask, scfg, eos, pad,
+                                                                                     dev))
             if args.profile and out_dir is not None and smp == eng.sampler and attn == "sdpa":
                 attempt(f"profile_attn_{attn}", lambda: profile_step(e, ids, mask, scfg, eos, pad,
                                                                      out_dir / f"profile_{shape}_graph_{attn}.txt",

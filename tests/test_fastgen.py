@@ -15,7 +15,8 @@ import torch  # noqa: E402
 
 from verlflow.core.ml.placement import Placement  # noqa: E402
 from verlflow.core.ml.fastgen import (  # noqa: E402
-    HAVE_TRITON, FastGen, SamplingConfig, _Stats, nucleus_member, sample_logits, topk_filter, topk_values,
+    HAVE_TRITON, EngineOptions, FastGen, SamplingConfig, _Stats, nucleus_member, sample_logits, topk_filter,
+    topk_values,
 )
 
 EOS, PAD = 3, 0  # verlflow.core.testing.tinykit's special-token ids
@@ -70,8 +71,8 @@ def hf_warped_probs(x, cfg: SamplingConfig):
 @pytest.mark.parametrize("arch,attn", [("qwen2", "bmm"), ("llama", "bmm"), ("qwen2", "sdpa")])
 def test_greedy_equals_hf_generate_left_padded(models, arch, attn):
     model = models[arch]
-    eng = FastGen(model, batch_size=8, max_prompt_len=20, max_new_tokens=20, bucket=8, attn=attn)  # 8 > 6 rows
-    assert not eng.use_graphs and not eng.compile  # CPU: eager
+    eng = FastGen(model, 8, 20, 20, EngineOptions(bucket=8, attn=attn))  # 8 > 6 rows
+    assert not eng.options.graphs and not eng.compile  # CPU: eager
     for seed, lens in ((0, [5, 11, 3, 16, 8, 1]), (1, [20, 2, 9])):  # second call reuses the engine
         ids, mask = left_padded(lens, seed)
         ours = eng.generate(ids, mask, SamplingConfig(temperature=0.0), [EOS], PAD)
@@ -82,7 +83,7 @@ def test_greedy_equals_hf_generate_left_padded(models, arch, attn):
 def test_eos_rows_stop_and_all_finished_exits_early(models):
     model = models["qwen2"]
     ids, mask = left_padded([4, 9, 6, 12], seed=3)
-    eng = FastGen(model, batch_size=4, max_prompt_len=12, max_new_tokens=40, check_every=4)
+    eng = FastGen(model, 4, 12, 40, EngineOptions(check_every=4))
     free = eng.generate(ids, mask, SamplingConfig(0.0), [1], PAD)  # id 1 (<|unk|>) never comes up
     assert eng.last_stats["steps"] == 40
     # every row's token at step 2 becomes an EOS: rows stop there (or earlier) and emit pad after
@@ -126,7 +127,7 @@ def test_continuous_batching_greedy_equals_hf_generate_prompt_by_prompt(models, 
     lens = [5, 11, 3, 16, 8, 1, 13, 2, 9, 6, 12]
     limits = [20, 3, 20, 7, 20, 20, 1, 20, 11, 20, 5]  # forced stops as well as EOS
     prompts = prompts_of(lens, seed=4)
-    eng = FastGen(model, batch_size=3, max_prompt_len=16, max_new_tokens=20, bucket=8, attn=attn, check_every=2)
+    eng = FastGen(model, 3, 16, 20, EngineOptions(bucket=8, attn=attn, check_every=2))
     ours, logps = eng.generate_many(prompts, SamplingConfig(temperature=0.0), [EOS], PAD, limits=limits,
                                     refill_min=1)
     want = []
@@ -149,7 +150,7 @@ def test_refills_come_in_few_shapes_and_still_decode_exactly(models, monkeypatch
     lens = torch.randint(1, 41, (40,), generator=g).tolist()
     limits = torch.randint(1, 13, (40,), generator=g).tolist()
     prompts = prompts_of(lens, seed=6)
-    eng = FastGen(model, batch_size=8, max_prompt_len=40, max_new_tokens=12, bucket=8, check_every=2)
+    eng = FastGen(model, 8, 40, 12, EngineOptions(bucket=8, check_every=2))
     seen = []
     start = eng._start_rows
     monkeypatch.setattr(eng, "_start_rows", lambda rows, ids, *a: (seen.append((len(rows), ids.shape[1])),
@@ -174,7 +175,7 @@ def test_continuous_batching_decodes_with_the_attention_timed_for_spread_lengths
     other, each with its own captured steps, and the engine's choice is back in place afterwards, error or not."""
     model = eos_biased(models["qwen2"])
     prompts = prompts_of([5, 11, 3, 9], seed=2)
-    eng = FastGen(model, batch_size=2, max_prompt_len=12, max_new_tokens=8, bucket=8, attn="bmm")
+    eng = FastGen(model, 2, 12, 8, EngineOptions(bucket=8, attn="bmm"))
     eng.ragged_attn = ("sdpa", {})
     used = []
     step = eng._step
@@ -200,7 +201,7 @@ def test_warm_up_covers_every_cache_length_a_generation_decodes_at(models, monke
     """On CUDA every decode step replays a graph captured before generation; one captured mid-generation would reset
     every live row. So the warm-up's cache lengths must cover every length generation asks for, up to continuous
     batching's last slot T - 1 (here T = 65 and buckets of 64: slot 64 is a bucket of its own)."""
-    eng = FastGen(models["qwen2"], batch_size=2, max_prompt_len=17, max_new_tokens=48, attn="sdpa")
+    eng = FastGen(models["qwen2"], 2, 17, 48, EngineOptions(attn="sdpa"))
     assert (eng.T, eng.bucket) == (65, 64)
     asked = set()
     decode = eng._decode
@@ -259,8 +260,8 @@ def test_compiled_engine_compiles_the_decode_step_once_for_every_cache_bucket(mo
     prompts = prompts_of(lens, seed=5)
     runs = {}
     for compiled in (False, True):
-        eng = FastGen(model, batch_size=3, max_prompt_len=16, max_new_tokens=120, attn="sdpa", check_every=2,
-                      compile=compiled, compile_backend="aot_eager")
+        eng = FastGen(model, 3, 16, 120, EngineOptions(attn="sdpa", check_every=2, compile=compiled,
+                                                       compile_backend="aot_eager"))
         assert eng.bucket == 64  # buckets of 64, 128 and 136 cache slots
         runs[compiled] = eng.generate_many(prompts, SamplingConfig(temperature=0.0), [], PAD, limits=limits,
                                            refill_min=1)[0]  # no EOS: the budgets decide the lengths
@@ -278,7 +279,7 @@ def test_inductor_options_from_the_environment_reach_the_compiled_functions(mode
     an option it does not know fails at set-up with inductor's own error; a value that is not a JSON object fails
     naming the variable; a known option sets up."""
     def engine():
-        return FastGen(models["qwen2"], batch_size=2, max_prompt_len=8, max_new_tokens=4, compile=True)
+        return FastGen(models["qwen2"], 2, 8, 4, EngineOptions(compile=True))
 
     monkeypatch.setenv("VERLFLOW_FASTGEN_INDUCTOR", '{"no_such_option": 1}')
     with pytest.raises(RuntimeError, match="no_such_option"):
@@ -290,6 +291,54 @@ def test_inductor_options_from_the_environment_reach_the_compiled_functions(mode
     assert engine().compile
 
 
+ENGINE_ENV = ("VERLFLOW_FASTGEN_GRAPHS", "VERLFLOW_FASTGEN_COMPILE", "VERLFLOW_FASTGEN_NUCLEUS",
+              "VERLFLOW_FASTGEN_BUCKET_COMPILE", "VERLFLOW_FASTGEN_INDUCTOR", "VERLFLOW_FASTGEN_FP8_GEMM",
+              "VERLFLOW_FASTGEN_FP8_FAST_ACCUM", "VERLFLOW_FASTGEN_FP8_ACT", "TRITON_INTERPRET")
+
+
+def test_engine_options_decide_every_switch_for_the_device(monkeypatch):
+    """EngineOptions.resolved leaves nothing "auto" or None: the device's defaults, the environment's A/B variables
+    where the caller left a switch open (never over what it gave), and a resolved record resolves to itself (the
+    benchmarks build an engine's variants from its resolved options). A bad value is refused naming its field."""
+    from verlflow.core.ml.fastgen import Fp8Choices
+
+    for var in ENGINE_ENV:
+        monkeypatch.delenv(var, raising=False)
+
+    def on(cuda, have_triton=True, softcap=0.0, **asked):
+        return EngineOptions(**asked).resolved(cuda=cuda, have_triton=have_triton, softcap=softcap, model_type="m")
+
+    def switches(o):
+        return o.graphs, o.compile, o.attn, o.sampler, o.nucleus, o.bucket_compile, o.inductor, o.fp8
+
+    assert switches(on(False)) == (False, False, "bmm", "torch", "two_pass", "dynamic", {}, Fp8Choices())
+    gpu = on(True)
+    assert switches(gpu)[:4] == (True, True, "triton", "triton")
+    assert gpu.resolved(cuda=True, have_triton=True, softcap=0.0, model_type="m") == gpu
+    assert switches(on(True, have_triton=False))[2:4] == ("sdpa", "torch")
+    assert on(True, have_triton=False, softcap=50.0).attn == "bmm"  # sdpa cannot soft-cap
+    monkeypatch.setenv("VERLFLOW_FASTGEN_GRAPHS", "0")
+    monkeypatch.setenv("VERLFLOW_FASTGEN_COMPILE", "0")
+    monkeypatch.setenv("VERLFLOW_FASTGEN_NUCLEUS", "one_pass")
+    monkeypatch.setenv("VERLFLOW_FASTGEN_BUCKET_COMPILE", "static")
+    monkeypatch.setenv("VERLFLOW_FASTGEN_INDUCTOR", '{"triton.enable_pdl": true}')
+    monkeypatch.setenv("VERLFLOW_FASTGEN_FP8_GEMM", "rowwise")
+    assert switches(on(True)) == (False, False, "triton", "triton", "one_pass", "static", {"triton.enable_pdl": True},
+                                  Fp8Choices(gemm="rowwise"))
+    given = on(True, graphs=True, compile=True, nucleus="two_pass", bucket_compile="dynamic", inductor={},
+               fp8=Fp8Choices())
+    assert switches(given) == (True, True, "triton", "triton", "two_pass", "dynamic", {}, Fp8Choices())
+    for asked, field in ((dict(graphs=True), "graphs=True"), (dict(attn="flash"), "attn must be one of"),
+                         (dict(sampler="numpy"), "sampler must be one of"), (dict(nucleus="3"), "nucleus must be"),
+                         (dict(prefill_tokens=0), "prefill_tokens must be at least 1"),
+                         (dict(attn="triton", have_triton=False), "'triton' needs Triton"),
+                         (dict(fp8=Fp8Choices(act="cuda")), "fp8 act must be")):
+        with pytest.raises(ValueError, match=field):
+            on(False, **asked)
+    with pytest.raises(ValueError, match="attn='sdpa' cannot apply attn_logit_softcapping=50.0"):
+        on(True, attn="sdpa", softcap=50.0)
+
+
 def test_static_bucket_compile_compiles_the_decode_step_once_per_bucket(models):
     """bucket_compile="static" (the A/B against one dynamic compile: benchmarks/rollout.py --ab-static-buckets)
     gives every cache bucket a graph of its own, with its length a constant, and the same tokens as eager. The
@@ -299,13 +348,13 @@ def test_static_bucket_compile_compiles_the_decode_step_once_per_bucket(models):
     from verlflow.core.ml.fastgen.layers import _decode_layer
 
     with pytest.raises(ValueError, match="bucket_compile must be"):
-        FastGen(models["qwen2"], batch_size=2, max_prompt_len=4, max_new_tokens=4, bucket_compile="per-bucket")
+        FastGen(models["qwen2"], 2, 4, 4, EngineOptions(bucket_compile="per-bucket"))
     torch._dynamo.reset()
     prompts, limits = prompts_of([5, 11, 3, 16], seed=5), [120, 3, 70, 7]
     runs, kvs = {}, set()
     for compiled in (False, True):
-        eng = FastGen(models["qwen2"], batch_size=2, max_prompt_len=16, max_new_tokens=120, attn="sdpa",
-                      check_every=2, compile=compiled, compile_backend="aot_eager", bucket_compile="static")
+        eng = FastGen(models["qwen2"], 2, 16, 120, EngineOptions(attn="sdpa", check_every=2, compile=compiled,
+                                                                 compile_backend="aot_eager", bucket_compile="static"))
         kv_len = eng._kv_len
         eng._kv_len = lambda slot: kvs.add(kv_len(slot)) or kv_len(slot)  # the buckets the steps ran
         runs[compiled] = eng.generate_many(prompts, SamplingConfig(temperature=0.0), [], PAD, limits=limits,
@@ -325,8 +374,8 @@ def test_set_up_with_grad_enabled_compiles_what_generation_runs(models):
     from verlflow.core.ml.fastgen.layers import _prefill_layer
 
     torch._dynamo.reset()
-    eng = FastGen(models["qwen2"], batch_size=3, max_prompt_len=12, max_new_tokens=8, attn="sdpa", check_every=2,
-                  compile=True, compile_backend="aot_eager")
+    eng = FastGen(models["qwen2"], 3, 12, 8, EngineOptions(attn="sdpa", check_every=2, compile=True,
+                                                           compile_backend="aot_eager"))
     assert torch.is_grad_enabled()
     eng.prepare([], PAD, SamplingConfig(temperature=0.0), 4, every_slot=True)
     assert len(_debug_get_cache_entry_list(_prefill_layer.__code__)) == 1
@@ -344,7 +393,7 @@ def test_continuous_batching_sampled_logprobs_are_the_models_and_a_seed_reproduc
     model = eos_biased(models["qwen2"], 4.0)
     prompts = prompts_of([4, 9, 2, 14, 7, 11, 3, 10, 5], seed=8)
     cfg = SamplingConfig(temperature=0.7, top_p=0.9)
-    eng = FastGen(model, batch_size=4, max_prompt_len=14, max_new_tokens=24, check_every=3)
+    eng = FastGen(model, 4, 14, 24, EngineOptions(check_every=3))
     torch.manual_seed(3)
     ours, logps = eng.generate_many(prompts, cfg, [EOS], PAD, refill_min=2)
     assert eng.last_stats["refills"] >= 3
@@ -419,7 +468,7 @@ def test_first_token_distribution_matches_hf_generate(models):
     ids, mask = left_padded([7], seed=5)
     n = 4096
     ids, mask = ids.expand(n, -1).contiguous(), mask.expand(n, -1).contiguous()
-    eng = FastGen(model, batch_size=n, max_prompt_len=7, max_new_tokens=1)
+    eng = FastGen(model, n, 7, 1)
     torch.manual_seed(0)
     ours = eng.generate(ids, mask, cfg, [EOS], PAD)[:, 0]
     with torch.no_grad():
@@ -444,7 +493,7 @@ def test_top_k_holds_at_every_step_and_seed_reproduces(models):
     model = models["qwen2"]
     ids, mask = left_padded([6, 10, 3, 8], seed=9)
     cfg = SamplingConfig(1.5, 1.0, 3)
-    eng = FastGen(model, batch_size=4, max_prompt_len=10, max_new_tokens=12)
+    eng = FastGen(model, 4, 10, 12)
     torch.manual_seed(1)
     a = eng.generate(ids, mask, cfg, [EOS], PAD)
     torch.manual_seed(1)
@@ -609,9 +658,9 @@ def test_benchmark_smoke_prints_the_table():
     # ... and the fp8 KV cache's, alone and with fp8 projections
     assert "ours with an fp8 KV cache" in out and r["ours_fp8_kv8_sampled"]["tokens"] > 0
     assert r["kv8_policy_gap"]["abs_logp_diff"] > 1e-4 and r["fp8_kv8_policy_gap"]["abs_logp_diff"] > 1e-3
-    # the engine on sdpa beside its choice (bmm on CPU), and under inductor options, which it hands back after
+    # the engine on sdpa beside its choice (bmm on CPU), and under inductor options
     assert r["ours_sdpa_attention_sampled"]["tokens"] == r["ours_inductor0_sampled"]["tokens"] > 0
-    assert r["ours_inductor0_options"] == "{}" and "VERLFLOW_FASTGEN_INDUCTOR" not in os.environ
+    assert r["ours_inductor0_options"] == "{}"
 
 
 def test_ragged_benchmark_smoke_same_tokens_fewer_steps():
@@ -674,16 +723,16 @@ def test_cuda_attention_choice_is_timed_once_per_machine_and_shape(models, tmp_p
     monkeypatch.setenv("VERLFLOW_CACHE_DIR", str(tmp_path))
     model = copy.deepcopy(models["qwen2"]).to("cuda", torch.bfloat16)
     kept = tmp_path / "fastgen/attention.json"
-    first = FastGen(model, batch_size=8, max_prompt_len=16, max_new_tokens=32)
+    first = FastGen(model, 8, 16, 32)
     assert first.attn_timings, f"no timing (attn {first.attn}: did the Triton kernel fail its start-up check?)"
     assert len(json.loads(kept.read_text())) == 1
-    again = FastGen(model, batch_size=8, max_prompt_len=16, max_new_tokens=32)
+    again = FastGen(model, 8, 16, 32)
     assert (again.attn, again.attn_cfg, again.attn_timings) == (first.attn, first.attn_cfg, first.attn_timings)
     assert first.ragged_timings and (again.ragged_attn, again.ragged_timings) == (first.ragged_attn,
                                                                                  first.ragged_timings)
     assert again.setup_parts["checks_s"] < first.setup_parts["checks_s"]
-    FastGen(model, batch_size=16, max_prompt_len=16, max_new_tokens=32)
+    FastGen(model, 16, 16, 32)
     assert len(json.loads(kept.read_text())) == 2
     kept.write_text("{not json")
-    assert FastGen(model, batch_size=8, max_prompt_len=16, max_new_tokens=32).attn_timings
+    assert FastGen(model, 8, 16, 32).attn_timings
     assert len(json.loads(kept.read_text())) == 1

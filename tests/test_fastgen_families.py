@@ -22,7 +22,9 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from test_fastgen import EOS, PAD, hf_generate, hf_warped_probs, left_padded  # noqa: E402
-from verlflow.core.ml.fastgen import HAVE_TRITON, SUPPORTED_MODEL_TYPES, FastGen, SamplingConfig  # noqa: E402
+from verlflow.core.ml.fastgen import (  # noqa: E402
+    HAVE_TRITON, SUPPORTED_MODEL_TYPES, EngineOptions, FastGen, SamplingConfig,
+)
 from verlflow.core.ml.fastgen.families import FAMILIES  # noqa: E402
 from verlflow.core.ml.fastgen.layers import _logits, _rms, _rope, _Weights  # noqa: E402
 
@@ -103,11 +105,11 @@ def test_greedy_equals_hf_generate_left_padded(case):
     attns = ["bmm"] if capped(case) else ["bmm", "sdpa"]
     if capped(case):
         with pytest.raises(ValueError, match="attn_logit_softcapping"):
-            FastGen(model, 6, 16, n, attn="sdpa")
+            FastGen(model, 6, 16, n, EngineOptions(attn="sdpa"))
     for attn in attns:  # sdpa also prefills in micro-batches of two rows (each with its own masks)
-        eng = FastGen(model, batch_size=6, max_prompt_len=16, max_new_tokens=n, bucket=8, attn=attn,
-                      prefill_tokens=32 if attn == "sdpa" else 32768)
-        assert eng.attn == attn and not eng.use_graphs
+        eng = FastGen(model, 6, 16, n, EngineOptions(bucket=8, attn=attn,
+                                                     prefill_tokens=32 if attn == "sdpa" else 32768))
+        assert eng.attn == attn and not eng.options.graphs
         for i, ((ids, mask), ref) in enumerate(zip(prompts, refs)):  # the second call reuses the engine
             ours = eng.generate(ids, mask, SamplingConfig(temperature=0.0), [EOS], PAD)
             assert torch.equal(ours, ref), f"{case} {attn} prompts {i}:\n{ours}\n{ref}"
@@ -121,7 +123,7 @@ def test_sampled_logprobs_equal_hf_forward(case):
     """The log-probs the engine records for its sampled tokens (temperature 0.8) are HF's over prompt + response."""
     model = build(case)
     ids, mask = left_padded([6, 12, 3, 9], seed=4)
-    eng = FastGen(model, batch_size=4, max_prompt_len=12, max_new_tokens=12)
+    eng = FastGen(model, 4, 12, 12)
     torch.manual_seed(3)
     out = eng.generate(ids, mask, SamplingConfig(0.8), [EOS], PAD)
     ours = eng.last_logprobs
@@ -145,7 +147,7 @@ def test_first_token_distribution_matches_hf_generate(case):
     ids, mask = left_padded([7], seed=5)
     n = 4096
     ids, mask = ids.expand(n, -1).contiguous(), mask.expand(n, -1).contiguous()
-    eng = FastGen(model, batch_size=n, max_prompt_len=7, max_new_tokens=1)
+    eng = FastGen(model, n, 7, 1)
     torch.manual_seed(0)
     ours = eng.generate(ids, mask, cfg, [EOS], PAD)[:, 0]
     with torch.no_grad():
@@ -200,7 +202,7 @@ def test_bf16_building_blocks_equal_hf_modules(case):
         hq, hk = apply(q, k, hc, hs)
         assert torch.equal(_rope(q, cos, sin, S.rot), hq) and torch.equal(_rope(k, cos, sin, S.rot), hk)
     ids = torch.randint(0, 384, (2, 9), generator=g)
-    eng = FastGen(model, batch_size=1, max_prompt_len=4, max_new_tokens=1)
+    eng = FastGen(model, 1, 4, 1)
     assert torch.equal(eng._embed(ids), model.model.embed_tokens(ids))
     # the head, with HF's soft-cap formula (Gemma2/3ForCausalLM.forward), in bf16
     want = model.lm_head(model.model.norm(x))
@@ -271,11 +273,11 @@ def test_cuda_engine_on_a_softcapped_windowed_family():
     model = copy.deepcopy(build("gemma2")).cuda()
     ids, mask = (t.cuda() for t in left_padded([5, 11, 3, 16, 8, 1]))
     ref = hf_generate(model, ids, mask, 20)
-    eng = FastGen(model, batch_size=6, max_prompt_len=16, max_new_tokens=20, bucket=8)
-    assert eng.use_graphs and eng.attn == "triton" and eng.attn_timings and "sdpa" not in eng.attn_timings
+    eng = FastGen(model, 6, 16, 20, EngineOptions(bucket=8))
+    assert eng.options.graphs and eng.attn == "triton" and eng.attn_timings and "sdpa" not in eng.attn_timings
     assert eng.attn == "triton"  # fp32: the kernel's dots are IEEE fp32 (not TF32) and pass the strict self-check
     assert torch.equal(eng.generate(ids, mask, SamplingConfig(0.0), [EOS], PAD), ref)
-    eng = FastGen(model, batch_size=6, max_prompt_len=16, max_new_tokens=20, bucket=8, attn="bmm")
+    eng = FastGen(model, 6, 16, 20, EngineOptions(bucket=8, attn="bmm"))
     assert torch.equal(eng.generate(ids, mask, SamplingConfig(0.0), [EOS], PAD), ref)
 
 
@@ -290,8 +292,8 @@ def test_cuda_continuous_batching_refills_rows_inside_the_captured_step(attn):
     model = eos_biased(build("qwen3")).cuda()
     prompts = prompts_of([5, 11, 3, 16, 8, 1, 13, 2, 9, 6, 12], seed=4)
     limits = [20, 3, 20, 7, 20, 20, 1, 20, 11, 20, 5]
-    eng = FastGen(model, batch_size=3, max_prompt_len=16, max_new_tokens=20, bucket=8, attn=attn, check_every=2)
-    assert eng.use_graphs and eng.attn == attn
+    eng = FastGen(model, 3, 16, 20, EngineOptions(bucket=8, attn=attn, check_every=2))
+    assert eng.options.graphs and eng.attn == attn
     ours, logps = eng.generate_many(prompts, SamplingConfig(0.0), [EOS], PAD, limits=limits, refill_min=1)
     assert eng.last_stats["refills"] >= 5
     for p, r, lp, n in zip(prompts, ours, logps, limits):
@@ -345,7 +347,7 @@ def test_compiled_step_equals_the_eager_one(case):
     torch._dynamo.reset()
     model = build(case)
     ids, mask = left_padded([5, 11, 3, 8])
-    eager = FastGen(model, 4, 12, 10, bucket=8).generate(ids, mask, SamplingConfig(0.0), [EOS], PAD)
-    eng = FastGen(model, 4, 12, 10, bucket=8, compile=True, compile_backend="aot_eager")
+    eager = FastGen(model, 4, 12, 10, EngineOptions(bucket=8)).generate(ids, mask, SamplingConfig(0.0), [EOS], PAD)
+    eng = FastGen(model, 4, 12, 10, EngineOptions(bucket=8, compile=True, compile_backend="aot_eager"))
     assert torch.equal(eng.generate(ids, mask, SamplingConfig(0.0), [EOS], PAD), eager)
     assert len(_debug_get_cache_entry_list(_decode_layer.__code__)) == 1

@@ -19,7 +19,7 @@ import transformers  # noqa: E402
 
 from test_fastgen import EOS, PAD, cut, eos_biased, hf_generate, left_padded, prompts_of  # noqa: E402
 from test_fastgen_families import build  # noqa: E402
-from verlflow.core.ml.fastgen import FastGen, Fp8Choices, SamplingConfig  # noqa: E402
+from verlflow.core.ml.fastgen import EngineOptions, FastGen, Fp8Choices, SamplingConfig  # noqa: E402
 
 E4M3_MAX = 448.0
 
@@ -92,8 +92,7 @@ def test_fp8_engine_is_the_fp8_model_token_for_token(case, gemm):
     ref = fp8_reference(model)
     n = 16
     ids, mask = left_padded([5, 11, 3, 16, 8, 1], seed=0)
-    eng = FastGen(model, batch_size=6, max_prompt_len=16, max_new_tokens=n, bucket=8, weights="fp8",
-                  fp8=Fp8Choices(gemm=gemm))
+    eng = FastGen(model, 6, 16, n, EngineOptions(bucket=8, weights="fp8", fp8=Fp8Choices(gemm=gemm)))
     assert eng.w.fp8 and all(L["w" + p].dtype == torch.float8_e4m3fn for L in eng.w.layers
                              for p in ("qkv", "o", "gu", "down"))
     ours = eng.generate(ids, mask, SamplingConfig(temperature=0.0), [EOS], PAD)
@@ -127,8 +126,7 @@ def test_fp8_continuous_batching_is_the_fp8_model_prompt_by_prompt(kit_models, a
     lens = [5, 11, 3, 16, 8, 1, 13, 2, 9]
     limits = [20, 3, 20, 7, 20, 20, 1, 20, 11]
     prompts = prompts_of(lens, seed=4)
-    eng = FastGen(model, batch_size=3, max_prompt_len=16, max_new_tokens=20, bucket=8, attn=attn, check_every=2,
-                  weights="fp8")
+    eng = FastGen(model, 3, 16, 20, EngineOptions(bucket=8, attn=attn, check_every=2, weights="fp8"))
     ours, _ = eng.generate_many(prompts, SamplingConfig(temperature=0.0), [EOS], PAD, limits=limits, refill_min=1)
     want = [cut(hf_generate(ref, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long), n)[0].tolist())
             for p, n in zip(prompts, limits)]
@@ -172,7 +170,7 @@ def test_a_long_rows_scale_is_its_largest_element_wherever_it_lies():
 def test_warm_fp8_engine_requantizes_in_place_when_the_policy_changes():
     model = copy.deepcopy(build("qwen3"))
     ids, mask = left_padded([5, 11, 3, 9], seed=2)
-    eng = FastGen(model, batch_size=4, max_prompt_len=11, max_new_tokens=12, weights="fp8")
+    eng = FastGen(model, 4, 11, 12, EngineOptions(weights="fp8"))
     before = eng.generate(ids, mask, SamplingConfig(temperature=0.0), [EOS], PAD)
     ptrs = [(L["wqkv"].data_ptr(), L["sgu"].data_ptr()) for L in eng.w.layers]
     g = torch.Generator().manual_seed(5)
@@ -194,7 +192,7 @@ def test_fp8_refused_where_it_cannot_run(monkeypatch):
 
     model = build("qwen3")
     with pytest.raises(ValueError, match="rollout.weights must be"):
-        FastGen(model, 2, 8, 4, weights="int4")
+        FastGen(model, 2, 8, 4, EngineOptions(weights="int4"))
     a = engine_for(model, 2, 8, 4)
     assert not a.w.fp8 and engine_for(model, 2, 8, 4) is a
     old = weakref.ref(a)
@@ -207,8 +205,9 @@ def test_fp8_refused_where_it_cannot_run(monkeypatch):
             super().__init__(*args, **kw)
 
     monkeypatch.setattr(engine, "FastGen", Probe)
-    b = engine_for(model, 2, 8, 4, "fp8")  # the cached engine of other weights is not reused ...
-    assert b.w.fp8 and engine_for(model, 2, 8, 4, "fp8") is b
+    # the cached engine of other weights is not reused ...
+    b = engine_for(model, 2, 8, 4, EngineOptions(weights="fp8"))
+    assert b.w.fp8 and engine_for(model, 2, 8, 4, EngineOptions(weights="fp8")) is b
     assert seen == [True]  # ... and is gone before its replacement takes memory (two KV caches may not fit)
 
 
@@ -219,7 +218,7 @@ def test_the_start_up_check_refuses_a_gpu_whose_fp8_matmul_is_wrong_or_missing(m
     weights' scales (the row-scaled GEMM's wrong layout), one that the GPU does not have
     (CUBLAS_STATUS_NOT_SUPPORTED, as on some Blackwell parts). Each refuses, naming rollout.weights=model; the real op
     passes."""
-    eng = FastGen(build("qwen3"), 2, 8, 4, weights="fp8", fp8=Fp8Choices(gemm=gemm))
+    eng = FastGen(build("qwen3"), 2, 8, 4, EngineOptions(weights="fp8", fp8=Fp8Choices(gemm=gemm)))
     eng._self_check()
     real = torch._scaled_mm
 
@@ -245,19 +244,20 @@ def test_fast_accumulation_is_an_fp8_switch(monkeypatch):
     """VERLFLOW_FASTGEN_FP8_FAST_ACCUM=1 (the benchmark's A/B) reaches the fp8 matmuls' spec, and only theirs."""
     model = build("qwen3")
     monkeypatch.setenv("VERLFLOW_FASTGEN_FP8_FAST_ACCUM", "1")
-    assert FastGen(model, 2, 8, 4, weights="fp8").w.spec.fp8_fast
+    assert FastGen(model, 2, 8, 4, EngineOptions(weights="fp8")).w.spec.fp8_fast
     assert not FastGen(model, 2, 8, 4).w.spec.fp8_fast  # nothing to accumulate in fp8
-    assert not FastGen(model, 2, 8, 4, weights="fp8", fp8=Fp8Choices(fast_accum=False)).w.spec.fp8_fast
+    assert not FastGen(model, 2, 8, 4, EngineOptions(weights="fp8", fp8=Fp8Choices(fast_accum=False))).w.spec.fp8_fast
     monkeypatch.delenv("VERLFLOW_FASTGEN_FP8_FAST_ACCUM")
-    assert not FastGen(model, 2, 8, 4, weights="fp8").w.spec.fp8_fast
-    assert FastGen(model, 2, 8, 4, weights="fp8").w.spec.fp8_unit  # the default: scales after a unit-scaled GEMM
-    assert not FastGen(model, 2, 8, 4, weights="fp8", fp8=Fp8Choices(gemm="rowwise")).w.spec.fp8_unit
+    assert not FastGen(model, 2, 8, 4, EngineOptions(weights="fp8")).w.spec.fp8_fast
+    # the default: scales after a unit-scaled GEMM
+    assert FastGen(model, 2, 8, 4, EngineOptions(weights="fp8")).w.spec.fp8_unit
+    assert not FastGen(model, 2, 8, 4, EngineOptions(weights="fp8", fp8=Fp8Choices(gemm="rowwise"))).w.spec.fp8_unit
     assert not FastGen(model, 2, 8, 4).w.spec.fp8_unit  # no fp8 projections to scale
     with pytest.raises(ValueError, match="fp8 gemm must be"):
-        FastGen(model, 2, 8, 4, weights="fp8", fp8=Fp8Choices(gemm="cutlass"))
+        FastGen(model, 2, 8, 4, EngineOptions(weights="fp8", fp8=Fp8Choices(gemm="cutlass")))
     monkeypatch.setenv("VERLFLOW_FASTGEN_FP8_ACT", "cuda")
     with pytest.raises(ValueError, match="fp8 act must be"):
-        FastGen(model, 2, 8, 4, weights="fp8")
+        FastGen(model, 2, 8, 4, EngineOptions(weights="fp8"))
 
 
 # ------------------------------------------------------------------------------------ the rollout correction
@@ -403,8 +403,9 @@ def test_compiled_fp8_step_equals_the_eager_one(numerics):
     torch._dynamo.reset()
     model = build("qwen3")
     ids, mask = left_padded([5, 11, 3, 8])
-    eager = FastGen(model, 4, 12, 10, bucket=8, **numerics).generate(ids, mask, SamplingConfig(0.0), [EOS], PAD)
-    eng = FastGen(model, 4, 12, 10, bucket=8, compile=True, compile_backend="aot_eager", **numerics)
+    eager = FastGen(model, 4, 12, 10, EngineOptions(bucket=8, **numerics))
+    eager = eager.generate(ids, mask, SamplingConfig(0.0), [EOS], PAD)
+    eng = FastGen(model, 4, 12, 10, EngineOptions(bucket=8, compile=True, compile_backend="aot_eager", **numerics))
     assert torch.equal(eng.generate(ids, mask, SamplingConfig(0.0), [EOS], PAD), eager)
     assert len(_debug_get_cache_entry_list(_decode_layer.__code__)) == 1
 
@@ -420,8 +421,8 @@ def test_cuda_fp8_engine_samples_from_the_fp8_model():
     model = copy.deepcopy(build("qwen3", initializer_range=0.02)).to("cuda", torch.bfloat16)
     ref = fp8_reference(model)
     ids, mask = (t.cuda() for t in left_padded([5, 11, 3, 16, 8, 1], seed=0))
-    eng = FastGen(model, batch_size=6, max_prompt_len=16, max_new_tokens=20, weights="fp8")
-    assert eng.use_graphs and eng.w.fp8 and eng._fp8_error() < 1e-2
+    eng = FastGen(model, 6, 16, 20, EngineOptions(weights="fp8"))
+    assert eng.options.graphs and eng.w.fp8 and eng._fp8_error() < 1e-2
     torch.manual_seed(0)
     out = eng.generate(ids, mask, SamplingConfig(1.0), [EOS], PAD)
     live = live_tokens(out)

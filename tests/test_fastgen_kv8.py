@@ -16,7 +16,7 @@ from test_fastgen import EOS, PAD, cut, eos_biased, hf_generate, left_padded, pr
 from test_fastgen_families import build  # noqa: E402
 from test_fastgen_fp8 import (assert_recorded_logprobs_are, fp8_reference, live_tokens,  # noqa: E402
                                teacher_forced_logp)
-from verlflow.core.ml.fastgen import FastGen, SamplingConfig  # noqa: E402
+from verlflow.core.ml.fastgen import EngineOptions, FastGen, SamplingConfig  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -28,7 +28,7 @@ def test_fp8_cache_engine_is_the_rounded_cache_model_token_for_token(case, attn)
     model = build(case)
     n = 16
     ids, mask = left_padded([5, 11, 3, 16, 8, 1], seed=0)
-    eng = FastGen(model, batch_size=6, max_prompt_len=16, max_new_tokens=n, bucket=8, attn=attn, kv_cache="fp8")
+    eng = FastGen(model, 6, 16, n, EngineOptions(bucket=8, attn=attn, kv_cache="fp8"))
     assert all(c.dtype == torch.float8_e4m3fn for c in eng.kc + eng.vc) and eng.w.spec.kv8
     ours = eng.generate(ids, mask, SamplingConfig(temperature=0.0), [EOS], PAD)
     with fp8_cache(model):
@@ -53,8 +53,7 @@ def test_fp8_cache_continuous_batching_is_the_rounded_cache_model_prompt_by_prom
     lens = [5, 11, 3, 16, 8, 1, 13, 2, 9]
     limits = [20, 3, 20, 7, 20, 20, 1, 20, 11]
     prompts = prompts_of(lens, seed=4)
-    eng = FastGen(model, batch_size=3, max_prompt_len=16, max_new_tokens=20, bucket=8, attn=attn, check_every=2,
-                  weights=weights, kv_cache="fp8")
+    eng = FastGen(model, 3, 16, 20, EngineOptions(bucket=8, attn=attn, check_every=2, weights=weights, kv_cache="fp8"))
     ours, _ = eng.generate_many(prompts, SamplingConfig(temperature=0.0), [EOS], PAD, limits=limits, refill_min=1)
     with fp8_cache(ref):
         want = [cut(hf_generate(ref, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long), n)[0].tolist())
@@ -85,10 +84,10 @@ def test_fp8_cache_refused_where_it_cannot_run(monkeypatch):
 
     model = build("qwen3")
     with pytest.raises(ValueError, match="rollout.kv_cache must be"):
-        FastGen(model, 2, 8, 4, kv_cache="int4")
+        FastGen(model, 2, 8, 4, EngineOptions(kv_cache="int4"))
     a = engine_for(model, 2, 8, 4)
-    b = engine_for(model, 2, 8, 4, kv_cache="fp8")  # the cached engine of another cache is not reused
-    assert b is not a and b.w.spec.kv8 and engine_for(model, 2, 8, 4, kv_cache="fp8") is b
+    b = engine_for(model, 2, 8, 4, EngineOptions(kv_cache="fp8"))  # the cached engine of another cache is not reused
+    assert b is not a and b.w.spec.kv8 and engine_for(model, 2, 8, 4, EngineOptions(kv_cache="fp8")) is b
     assert not engine_for(model, 2, 8, 4).w.spec.kv8
     # a GPU without fp8 conversions (the Triton kernel's e4m3 loads): the message names the field and the fix
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
@@ -133,8 +132,8 @@ def test_cuda_engine_reads_its_fp8_cache_and_samples_from_that_model():
 
     model = copy.deepcopy(build("qwen3")).to("cuda", torch.bfloat16)
     ids, mask = (t.cuda() for t in left_padded([5, 11, 3, 16, 8, 1], seed=0))
-    eng = FastGen(model, batch_size=6, max_prompt_len=16, max_new_tokens=20, attn="triton", kv_cache="fp8")
-    assert eng.use_graphs and eng.attn == "triton" and eng.kc[0].dtype == torch.float8_e4m3fn
+    eng = FastGen(model, 6, 16, 20, EngineOptions(attn="triton", kv_cache="fp8"))
+    assert eng.options.graphs and eng.attn == "triton" and eng.kc[0].dtype == torch.float8_e4m3fn
     torch.manual_seed(0)
     out = eng.generate(ids, mask, SamplingConfig(1.0), [EOS], PAD)
     live = live_tokens(out)

@@ -56,7 +56,7 @@ def _rounding_shim():
 _scalar_index_shim()
 _rounding_shim()
 
-from verlflow.core.ml.fastgen import FastGen, Fp8Choices, SamplingConfig  # noqa: E402
+from verlflow.core.ml.fastgen import EngineOptions, FastGen, Fp8Choices, SamplingConfig  # noqa: E402
 from verlflow.core.ml.fastgen import engine as engine_mod  # noqa: E402
 from verlflow.core.ml.fastgen.kernels import (combine_splits, decode_attention_triton, first_mass_triton,  # noqa: E402
                                               reference_decode_attention, sample_logits_triton)
@@ -163,8 +163,7 @@ def engine() -> dict:
     lens = [5, 11, 3, 9, 1, 12]
     ps = prompts(lens, seed=3)
     res = {}
-    eng = FastGen(model, batch_size=3, max_prompt_len=12, max_new_tokens=8, attn="triton", sampler="triton",
-                  check_every=2)
+    eng = FastGen(model, 3, 12, 8, EngineOptions(attn="triton", sampler="triton", check_every=2))
     hf = []
     for p in ps:
         ids = torch.tensor([p])
@@ -180,8 +179,7 @@ def engine() -> dict:
     sampled = {}
     for name, (sampler, nucleus) in {"two_pass": ("triton", "two_pass"), "one_pass": ("triton", "one_pass"),
                                      "torch": ("torch", "two_pass")}.items():
-        e = FastGen(model, batch_size=3, max_prompt_len=12, max_new_tokens=8, attn="triton", sampler=sampler,
-                    nucleus=nucleus, check_every=2)
+        e = FastGen(model, 3, 12, 8, EngineOptions(attn="triton", sampler=sampler, nucleus=nucleus, check_every=2))
         torch.manual_seed(7)
         sampled[name] = e.generate_many(ps, cfg, [EOS], PAD, refill_min=1)
     res["sampled_two_eq_one"] = sampled["two_pass"][0] == sampled["one_pass"][0]
@@ -212,8 +210,7 @@ def engine_fp8_cache() -> dict:
 
     model = tiny_model()
     ps = prompts([5, 11, 3, 9, 1, 12], seed=3)
-    eng = FastGen(model, batch_size=3, max_prompt_len=12, max_new_tokens=8, attn="triton", sampler="torch",
-                  check_every=2, kv_cache="fp8")
+    eng = FastGen(model, 3, 12, 8, EngineOptions(attn="triton", sampler="torch", check_every=2, kv_cache="fp8"))
     eng.attn_cfg = {"split_n": 16, "block_n": 8, "num_warps": 1, "bounded": True}  # splits of two blocks
     ours, _ = eng.generate_many(ps, SamplingConfig(0.0), [EOS], PAD, refill_min=1)
     hf = []
@@ -261,15 +258,15 @@ def fp8_act() -> dict:
     ps = prompts([5, 11, 3, 9, 1, 12], seed=4)
     runs = {}
     for act in ("triton", "torch"):
-        eng = FastGen(model, batch_size=3, max_prompt_len=12, max_new_tokens=8, attn="bmm", sampler="torch",
-                      check_every=2, weights="fp8", fp8=Fp8Choices(gemm="unit", act=act))
+        eng = FastGen(model, 3, 12, 8, EngineOptions(attn="bmm", sampler="torch", check_every=2, weights="fp8",
+                                                     fp8=Fp8Choices(gemm="unit", act=act)))
         torch.manual_seed(5)
         runs[act] = (eng.w.spec.fp8_act, eng.generate_many(ps, SamplingConfig(1.0), [EOS], PAD, refill_min=1))
     (on, (tok, lp)), (off, (tok_ref, lp_ref)) = runs["triton"], runs["torch"]
     res = {**worst, "kernel_on": [on, off], "tokens_equal": tok == tok_ref,
            "logp_diff": max(abs(a - b) for ra, rb in zip(lp, lp_ref) for a, b in zip(ra, rb))}
-    eng = FastGen(model, batch_size=3, max_prompt_len=12, max_new_tokens=8, attn="bmm", sampler="torch",
-                  weights="fp8", fp8=Fp8Choices(gemm="unit", act="triton"))
+    eng = FastGen(model, 3, 12, 8, EngineOptions(attn="bmm", sampler="torch", weights="fp8",
+                                                 fp8=Fp8Choices(gemm="unit", act="triton")))
     eng._self_check()
     res["self_check_keeps"] = eng.w.spec.fp8_act
     real = engine_mod.silu_mul_fp8
@@ -301,18 +298,16 @@ def picking() -> dict:
         return [e.attn, e.attn_cfg, list(e.ragged_attn or []), e.attn_timings, e.ragged_timings]
 
     def round_trip(e):
-        again = FastGen(tiny_model(), batch_size=4, max_prompt_len=8, max_new_tokens=8, attn="triton",
-                        sampler="torch")
+        again = FastGen(tiny_model(), 4, 8, 8, EngineOptions(attn="triton", sampler="torch"))
         again._take_choice(json.loads(json.dumps(e._choice())))  # through JSON, as the cache file keeps it
         return kept(again) == kept(e)
 
     choices.graph_times = times
     try:
-        eng = FastGen(tiny_model(), batch_size=4, max_prompt_len=8, max_new_tokens=8, attn="triton", sampler="torch")
+        eng = FastGen(tiny_model(), 4, 8, 8, EngineOptions(attn="triton", sampler="torch"))
         eng._pick_attention()
         choices.graph_times = lambda fns, dev: {k: 10.0 if k == "sdpa" else 20.0 for k in fns}  # sdpa both times
-        same = FastGen(tiny_model(), batch_size=4, max_prompt_len=8, max_new_tokens=8, attn="triton",
-                       sampler="torch")
+        same = FastGen(tiny_model(), 4, 8, 8, EngineOptions(attn="triton", sampler="torch"))
         same._pick_attention()
     finally:
         FastGen._ATTN_CONFIGS = configs

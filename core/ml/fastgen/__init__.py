@@ -41,7 +41,8 @@ On CPU (the tests) the same code runs eagerly, step by step, with no graphs and 
 
 Files: ``families.py`` (one adapter per model family; torch-free), ``sampling.py`` (the warpers without a vocabulary
 sort), ``kernels.py`` (Triton: decode attention and the top-p passes), ``layers.py`` (the layer forward over fused
-weights, and reading a model through its family), ``engine.py`` (FastGen and ``sample``).
+weights, and reading a model through its family), ``options.py`` (EngineOptions: the engine's switches, decided in
+one place), ``engine.py`` (FastGen and ``sample``).
 """
 
 import importlib
@@ -51,7 +52,8 @@ from verlflow.core.ml.fastgen.support import SUPPORTED_MODEL_TYPES
 # The engine's modules import torch (and triton on CUDA): loaded on first use, so that importing the package for
 # SUPPORTED_MODEL_TYPES (the driver's preflight) costs nothing.
 _LAZY = {
-    "engine": ("FastGen", "Fp8Choices", "engine_for", "sample"),
+    "engine": ("FastGen", "engine_for", "sample"),
+    "options": ("EngineOptions", "Fp8Choices"),
     "kernels": ("HAVE_TRITON", "decode_attention_triton", "reference_decode_attention", "sample_logits_triton"),
     "sampling": ("SamplingConfig", "_Stats", "inverse_cdf", "nucleus_member", "sample_logits", "topk_filter",
                  "topk_values"),
@@ -67,6 +69,6 @@ def __getattr__(name: str):
     return value
 
 
-__all__ = ["FastGen", "Fp8Choices", "SamplingConfig", "sample", "engine_for", "sample_logits", "sample_logits_triton",
-           "decode_attention_triton", "reference_decode_attention", "nucleus_member", "inverse_cdf", "topk_filter",
-           "topk_values", "HAVE_TRITON", "SUPPORTED_MODEL_TYPES", "_Stats"]
+__all__ = ["FastGen", "EngineOptions", "Fp8Choices", "SamplingConfig", "sample", "engine_for", "sample_logits",
+           "sample_logits_triton", "decode_attention_triton", "reference_decode_attention", "nucleus_member",
+           "inverse_cdf", "topk_filter", "topk_values", "HAVE_TRITON", "SUPPORTED_MODEL_TYPES", "_Stats"]

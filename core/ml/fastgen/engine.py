@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
 import math
-import os
 import time
 import weakref
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +16,9 @@ from verlflow.core.ml.fastgen.kernels import (HAVE_TRITON, _cands_from_stats, _f
                                     combine_splits, decode_attention_triton, first_mass_triton, member_mass_triton,
                                     reference_decode_attention, sample_logits_triton, silu_mul_fp8)
 from verlflow.core.ml.fastgen import choices
+from verlflow.core.ml.fastgen.options import EngineOptions, Fp8Choices  # noqa: F401 (Fp8Choices: exported)
 from verlflow.core.ml.fastgen.layers import (FP8, FP8_MAX, PROJECTIONS, _decode_layer, _fp8_linear, _head, _logits,
-                                            _norm, _post_attn, _pre_attn, _prefill_layer, _Weights, Precision,
+                                            _norm, _post_attn, _pre_attn, _prefill_layer, _Weights,
                                             quantize_slots, read_cache, silu_mul_fp8_reference)
 from verlflow.core.ml.fastgen.sampling import SamplingConfig, _Stats, sample_logits
 from verlflow.core.ml.generate import chosen_logprobs, sampling_temperature
@@ -33,51 +31,6 @@ log = logging.getLogger("verlflow.fastgen")
 def _sampled_logp(logits: torch.Tensor, nxt: torch.Tensor, temperature: float) -> torch.Tensor:
     """fp32 log_softmax(logits / temperature) of the sampled tokens (one fused pass when compiled)."""
     return chosen_logprobs(logits.float() / temperature, nxt)
-
-
-def _inductor_options() -> dict:
-    """Inductor options for the engine's compiled functions from env VERLFLOW_FASTGEN_INDUCTOR, a JSON object (an A/B
-    hook: '{"triton.enable_pdl": true}', '{"max_autotune_gemm": true}')."""
-    raw = os.environ.get("VERLFLOW_FASTGEN_INDUCTOR", "").strip()
-    if not raw:
-        return {}
-    try:
-        opts = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"VERLFLOW_FASTGEN_INDUCTOR is not JSON ({e}): give an object such as "
-                         '\'{"triton.enable_pdl": true}\'') from e
-    if not isinstance(opts, dict):
-        raise ValueError(f"VERLFLOW_FASTGEN_INDUCTOR must be a JSON object of inductor options, got {raw!r}")
-    return opts
-
-
-class Fp8Choices(NamedTuple):
-    """rollout.weights=fp8's A/B switches. ``gemm``: "unit" (a unit-scaled GEMM, cuBLASLt's tensor-scaled kernels,
-    the token and channel scales applied after it), "rowwise" (the row-scaled GEMM: its cuBLASLt kernel ran every
-    decode projection at 1.5B on one 128x128 tile, slower than bf16 on the H200) or "autotune" (row-scaled, inductor
-    may pick its Triton fp8 templates). ``fast_accum``: Hopper's fast fp8 accumulation. ``act``: with unit scales and
-    SiLU, "triton" makes the down projection's e4m3 input from the gate/up GEMM's raw output in one Triton kernel,
-    "torch" leaves it to inductor, "auto" is triton on CUDA."""
-
-    gemm: str = "unit"
-    fast_accum: bool = False
-    act: str = "auto"
-
-    @classmethod
-    def from_env(cls) -> Fp8Choices:
-        """Each switch from its variable: VERLFLOW_FASTGEN_FP8_GEMM, VERLFLOW_FASTGEN_FP8_FAST_ACCUM=1,
-        VERLFLOW_FASTGEN_FP8_ACT (the benchmarks' A/Bs)."""
-        env = os.environ
-        return cls(gemm=env.get("VERLFLOW_FASTGEN_FP8_GEMM", "unit"),
-                   fast_accum=env.get("VERLFLOW_FASTGEN_FP8_FAST_ACCUM") == "1",
-                   act=env.get("VERLFLOW_FASTGEN_FP8_ACT", "auto"))
-
-    def checked(self) -> Fp8Choices:
-        if self.gemm not in ("unit", "rowwise", "autotune"):
-            raise ValueError(f"fp8 gemm must be 'unit', 'rowwise' or 'autotune', got {self.gemm!r}")
-        if self.act not in ("auto", "triton", "torch"):
-            raise ValueError(f"fp8 act must be 'auto', 'triton' or 'torch', got {self.act!r}")
-        return self
 
 
 def _on_cuda(device) -> bool:
@@ -104,77 +57,36 @@ class FastGen:
     """A reusable generator for one model: static cache and captured decode steps for up to ``batch_size``
     rows, prompts up to ``max_prompt_len`` and ``max_new_tokens`` new tokens.
 
-    ``use_graphs`` / ``compile`` default to True on CUDA and False elsewhere (env VERLFLOW_FASTGEN_GRAPHS=0 /
-    VERLFLOW_FASTGEN_COMPILE=0 turn them off). Decode attention (``attn``), none of which expands the
-    shared K/V heads: "triton" (our split-KV kernel: the group's query heads against their KV head, valid
-    slots [pad_b, slot] only, so one captured step serves every length), "sdpa"
+    ``options`` (``EngineOptions``) holds the switches and their defaults. Decode attention (``attn``), none of
+    which expands the shared K/V heads: "triton" (our split-KV kernel: the group's query heads against their KV
+    head, valid slots [pad_b, slot] only, so one captured step serves every length), "sdpa"
     (F.scaled_dot_product_attention with enable_gqa over a bucket of the cache), "bmm" (q viewed as
-    (B, kv_heads, group, D), matmul against the cache's heads, over a bucket); "auto": triton on CUDA when
-    Triton is installed, else sdpa on CUDA, bmm elsewhere. All three apply sliding windows (Mistral, Phi-3,
-    Gemma, Qwen with use_sliding_window: per layer, HF's rule that query slot q sees key slot n iff q - n <
-    window). Attention logit soft-capping (Gemma-2 under eager attention) is in "bmm" and "triton" only: such a
-    model refuses attn="sdpa", and "auto" never picks it (bmm on CUDA without Triton); its prefill runs the
-    math attention instead of SDPA. ``sampler``: "triton" (the two full-vocabulary passes of the
-    top_p/temperature sampler as Triton kernels) or "torch"; "auto": triton on CUDA. ``weights``: "model" (the
-    projections in the model's dtype) or "fp8" (e4m3 per output channel, activations per token: ``layers.py``); the
-    log-probs the engine returns are then the fp8 model's, the policy it sampled from; ``fp8``: its A/B switches
-    (``Fp8Choices``; None: from the environment). ``kv_cache``: "model" (the
-    model's dtype) or "fp8" (e4m3 with a scale per KV head and slot: half the cache's bytes, which the Triton kernel
-    reads directly; every token, the prompt's too, attends to the rounded keys and values, so the log-probs returned
-    are that model's)."""
+    (B, kv_heads, group, D), matmul against the cache's heads, over a bucket). All three apply sliding windows
+    (Mistral, Phi-3, Gemma, Qwen with use_sliding_window: per layer, HF's rule that query slot q sees key slot n iff
+    q - n < window). Attention logit soft-capping (Gemma-2 under eager attention) is in "bmm" and "triton" only:
+    such a model refuses attn="sdpa", and "auto" never picks it; its prefill runs the math attention instead of
+    SDPA. With ``weights="fp8"`` the log-probs the engine returns are the fp8 model's, the policy it sampled from;
+    with ``kv_cache="fp8"`` (half the cache's bytes, which the Triton kernel reads directly) every token, the
+    prompt's too, attends to the rounded keys and values, so the log-probs returned are that model's.
 
-    def __init__(self, model, batch_size: int, max_prompt_len: int, max_new_tokens: int, *,
-                 use_graphs: bool | None = None, compile: bool | None = None, bucket: int = 64,
-                 check_every: int = 16, attn: str = "auto", sampler: str = "auto", prefill_tokens: int = 32768,
-                 compile_backend: str = "inductor", bucket_compile: str | None = None, nucleus: str | None = None,
-                 weights: str = "model", kv_cache: str = "model", fp8: Fp8Choices | None = None):
-        fp8 = (fp8 or Fp8Choices.from_env()).checked()
-        self.fp8_gemm = fp8.gemm
-        self.w = _Weights(model, Precision(weights, kv_cache, fp8.fast_accum, fp8_unit_scaled=fp8.gemm == "unit",
-                                           fp8_act=fp8.act))
+    ``self.options`` is the resolved record (nothing "auto" left); ``attn``, ``sampler`` and ``compile`` are what
+    the engine runs now: the attention timing, a failed self-check or a failed compile change them."""
+
+    def __init__(self, model, batch_size: int, max_prompt_len: int, max_new_tokens: int,
+                 options: EngineOptions | None = None):
+        asked = (options or EngineOptions()).numerics()
+        self.w = _Weights(model, asked)
         self.device = self.w.device
         cuda = _on_cuda(self.device)
-        env = os.environ
-        self.use_graphs = (cuda and env.get("VERLFLOW_FASTGEN_GRAPHS", "1") != "0") if use_graphs is None else use_graphs
-        self.compile = (cuda and env.get("VERLFLOW_FASTGEN_COMPILE", "1") != "0") if compile is None else compile
-        if self.use_graphs and not cuda:
-            raise ValueError("CUDA graphs need a CUDA device")
-        attn_auto = attn == "auto"
-        capped = self.w.spec.softcap > 0  # SDPA cannot soft-cap attention logits: bmm or the Triton kernel
-        if attn == "auto":
-            attn = ("triton" if HAVE_TRITON else ("bmm" if capped else "sdpa")) if cuda else "bmm"
-        if attn not in ("bmm", "sdpa", "triton"):
-            raise ValueError(f"attn must be 'auto', 'bmm', 'sdpa' or 'triton', got {attn!r}")
-        if attn == "sdpa" and capped:
-            raise ValueError(f"attn='sdpa' cannot apply attn_logit_softcapping={self.w.spec.softcap} "
-                             f"({model.config.model_type}); use attn='bmm', 'triton' or 'auto'")
-        if sampler == "auto":
-            sampler = "triton" if (cuda and HAVE_TRITON) else "torch"
-        if sampler not in ("torch", "triton"):
-            raise ValueError(f"sampler must be 'auto', 'torch' or 'triton', got {sampler!r}")
-        if "triton" in (attn, sampler) and not (HAVE_TRITON and (cuda or os.environ.get("TRITON_INTERPRET") == "1")):
-            raise ValueError("attn/sampler 'triton' need Triton and a CUDA device")
-        self.attn = attn
-        self.sampler = sampler
+        self.options = asked.resolved(cuda=cuda, have_triton=HAVE_TRITON, softcap=self.w.spec.softcap,
+                                      model_type=model.config.model_type)
+        # what the engine runs now, from the options: the start-up checks and timing may change them
+        self.attn, self.sampler, self.compile = self.options.attn, self.options.sampler, self.options.compile
         self.B = int(batch_size)
         self.max_prompt = int(max_prompt_len)
         self.max_new = int(max_new_tokens)
         self.T = self.max_prompt + self.max_new
-        # at most 8 buckets (torch.compile recompiles once per bucket)
-        self.bucket = max(int(bucket), math.ceil(self.T / 8 / 64) * 64)
-        self.check_every = max(1, int(check_every))
-        self.prefill_tokens = int(prefill_tokens)
-        self.compile_backend = compile_backend  # inductor; the tests count recompiles on a faster backend
-        # "dynamic": one decode compile for every cache bucket (set-up); "static": one per bucket, each with its
-        # length known to inductor (the 0.5B step was 2.69 ms after the change to dynamic, 2.01 before: the A/B)
-        self.bucket_compile = bucket_compile or env.get("VERLFLOW_FASTGEN_BUCKET_COMPILE", "dynamic")
-        if self.bucket_compile not in ("dynamic", "static"):
-            raise ValueError(f"bucket_compile must be 'dynamic' or 'static', got {self.bucket_compile!r}")
-        # the Triton sampler's nucleus test: "two_pass" (each row's first candidate alone, then the rows it did not
-        # settle) or "one_pass" (every candidate of every row: the kernel ran 147 us a step at 1.5B, H200)
-        self.nucleus = nucleus or env.get("VERLFLOW_FASTGEN_NUCLEUS", "two_pass")
-        if self.nucleus not in ("two_pass", "one_pass"):
-            raise ValueError(f"nucleus must be 'two_pass' or 'one_pass', got {self.nucleus!r}")
+        self.bucket = max(self.options.bucket, math.ceil(self.T / 8 / 64) * 64)  # <= 8 buckets, a compile each
         w, dev, dt = self.w, self.device, self.w.dtype
         # One spare slot, never read or written: every bucket, the last too, is then a strided view of the cache,
         # and one compiled decode step serves them all (a whole-cache view is contiguous: a graph of its own)
@@ -222,7 +134,7 @@ class FastGen:
         self.setup_parts = {"checks_s": 0.0, "captures": 0, "capture_s": 0.0, "refill_compile_s": 0.0}
         t0 = time.perf_counter()
         timing_key = None
-        if cuda and attn_auto and self.attn == "triton":  # what an engine of this shape timed on this machine before
+        if cuda and asked.attn == "auto" and self.attn == "triton":  # what this shape timed on this machine before
             timing_key = choices.key(dev, rows=self.B, slots=self.T, bucket=self.bucket, heads=w.nh, kv_heads=w.nkv,
                                      head_dim=w.hd, dtype=dt, windows=sorted(set(self.windows)), softcap=w.spec.softcap,
                                      configs=self._ATTN_CONFIGS,  # a new candidate is timed, not passed over
@@ -252,11 +164,12 @@ class FastGen:
             # Inductor autotunes fp8 matmuls against its Triton templates even without max-autotune: set-up time
             # on a cold cache, and a kernel the start-up check never ran. Fp8Choices.gemm "unit"/"rowwise" keep the
             # op's own kernel (cuBLASLt), as for the bf16 matmuls; "autotune" lets inductor choose (an A/B)
+            o = self.options
             options = ({"max_autotune_gemm_backends": "ATEN"}
-                       if self.w.fp8 and self.fp8_gemm != "autotune" and self.compile_backend == "inductor" else {})
-            options.update(_inductor_options())
+                       if self.w.fp8 and o.fp8.gemm != "autotune" and o.compile_backend == "inductor" else {})
+            options.update(o.inductor)
             opts = {"options": options} if options else {}
-            fns = {k: torch.compile(f, fullgraph=k not in ("sample",), backend=self.compile_backend, **opts)
+            fns = {k: torch.compile(f, fullgraph=k not in ("sample",), backend=o.compile_backend, **opts)
                    for k, f in fns.items()}
         self._fn = fns
 
@@ -410,7 +323,7 @@ class FastGen:
             try:  # fp8 matmuls are not on every GPU and torch build (some Blackwell parts lack the row-scaled one)
                 err = self._fp8_error()
             except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, ValueError or NotImplementedError
-                raise RuntimeError(f"rollout.weights=fp8: torch._scaled_mm ({self.fp8_gemm}) fails on {dev} "
+                raise RuntimeError(f"rollout.weights=fp8: torch._scaled_mm ({self.options.fp8.gemm}) fails on {dev} "
                                    f"({e}); use rollout.weights=model") from e
             if not err < 1e-2:  # bf16 output rounding is ~4e-3; a wrong scale layout is off by O(1)
                 raise RuntimeError(f"rollout.weights=fp8: torch._scaled_mm on this GPU differs from its reference "
@@ -501,7 +414,7 @@ class FastGen:
                 ok = valid & (s > cur - win) if win else valid
                 bias[win] = torch.zeros(ok.shape, dtype=torch.float32, device=x.device).masked_fill_(
                     ~ok, float("-inf"))
-                if self.compile and self.bucket_compile == "dynamic":  # one compile for every cache bucket
+                if self.compile and self.options.bucket_compile == "dynamic":  # one compile for every cache bucket
                     torch._dynamo.maybe_mark_dynamic(bias[win], 1)
                 elif self.compile:  # a graph per bucket (dynamo would otherwise turn the size dynamic itself)
                     torch._dynamo.mark_static(bias[win], 1)
@@ -529,7 +442,7 @@ class FastGen:
         u = None if cfg.greedy else torch.rand(logits.shape[0], cfg.candidates(), 2, device=logits.device)
         if self.sampler == "triton" and cfg.method(logits.shape[1]) == "reject":
             return sample_logits_triton(logits, cfg, u, fn["cands"], fn["pick"], fn["decided"],
-                                        two_pass=self.nucleus == "two_pass")
+                                        two_pass=self.options.nucleus == "two_pass")
         nxt = fn["sample"](logits, cfg, u)
         return nxt, fn["logp"](logits, nxt, sampling_temperature(cfg.temperature))
 
@@ -593,7 +506,7 @@ class FastGen:
         """Compile and capture every step a generate() with this prompt width will need (``every_slot``: every
         step any prompt may need, as continuous batching does: a capture mid-generation would reset the rows). A
         compile failure falls back to eager kernels (still captured), with a warning."""
-        if not self.use_graphs:
+        if not self.options.graphs:
             return
         kvs = self._warm_kvs(prompt_len, every_slot)
         try:
@@ -618,7 +531,7 @@ class FastGen:
         left-padded by ``pad`` (n,); return the last position's hidden state (n, H)."""
         w = self.w
         B, P = ids.shape
-        per = max(1, self.prefill_tokens // P)
+        per = max(1, self.options.prefill_tokens // P)
         outs = []
         ar = torch.arange(P, device=ids.device)
         for r0 in range(0, B, per):
@@ -680,7 +593,7 @@ class FastGen:
             self._eos_key = tuple(eos)
         self.pad_id.fill_(int(pad_id))
         t0 = time.perf_counter()
-        if self.use_graphs:  # warm-up steps draw random numbers: keep the caller's seed meaning the same
+        if self.options.graphs:  # warm-up steps draw random numbers: keep the caller's seed meaning the same
             rng = torch.cuda.get_rng_state(self.device)
             with self._ragged_attention() if every_slot else contextlib.nullcontext():  # the steps it will replay
                 self.warmup(width, cfg, every_slot)
@@ -733,7 +646,7 @@ class FastGen:
         self.unfinished[rows] = ~(first.unsqueeze(1) == self.eos.unsqueeze(0)).any(1) & (limits > 1)
 
     def _decode(self, kv_len: int, cfg: SamplingConfig):
-        if self.use_graphs:
+        if self.options.graphs:
             g = self._graphs.get(self._graph_key(kv_len, cfg))
             if g is None:  # capturing now would reset every row being generated: say so, never corrupt them
                 raise RuntimeError(f"fastgen: no decode step was captured for kv_len={kv_len} ({self.attn} "
@@ -777,7 +690,7 @@ class FastGen:
         t2 = time.perf_counter()
         steps = 1
         for t in range(1, self.max_new):
-            if (t == 1 or t % self.check_every == 0) and not bool(self.unfinished.any()):
+            if (t == 1 or t % self.options.check_every == 0) and not bool(self.unfinished.any()):
                 break
             self._decode(self._kv_len(P + t - 1), cfg)
             steps += 1
@@ -871,7 +784,7 @@ class FastGen:
             if all(o < 0 for o in owner):
                 break
             t0 = time.perf_counter()
-            for _ in range(self.check_every):
+            for _ in range(self.options.check_every):
                 self._decode(self._kv_len(min(bound, self.T - 1)), cfg)
                 bound += 1
                 steps += 1
@@ -905,13 +818,13 @@ class FastGen:
 _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def engine_for(model, batch_size: int, max_prompt_len: int, max_new_tokens: int, weights: str = "model",
-               kv_cache: str = "model") -> FastGen:
+def engine_for(model, batch_size: int, max_prompt_len: int, max_new_tokens: int,
+               options: EngineOptions = EngineOptions()) -> FastGen:
     """A cached engine for this model object big enough for the request, with its weights' and cache's precision
     (weights re-read on reuse)."""
     eng = _ENGINES.pop(model, None)
     if (eng is not None and eng.B >= batch_size and eng.max_prompt >= max_prompt_len and eng.max_new == max_new_tokens
-            and eng.w.fp8 == (weights == "fp8") and eng.w.spec.kv8 == (kv_cache == "fp8")):
+            and (eng.options.weights, eng.options.kv_cache) == (options.weights, options.kv_cache)):
         eng.refresh_weights()
         _ENGINES[model] = eng
         return eng
@@ -921,7 +834,7 @@ def engine_for(model, batch_size: int, max_prompt_len: int, max_new_tokens: int,
         gc.collect()  # captured graphs hold their memory pool until the engine is collected
         if cuda:
             torch.cuda.empty_cache()
-    eng = FastGen(model, batch_size, max_prompt_len, max_new_tokens, weights=weights, kv_cache=kv_cache)
+    eng = FastGen(model, batch_size, max_prompt_len, max_new_tokens, options)
     _ENGINES[model] = eng
     return eng
 
@@ -944,8 +857,8 @@ def sample(model, tok, prompts: list[list[int]], cfg, device, seed: int, progres
     mb = min(cfg.micro_batch_size, max(1, len(prompts)))
     width = max((len(p) for p in prompts), default=1)
     t0 = time.perf_counter()
-    eng = engine_for(model, mb, width, cfg.max_new_tokens, getattr(cfg, "weights", "model"),
-                     getattr(cfg, "kv_cache", "model"))
+    asked = EngineOptions(weights=getattr(cfg, "weights", "model"), kv_cache=getattr(cfg, "kv_cache", "model"))
+    eng = engine_for(model, mb, width, cfg.max_new_tokens, asked)
     setup_s = [time.perf_counter() - t0]
 
     def generate(ids, mask):

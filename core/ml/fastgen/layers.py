@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from verlflow.core.ml.fastgen.families import ACTIVATIONS, FAMILIES, LENGTH_DEPENDENT_ROPE, Family
 from verlflow.core.ml.fastgen.kernels import HAVE_TRITON, combine_splits, silu_mul_fp8
+from verlflow.core.ml.fastgen.options import EngineOptions, Fp8Choices
 from verlflow.core.ml.fastgen.support import SUPPORTED_MODEL_TYPES
 
 log = logging.getLogger("verlflow.fastgen")
@@ -317,18 +318,6 @@ def _fp8_wanted(weights: str, device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
-class Precision(NamedTuple):
-    """The engine's numerics: rollout.weights and rollout.kv_cache ("model" or "fp8"), and the fp8 GEMM's A/B
-    switches (fast accumulation; unit scales with the scales applied after the GEMM)."""
-
-    weights: str = "model"
-    kv_cache: str = "model"
-    fp8_fast_accum: bool = False
-    fp8_unit_scaled: bool = False
-    fp8_act: str = "auto"  # with unit scales and SiLU, the Triton kernel between gate/up and down: "triton", "torch"
-    # (inductor's code) or "auto" (triton on CUDA)
-
-
 def _kv8_wanted(kv_cache: str, device: torch.device) -> bool:
     """rollout.kv_cache: "model" (the model's dtype) or "fp8", refused where this device cannot run it."""
     if kv_cache not in ("model", "fp8"):
@@ -363,9 +352,10 @@ _SOFTCAP_ATTN = ("eager", "flash_attention_2", "flash_attention_3", "flex_attent
 
 class _Weights:
     """The model's tensors in the layout the engine wants, read through its family's adapter; fused matrices
-    and fp32 norm scales are copies (``refresh`` re-copies them in place), the rest are the model's own."""
+    and fp32 norm scales are copies (``refresh`` re-copies them in place), the rest are the model's own. Of the
+    options, what it computes: weights, kv_cache and the fp8 switches (their defaults where None)."""
 
-    def __init__(self, model, precision: Precision = Precision()):
+    def __init__(self, model, options: EngineOptions = EngineOptions()):
         cfg = model.config
         model_type = getattr(cfg, "model_type", None)
         fam: Family | None = FAMILIES.get(model_type)
@@ -440,13 +430,13 @@ class _Weights:
                          scaling=float(getattr(a0, "scaling", a0.head_dim ** -0.5)), rot=rots.pop(),
                          norm32=fam.norm_form != "llama", qk=fam.qk_norm, act=ACTIVATIONS[act], softcap=attn_cap)
         self.norm_eps = _eps(base.norm)
-        self.fp8 = _fp8_wanted(precision.weights, self.device, self.dtype)
+        self.fp8 = _fp8_wanted(options.weights, self.device, self.dtype)
+        fp8 = options.fp8 or Fp8Choices()
+        unit = self.fp8 and fp8.gemm == "unit"
         self.spec = self.spec._replace(  # (the engine's cache too: a static fact the compiled functions specialise on)
-            fp8_fast=self.fp8 and precision.fp8_fast_accum, fp8_unit=self.fp8 and precision.fp8_unit_scaled,
-            kv8=_kv8_wanted(precision.kv_cache, self.device),
-            fp8_act=self.fp8 and precision.fp8_unit_scaled and self.spec.act == "silu" and (
-                precision.fp8_act == "triton" or (precision.fp8_act == "auto" and HAVE_TRITON
-                                                  and self.device.type == "cuda")))
+            fp8_fast=self.fp8 and fp8.fast_accum, fp8_unit=unit, kv8=_kv8_wanted(options.kv_cache, self.device),
+            fp8_act=unit and self.spec.act == "silu" and (
+                fp8.act == "triton" or (fp8.act == "auto" and HAVE_TRITON and self.device.type == "cuda")))
         self.layers: list[dict] = []
         self.refresh()
 
