@@ -247,9 +247,17 @@ def table(res: dict) -> str:
     return "\n".join(lines + [""] + foot)
 
 
-def main(argv=None) -> int:
+def _configs(raw: str) -> str:
+    unknown = [c for c in raw.split(",") if c not in CONFIGS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+    return raw
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="baseline,rollout_logprobs", help=f"comma-separated: {', '.join(CONFIGS)}")
+    ap.add_argument("--configs", default="baseline,rollout_logprobs", type=_configs,
+                    help=f"comma-separated: {', '.join(CONFIGS)}")
     ap.add_argument("--iterations", type=int, default=2, help="iteration 1 is the first, >= 2 the steady state")
     ap.add_argument("--store", type=Path, help="the artifact store's folder (a RAM disk, say); default under --root. "
                     "Reused as it is: an earlier run's build there is reused")
@@ -265,12 +273,13 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--log", type=Path, help="write each config's stage output to LOG.<config>.log")
     ap.add_argument("--smoke", action="store_true", help="the tiny kit on CPU, 2 iterations")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     if args.smoke:
         args.iterations = max(args.iterations, 2)
-    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
-    if unknown:
-        ap.error(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
 
     from boundaries import make_kit
 

@@ -117,14 +117,18 @@ def times_for(M: int, N: int, K: int, dev) -> dict:
     return {k: (round(v, 1) if isinstance(v, float) else v) for k, v in out.items()}
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
     ap.add_argument("--rows", type=int, default=256, help="M: the engine's batch")
     ap.add_argument("--steps", action="store_true", help="also profile the bf16 and fp8 engines' decode steps")
     ap.add_argument("--json", default=None)
     ap.add_argument("--out", default=None, help="folder for the profiles")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     dev = torch.device("cuda")
     res = {"shape": args.shape, "rows": args.rows, "gpu": torch.cuda.get_device_name(dev), "us": {}}
     say(f"{args.shape}, M={args.rows}, {res['gpu']}; microseconds per call, CUDA-graph replayed")

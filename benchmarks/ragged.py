@@ -119,7 +119,7 @@ def run_continuous(eng: FastGen, prompts, budgets, cfg, eos, pad, dev, refill_mi
             "gpu_busy_pct": busy.mean, **compiled(meter)}
 
 
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
     ap.add_argument("--batch", type=int, default=256, help="engine rows (rollout.micro_batch_size)")
@@ -139,7 +139,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="CPU-sized: tiny shape, 4 rows, 16 prompts, 2..64 new")
     ap.add_argument("--no-cudnn-sdp", action="store_true", help="sdpa without its cuDNN backend (is the first call's "
                     "extra prefill time cuDNN planning each new refill shape?)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> dict:
+    args = parser().parse_args(argv)
     if args.no_cudnn_sdp:
         torch.backends.cuda.enable_cudnn_sdp(False)
     if args.smoke:

@@ -284,6 +284,31 @@ def bench_graph(fn, reps=10) -> float:
     return bench_cuda(g.replay, iters=5, warm=2) / reps
 
 
+FP8 = {"weights": "fp8"}
+FP8_VARIANTS = {  # --ab-fp8: the engine's options changed for each
+    "fp8": FP8, "fp8_fast_accum": {**FP8, "fp8": Fp8Choices(fast_accum=True)},
+    "fp8_autotuned": {**FP8, "fp8": Fp8Choices(gemm="autotune")},
+    "fp8_rowwise": {**FP8, "fp8": Fp8Choices(gemm="rowwise")}, "fp8_act_torch": {**FP8, "fp8": Fp8Choices(act="torch")},
+    "kv8": {"kv_cache": "fp8"}, "fp8_kv8": {**FP8, "kv_cache": "fp8"}}
+
+
+def _fp8_variants(raw: str) -> str:
+    unknown = [v for v in raw.split(",") if v not in FP8_VARIANTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; choose from {', '.join(FP8_VARIANTS)}")
+    return raw
+
+
+def _json_object(raw: str) -> str:
+    try:
+        ok = isinstance(json.loads(raw), dict)
+    except json.JSONDecodeError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {raw!r}")
+    return raw
+
+
 def micro_attention(B, nh, nkv, hd, T, dtype, dev) -> dict:
     import torch.nn.functional as F
 
@@ -308,10 +333,13 @@ def micro_attention(B, nh, nkv, hd, T, dtype, dev) -> dict:
         return F.scaled_dot_product_attention(q, K.repeat_interleave(g, 1), V.repeat_interleave(g, 1),
                                               attn_mask=bias[:, None, None].to(dtype), scale=sc)
 
+    def read_kv():  # the same bytes read by torch's reduction: what a kernel that only reads them reaches here
+        return K.sum(dtype=torch.float32) + V.sum(dtype=torch.float32)
+
     kv_gb = 2 * K.numel() * K.element_size() / 1e9
     out = {"shape": f"B={B} heads={nh}/{nkv} T={T} hd={hd}", "kv_gb": kv_gb}
     for name, fn in (("grouped_bmm", grouped), ("grouped_bmm_compiled", torch.compile(grouped)),
-                     ("sdpa_enable_gqa", sdpa_gqa), ("expand_then_sdpa", expanded)):
+                     ("sdpa_enable_gqa", sdpa_gqa), ("expand_then_sdpa", expanded), ("read_kv_only", read_kv)):
         try:
             ms = bench_cuda(fn)
             out[name] = {"us": ms * 1e3, "tbs": kv_gb / ms}
@@ -533,14 +561,9 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
             return policy_gap(model, ids, mask, resp, e.last_logprobs, eos, ucfg, rows=args.tf_rows)
 
         attempt("model_policy_gap", lambda: gap_of(eng))  # for scale: the engine's own kernels against HF's forward
-        f8 = {"weights": "fp8"}
-        variants = [("fp8", f8)] + ([("fp8_fast_accum", {**f8, "fp8": Fp8Choices(fast_accum=True)}),
-                                     ("fp8_autotuned", {**f8, "fp8": Fp8Choices(gemm="autotune")}),
-                                     ("fp8_rowwise", {**f8, "fp8": Fp8Choices(gemm="rowwise")}),
-                                     ("fp8_act_torch", {**f8, "fp8": Fp8Choices(act="torch")})] if cuda else [])
-        variants += [("kv8", {"kv_cache": "fp8"}), ("fp8_kv8", {**f8, "kv_cache": "fp8"})]
-        if args.fp8_variants:  # a few of them (a call's time is short)
-            variants = [v for v in variants if v[0] in args.fp8_variants.split(",")]
+        variants = [(name, changes) for name, changes in FP8_VARIANTS.items()
+                    if (cuda or name in ("fp8", "kv8", "fp8_kv8"))  # the others are CUDA kernels' A/Bs
+                    and (not args.fp8_variants or name in args.fp8_variants.split(","))]  # a call's time is short
         for name, changes in variants:
             if "kv_cache" in changes:  # the cache's reader is timed for it (sdpa reads an fp8 cache back first)
                 changes = {**changes, "attn": "auto"}
@@ -712,7 +735,7 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
         torch.cuda.empty_cache()
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", action="append", choices=sorted(SHAPES), help="repeatable; default 1.5b")
     ap.add_argument("--batch", type=int, default=256)
@@ -740,21 +763,25 @@ def main(argv=None):
     ap.add_argument("--ab-attn", action="store_true",
                     help="also time the engine with sdpa attention where its timing picked the Triton kernel, and "
                          "with its fastest Triton configuration where it picked sdpa")
-    ap.add_argument("--ab-inductor", action="append", metavar="JSON",
-                    help="repeatable: also time the engine under these inductor options (VERLFLOW_FASTGEN_INDUCTOR), "
+    ap.add_argument("--ab-inductor", action="append", metavar="JSON", type=_json_object,
+                    help="repeatable: also time the engine under these inductor options (EngineOptions.inductor), "
                          "e.g. '{\"triton.enable_pdl\": true}'")
     ap.add_argument("--ab-static-buckets", action="store_true",
                     help="also time ours with one decode compile per cache bucket (bucket_compile=static)")
     ap.add_argument("--ab-fp8", action="store_true",
                     help="also time the engine with fp8 projections (rollout.weights=fp8) and measure its policy gap")
-    ap.add_argument("--fp8-variants", default=None, help="--ab-fp8: only these (comma-separated: fp8, fp8_fast_accum, "
-                    "fp8_autotuned, fp8_rowwise, fp8_act_torch, kv8, fp8_kv8)")
+    ap.add_argument("--fp8-variants", default=None, type=_fp8_variants,
+                    help=f"--ab-fp8: only these (comma-separated: {', '.join(FP8_VARIANTS)})")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default=None, help="folder for profiles")
     ap.add_argument("--json", default=None)
     ap.add_argument("--budget-s", type=float, default=0, help="skip remaining parts after this many seconds")
     ap.add_argument("--smoke", action="store_true", help="CPU-sized: tiny shape, batch 4, prompt 8, 8 new, fp32")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     if args.smoke:
         args.shape = args.shape or ["tiny"]
         args.batch, args.prompt, args.new = 4, 8, 8

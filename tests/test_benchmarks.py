@@ -121,3 +121,62 @@ def test_e2e_benchmark_smoke(tmp_path):
         # the build reserved the first update's CPU copy, and the second refills it
         assert [it["stages"]["update"]["save_copy"] for it in its] == ["reserved", "refilled"]
     assert not res["configs"]["rollout_logprobs"]["setup"]["build"]["skipped"]  # each config builds its own
+
+
+def _benchmark(script: str):
+    """benchmarks/<script> loaded as a module (as the benchmarks import each other: with benchmarks/ on the path)."""
+    import importlib.util
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(f"gpu_call_{Path(script).stem}", ROOT / script)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def _gpu_call(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "benchmarks/gpu_call.sh"), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+
+
+@pytest.mark.parametrize("plan", ["next", "attention", "families", "big", "e2e", "tests"])
+def test_gpu_call_commands_are_accepted_by_their_benchmarks(plan):
+    """Every command a device call of benchmarks/gpu_call.sh would run is one its benchmark's argument parser accepts
+    (shapes, variant names, JSON options, config names): a flag renamed here must not cost a GPU call, which cannot
+    be rerun in the same session."""
+    import contextlib
+    import io
+    import shlex
+
+    got = _gpu_call("--print", plan)
+    assert got.returncode == 0, got.stderr
+    commands = [shlex.split(line) for line in got.stdout.splitlines() if line.strip()]
+    assert commands
+    for cmd in commands:
+        assert cmd[0] == "python", cmd
+        if cmd[1:3] == ["-m", "pytest"]:
+            files = [a for a in cmd[3:] if a.endswith(".py")]
+            assert files and all((ROOT / f).is_file() for f in files), cmd
+            continue
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                _benchmark(cmd[1]).parser().parse_args(cmd[2:])
+            except SystemExit:
+                pytest.fail(f"{shlex.join(cmd)}: {err.getvalue()}")
+
+
+def test_gpu_call_refuses_a_bad_plan_and_parsers_refuse_bad_names():
+    """An unknown plan exits 2 before touching the machine; the benchmarks' parsers refuse the names a typo makes."""
+    got = _gpu_call("--print", "nxt")
+    assert got.returncode == 2 and "unknown plan nxt" in got.stderr
+    rollout, e2e = _benchmark("benchmarks/rollout.py"), _benchmark("benchmarks/e2e.py")
+    for parser, argv in ((rollout.parser(), ["--fp8-variants", "fp8,fp8_act"]),
+                         (rollout.parser(), ["--ab-inductor", "{triton.enable_pdl: true}"]),
+                         (rollout.parser(), ["--ab-inductor", "[1]"]),
+                         (e2e.parser(), ["--configs", "baseline,fp8_correct"])):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
