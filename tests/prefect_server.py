@@ -60,7 +60,29 @@ def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 
 def start_server(home: Path, **server_env: str) -> tuple[subprocess.Popen, PrefectServer]:
     """`prefect server start` on a free port with its SQLite database under `home`; `server_env` adds settings
-    (e.g. turns a service back on). Returns once /health answers; stop it with _stop(proc)."""
+    (e.g. turns a service back on). Returns once /health answers; stop it with _stop(proc).
+
+    A server that dies during its start-up is started once more, on a new port, and the first one's exit status is
+    printed: one CI run (session 17) saw a server die silently ~10 s in, after its banner and before /health, with no
+    "Server stopped!" (a signal, not an exception); its cause is not known. A second death fails with both."""
+    failures = []
+    while True:
+        proc, server, why = _start(home, server_env)
+        if server is not None:
+            if failures:
+                print(f"prefect server: started on the second try; the first {failures[0]}", file=sys.stderr)
+            return proc, server
+        failures.append(why)
+        if len(failures) == 2 or why.startswith("no answer"):
+            pytest.fail(f"prefect server did not start ({'; '.join(failures)}):\n"
+                        f"{(home / 'server.log').read_text()[-3000:]}")
+        (home / "server.log").rename(home / "server.first.log")
+        for db in home.glob("prefect.db*"):  # it may have died migrating it
+            db.unlink()
+
+
+def _start(home: Path, server_env: dict) -> tuple[subprocess.Popen, PrefectServer | None, str]:
+    """(the process, the server once /health answers or None, why not)."""
     port = _free_port()
     ui, url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}/api"
     env = {**QUIET, "PREFECT_HOME": str(home), "PREFECT_API_URL": url}
@@ -79,12 +101,14 @@ def start_server(home: Path, **server_env: str) -> tuple[subprocess.Popen, Prefe
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                 if r.status == 200:
-                    return proc, PrefectServer(url, ui, home, env)
+                    return proc, PrefectServer(url, ui, home, env), ""
         except OSError:
             pass
-        if proc.poll() is not None or time.monotonic() > deadline:
+        if (code := proc.poll()) is not None:
+            return proc, None, f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+        if time.monotonic() > deadline:
             _stop(proc)
-            pytest.fail(f"prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
+            return proc, None, "no answer from /health in 60 s"
         time.sleep(0.3)
 
 
