@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,14 +64,14 @@ def start_server(home: Path, **server_env: str) -> tuple[subprocess.Popen, Prefe
     (e.g. turns a service back on). Returns once /health answers; stop it with _stop(proc).
 
     A server that dies during its start-up is started once more, on a new port, and the first one's exit status is
-    printed: one CI run (session 17) saw a server die silently ~10 s in, after its banner and before /health, with no
+    a warning (in pytest's summary): one CI run (session 17) saw a server die silently ~10 s in, after its banner and before /health, with no
     "Server stopped!" (a signal, not an exception); its cause is not known. A second death fails with both."""
     failures = []
     while True:
         proc, server, why = _start(home, server_env)
         if server is not None:
             if failures:
-                print(f"prefect server: started on the second try; the first {failures[0]}", file=sys.stderr)
+                warnings.warn(f"prefect server: started on the second try; the first {failures[0]}", stacklevel=2)
             return proc, server
         failures.append(why)
         if len(failures) == 2 or why.startswith("no answer"):
