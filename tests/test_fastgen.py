@@ -337,6 +337,9 @@ def test_engine_options_decide_every_switch_for_the_device(monkeypatch):
             on(False, **asked)
     with pytest.raises(ValueError, match="attn='sdpa' cannot apply attn_logit_softcapping=50.0"):
         on(True, attn="sdpa", softcap=50.0)
+    monkeypatch.setenv("VERLFLOW_FASTGEN_NUCLEUS", "three_pass")  # a bad variable is named as the source
+    with pytest.raises(ValueError, match=r"nucleus \(VERLFLOW_FASTGEN_NUCLEUS\) must be one of"):
+        on(False)
 
 
 def test_static_bucket_compile_compiles_the_decode_step_once_per_bucket(models):

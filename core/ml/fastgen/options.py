@@ -112,8 +112,10 @@ class EngineOptions:
             nucleus=self.nucleus or env.get("VERLFLOW_FASTGEN_NUCLEUS", "two_pass"),
             check_every=max(1, int(self.check_every)), prefill_tokens=int(self.prefill_tokens),
             bucket=int(self.bucket))
-        _one_of("bucket_compile", done.bucket_compile, ("dynamic", "static"))
-        _one_of("nucleus", done.nucleus, ("two_pass", "one_pass"))
+        _one_of("bucket_compile" + ("" if self.bucket_compile else " (VERLFLOW_FASTGEN_BUCKET_COMPILE)"),
+                done.bucket_compile, ("dynamic", "static"))
+        _one_of("nucleus" + ("" if self.nucleus else " (VERLFLOW_FASTGEN_NUCLEUS)"), done.nucleus,
+                ("two_pass", "one_pass"))
         if done.prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be at least 1, got {done.prefill_tokens}")
         return done
