@@ -14,13 +14,14 @@
 set -uo pipefail
 print=0
 if [ "${1:-}" = --print ]; then print=1; shift; fi
-plan=${1:?usage: gpu_call.sh [--print] next|attention|families|big|e2e|tests}
+plans="next attention families big e2e tests"
+plan=${1:?usage: gpu_call.sh [--print] PLAN, one of: $plans}
+case " $plans " in
+  *" $plan "*) ;;
+  *) echo "unknown plan $plan: one of $plans" >&2; exit 2 ;;
+esac
 budget=${BUDGET_S:-560}
 R=${GPU_CALL_DIR:-/tmp/gpu_call/$plan}
-case $plan in
-  next | attention | families | big | e2e | tests) ;;
-  *) echo "unknown plan $plan: next, attention, families, big, e2e or tests" >&2; exit 2 ;;
-esac
 
 step() {  # step NAME CMD...: CMD in what is left of the budget, its output in $R/NAME.log
   local name=$1

@@ -517,11 +517,11 @@ def run_shape(args, shape: str, dev: torch.device, dtype: torch.dtype, res: dict
     ours_g = attempt("ours_greedy", lambda: run_ours(eng, ids, mask, gcfg, eos, pad, dev))
 
     def same_engine(**changes) -> FastGen:
-        """The main engine with ``changes`` to its options: the attention it runs is kept (configuration too)
-        unless ``attn`` is changed ("auto": timed again)."""
+        """The main engine with ``changes`` to its options, running its attention with its configuration unless
+        ``changes`` name another attention or "auto" (timed again)."""
         e = FastGen(model, B, P, N, dataclasses.replace(eng.options, **{"attn": eng.attn, "sampler": eng.sampler,
                                                                         **changes}))
-        if e.attn == eng.attn and "attn" not in changes:
+        if e.attn == eng.attn and changes.get("attn") != "auto":
             e.attn_cfg = dict(eng.attn_cfg)
         return e
 

@@ -2,6 +2,7 @@
 
 import json
 
+import benchmark_script
 import pytest
 import subprocess
 import sys
@@ -123,20 +124,6 @@ def test_e2e_benchmark_smoke(tmp_path):
     assert not res["configs"]["rollout_logprobs"]["setup"]["build"]["skipped"]  # each config builds its own
 
 
-def _benchmark(script: str):
-    """benchmarks/<script> loaded as a module (as the benchmarks import each other: with benchmarks/ on the path)."""
-    import importlib.util
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(f"gpu_call_{Path(script).stem}", ROOT / script)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-
-
 def _gpu_call(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(ROOT / "benchmarks/gpu_call.sh"), *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=60)
@@ -164,7 +151,7 @@ def test_gpu_call_commands_are_accepted_by_their_benchmarks(plan):
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
             try:
-                _benchmark(cmd[1]).parser().parse_args(cmd[2:])
+                benchmark_script.load(cmd[1]).parser().parse_args(cmd[2:])
             except SystemExit:
                 pytest.fail(f"{shlex.join(cmd)}: {err.getvalue()}")
 
@@ -173,7 +160,7 @@ def test_gpu_call_refuses_a_bad_plan_and_parsers_refuse_bad_names():
     """An unknown plan exits 2 before touching the machine; the benchmarks' parsers refuse the names a typo makes."""
     got = _gpu_call("--print", "nxt")
     assert got.returncode == 2 and "unknown plan nxt" in got.stderr
-    rollout, e2e = _benchmark("benchmarks/rollout.py"), _benchmark("benchmarks/e2e.py")
+    rollout, e2e = benchmark_script.load("rollout.py"), benchmark_script.load("e2e.py")
     for parser, argv in ((rollout.parser(), ["--fp8-variants", "fp8,fp8_act"]),
                          (rollout.parser(), ["--ab-inductor", "{triton.enable_pdl: true}"]),
                          (rollout.parser(), ["--ab-inductor", "[1]"]),

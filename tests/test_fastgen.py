@@ -2,17 +2,16 @@
 that matches HF's warpers (directly and in distribution), EOS, top_k, the rollout dispatch, and the
 benchmark's smoke run (so benchmarks/rollout.py cannot rot)."""
 
-import importlib.util
 import io
 import os
 from contextlib import redirect_stdout
-from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import benchmark_script  # noqa: E402
 from verlflow.core.ml.placement import Placement  # noqa: E402
 from verlflow.core.ml.fastgen import (  # noqa: E402
     HAVE_TRITON, EngineOptions, FastGen, SamplingConfig, _Stats, nucleus_member, sample_logits, topk_filter,
@@ -580,10 +579,7 @@ def test_generate_share_dispatches_on_engine(monkeypatch):
 
 def smoke(script: str, *extra: str) -> tuple[dict, str]:
     """benchmarks/<script> --smoke [extra]: (its result, what it printed)."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
-    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = benchmark_script.load(script)
     buf = io.StringIO()
     with redirect_stdout(buf):
         res = mod.main(["--smoke", *extra])

@@ -16,7 +16,7 @@ from verlflow.core.ml.fastgen.kernels import (HAVE_TRITON, _cands_from_stats, _f
                                     combine_splits, decode_attention_triton, first_mass_triton, member_mass_triton,
                                     reference_decode_attention, sample_logits_triton, silu_mul_fp8)
 from verlflow.core.ml.fastgen import choices
-from verlflow.core.ml.fastgen.options import EngineOptions, Fp8Choices  # noqa: F401 (Fp8Choices: exported)
+from verlflow.core.ml.fastgen.options import EngineOptions
 from verlflow.core.ml.fastgen.layers import (FP8, FP8_MAX, PROJECTIONS, _decode_layer, _fp8_linear, _head, _logits,
                                             _norm, _post_attn, _pre_attn, _prefill_layer, _Weights,
                                             quantize_slots, read_cache, silu_mul_fp8_reference)
@@ -69,8 +69,8 @@ class FastGen:
     with ``kv_cache="fp8"`` (half the cache's bytes, which the Triton kernel reads directly) every token, the
     prompt's too, attends to the rounded keys and values, so the log-probs returned are that model's.
 
-    ``self.options`` is the resolved record (nothing "auto" left); ``attn``, ``sampler`` and ``compile`` are what
-    the engine runs now: the attention timing, a failed self-check or a failed compile change them."""
+    ``self.options`` is the resolved record (``EngineOptions.resolved``); ``attn``, ``sampler`` and ``compile`` are
+    what the engine runs now: the attention timing, a failed self-check or a failed compile change them."""
 
     def __init__(self, model, batch_size: int, max_prompt_len: int, max_new_tokens: int,
                  options: EngineOptions | None = None):

@@ -87,7 +87,8 @@ class EngineOptions:
         return dataclasses.replace(self, fp8=(self.fp8 or Fp8Choices.from_env()).checked())
 
     def resolved(self, *, cuda: bool, have_triton: bool, softcap: float, model_type: str) -> EngineOptions:
-        """Every open choice made for this device and model, every value checked: nothing "auto" or None is left.
+        """Every open choice made for this device and model, every value checked: nothing "auto" or None is left
+        but ``fp8.act``, which the weights decide (``layers._Weights``: it needs the model's activation as well).
         ``softcap``: the model's attention logit soft-capping, which SDPA cannot apply."""
         env = os.environ
         graphs = (cuda and env.get("VERLFLOW_FASTGEN_GRAPHS", "1") != "0") if self.graphs is None else self.graphs
