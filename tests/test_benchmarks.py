@@ -114,7 +114,8 @@ def test_e2e_benchmark_smoke(tmp_path):
         assert c["first"]["wall_s"] == its[0]["wall_s"] and c["steady"]["tokens"] == its[1]["tokens"]
         assert c["first_over_steady"] == pytest.approx(its[0]["wall_s"] / its[1]["wall_s"], rel=0.01)
         up = [it["stages"]["update"] for it in its]
-        assert c["first_extra_s"]["update.train_s"] == pytest.approx(up[0]["train_s"] - up[1]["train_s"], abs=1e-3)
+        # (the benchmark rounds each mean and their difference to 1e-3: they may be up to 1.5e-3 apart)
+        assert c["first_extra_s"]["update.train_s"] == pytest.approx(up[0]["train_s"] - up[1]["train_s"], abs=2e-3)
         assert c["store_bytes_end"] > 0
         assert its[1]["stages"]["update"]["warm_cache_hits"] == ["policy", "ref"]  # steady state: from memory
         # iteration 1 starts from the build's policy, whose weights the reference has: no reference to read
