@@ -189,7 +189,8 @@ def stage_row(res) -> dict:
            **{k: v for k, v in t.items() if isinstance(v, (int, float))}}
     metrics = res.manifest.get("metrics", {})
     # whether models came from a warm pool's memory; how the update's background save got its CPU copy
-    for k in ("warm_cache_hits", "ref_source", "save_copy", "compiles"):
+    # memory: the card's peak against the memory plan's; memory_plan: validate's plan and its auto choices
+    for k in ("warm_cache_hits", "ref_source", "save_copy", "compiles", "memory", "memory_plan"):
         if k in metrics:
             row[k] = metrics[k]
     for k in ("kl", "k3_kl", "rollout_is_mean", "rollout_is_ratio_fraction_high"):  # algorithm.rollout_correction:
@@ -247,6 +248,26 @@ def table(res: dict) -> str:
     return "\n".join(lines + [""] + foot)
 
 
+def memory_table(res: dict) -> str:
+    """Each stage's measured peak (torch.cuda.max_memory_allocated) beside the memory plan's, per config."""
+    lines = ["| config | stage | auto chose | start GiB | peak GiB | planned GiB | measured / planned |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for c in res["configs"].values():
+        chose = c["setup"]["validate"].get("memory_plan", {})
+        chose = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in chose.get("choices", {}).items()
+                          if k in chose.get("chosen", ()))
+        rows = [(f"{s}", c["setup"][s]) for s in ("build",)]
+        rows += [(f"{s}[{it['iteration']}]", it["stages"][s]) for it in c["iterations"] for s in ITER_STAGES]
+        for name, row in rows:
+            m = row.get("memory")
+            if not m:
+                continue
+            ratio = f"{m['peak_gib'] / m['planned_gib']:.2f}" if m.get("planned_gib") else "-"
+            lines.append(f"| {c['config']} | {name} | {chose or '-'} | {m['start_gib']:.1f} | {m['peak_gib']:.1f} | "
+                         f"{m['planned_gib'] if m.get('planned_gib') is not None else '-'} | {ratio} |")
+    return "\n".join(lines)
+
+
 def _configs(raw: str) -> str:
     unknown = [c for c in raw.split(",") if c not in CONFIGS]
     if unknown:
@@ -263,6 +284,7 @@ def parser() -> argparse.ArgumentParser:
                     "Reused as it is: an earlier run's build there is reused")
     ap.add_argument("--root", type=Path, help="kit, inductor cache and default store (default: a new temp folder)")
     ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--shape", default="1.5b", choices=("0.5b", "1.5b", "7b"), help="the random model's Qwen2.5 shape")
     ap.add_argument("--prompts", type=int, help="data.batch_size (default: the blueprint's 256; a multiple of 32, for "
                     "its 4 mini-batches of micro-batches of 8)")
     ap.add_argument("--new-tokens", type=int, help="rollout.max_new_tokens (default: the blueprint's 1,024)")
@@ -286,7 +308,7 @@ def main(argv=None) -> int:
     root = args.root or Path(tempfile.mkdtemp(prefix="verlflow-e2e-"))
     root.mkdir(parents=True, exist_ok=True)
     store = args.store or root / "store"
-    shape = "tiny" if args.smoke else "1.5b"
+    shape = "tiny" if args.smoke else args.shape
     made = root / shape / "e2e-kit.json"  # a rerun with the same --root reuses the kit (and so the build)
     kit = json.loads(made.read_text()) if made.exists() else None
     if kit is None:
@@ -309,6 +331,8 @@ def main(argv=None) -> int:
         if args.json:  # after every config: a run cut short keeps what it measured
             args.json.write_text(json.dumps(res, indent=1))
     print(table(res), flush=True)
+    if any(it["stages"]["update"].get("memory") for c in res["configs"].values() for it in c["iterations"]):
+        print(memory_table(res), flush=True)
     if not args.keep and store.is_relative_to(root):
         shutil.rmtree(store, ignore_errors=True)
     return 0

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from verlflow.core import algos
 from verlflow.core.errors import BlueprintError
@@ -214,9 +215,10 @@ class AlgorithmSpec(Section):
         False, description="Padding-free update: each micro-batch's samples packed into one row with variable-length "
         "causal attention (flash varlen on CUDA); micro-batches are filled to ppo_max_token_len_per_gpu tokens "
         "and balanced across ranks by tokens. No FLOP goes to padding.")
-    ppo_max_token_len_per_gpu: Optional[int] = Field(
-        None, ge=1, description="With use_remove_padding: real tokens per micro-batch on one rank (default: "
-        "ppo_micro_batch_size_per_gpu x the longest sample of the batch).")
+    ppo_max_token_len_per_gpu: Optional[Union[Literal["auto"], Annotated[int, Field(ge=1)]]] = Field(
+        None, description="With use_remove_padding: real tokens per micro-batch on one rank (default: "
+        "ppo_micro_batch_size_per_gpu x the longest sample of the batch). auto: the largest that fits the GPU with "
+        "headroom, by the memory plan validate prints (core/orchestrate/memplan.py), 32k at most.")
     log_prob_max_token_len_per_gpu: Optional[int] = Field(
         None, ge=1, description="With use_remove_padding: tokens per forward-only micro-batch (old and reference "
         "log-probs, values); default twice ppo_max_token_len_per_gpu, since no activations are kept.")
@@ -336,7 +338,9 @@ class RolloutSpec(Section):
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     max_new_tokens: int = Field(16, ge=1, description="Response tokens generated per sample at most (EOS ends "
                                 "one earlier).")
-    micro_batch_size: int = Field(32, ge=1, description="Sequences generated together on one rank.")
+    micro_batch_size: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = Field(
+        32, description="Sequences generated together on one rank. auto: as many as fit beside what the warm pool "
+        "keeps (the KV cache stays for the update), up to 256 and the rank's samples, by validate's memory plan.")
     engine: Literal["hf", "static"] = Field(
         "hf", description="hf: transformers generate (dynamic cache). static: verlflow.core.ml.fastgen, a static KV cache "
         "with the decode step captured as a CUDA graph (Llama, Qwen2/3, Mistral, Phi-3, Gemma-2/3, OLMo-2; eager on "
@@ -376,8 +380,10 @@ class FSDPSpec(Section):
     reshard_after_forward: bool = Field(True, description="FSDP2: free gathered parameters after each forward "
                                         "(false keeps them until the backward: more memory, fewer all-gathers).")
     wrap_class: Optional[str] = Field(None, description="Decoder-layer class to wrap; default: model._no_split_modules.")
-    activation_checkpointing: bool = Field(False, description="Recompute each decoder layer's activations in the "
-                                           "backward (less memory, about a third more compute).")
+    activation_checkpointing: Union[bool, Literal["auto"]] = Field(
+        False, description="Recompute each decoder layer's activations in the backward (less memory, about a third "
+        "more compute). auto: off where the update fits without it at a token budget of 16k or more, by validate's "
+        "memory plan.")
     compile: bool = Field(False, description="torch.compile each decoder layer's forward (update stage; the first "
                           "steps pay the compile, cached in TORCHINDUCTOR_CACHE_DIR).")
     defer_grad_sync: bool = Field(
@@ -555,6 +561,18 @@ class StorageSpec(Section):
     export_lora: Literal["merged", "adapter"] = Field(
         "merged", description="model.lora: the HF export is the base with the adapters merged in (a plain model "
         "folder), or the PEFT adapter folder alone (adapter_config.json + adapter_model.safetensors).")
+
+    @field_validator("uri")
+    @classmethod
+    def _one_place(cls, uri: str) -> str:
+        """A file:// or s3:// root without '.', '..' or empty segments (core/store/artifacts.py root_problem); a URI
+        that carries credentials is missing_inputs' to refuse (an error here would repeat it)."""
+        from verlflow.core.store.artifacts import carries_credentials, root_problem
+
+        problem = None if carries_credentials(uri) else root_problem(uri)
+        if problem:
+            raise ValueError(problem)
+        return uri
 
 
 class EvalSpec(Section):
@@ -765,8 +783,10 @@ class Blueprint(Section):
     phases: list[PhaseSpec] = Field([], description="Optional: phases run in order (sft, dpo, rl, evaluate), each "
                                     "from the previous one's policy. Empty: one rl phase (validate -> build -> "
                                     "(rollout -> update -> checkpoint) x iterations).")
-    active_phase: Optional[int] = Field(None, ge=0, description="Set by verlflow on the blueprint one phase's steps "
-                                        "run with (its index in phases); leave it unset.")
+    # Internal: not in the JSON schema (the run form) nor the allowed keys, and not dumped while unset.
+    active_phase: Optional[int] = Field(
+        None, ge=0, exclude_if=lambda v: v is None, description="Set by verlflow on the blueprint one phase's steps "
+        "run with (its index in phases); leave it unset.")
 
     @model_validator(mode="after")
     def _batches_fit_world(self):
@@ -848,7 +868,8 @@ class Blueprint(Section):
 
     @model_validator(mode="after")
     def _promotion_has_its_metric(self):
-        """A metric of the eval stage decides promotion only where every export has an evaluation of its policy."""
+        """A metric of the eval stage decides promotion only where every export has an evaluation of its policy, and
+        the start policy has one (evaluate[0]: the score a run must beat to promote anything)."""
         metric, ev, st = self.promote.metric, self.eval, self.storage
         if metric is None or not metric.startswith("eval/"):
             return self
@@ -859,6 +880,11 @@ class Blueprint(Section):
             raise ValueError(f"promote.metric={metric} needs an evaluation at every export, but storage.export_every="
                              f"{st.export_every} is not a multiple of eval.every={ev.every}: set eval.every to "
                              f"{st.export_every} or a divisor of it")
+        if not ev.before_train and (not self.phases or any(ph.kind == "rl" for ph in self.phases)):
+            raise ValueError(f"promote.metric={metric} is an evaluation metric, and a run promotes a policy only if "
+                             "it beats the start policy's evaluation (the base model's or the warm start's), but "
+                             "eval.before_train is false, so the start is not evaluated: set eval.before_train: true "
+                             "(the default), or promote by a rollout/ or update/ metric")
         return self
 
     @model_validator(mode="after")
@@ -940,6 +966,13 @@ class Blueprint(Section):
         """In a phase's blueprint (phase_blueprint): that phase (the key section its steps hash)."""
         return None if self.active_phase is None else self.phases[self.active_phase]
 
+    @property
+    def phase_inputs(self) -> list[dict]:
+        """What validate checks of each phase (its kind, dataset, row limit and mini-batch): part of validate's key,
+        so a changed phase dataset is checked again while a changed dpo beta is not."""
+        return [{"kind": ph.kind, "data": _dump(ph.data), "max_length": ph.algorithm.max_length,
+                 "mini_batch_size": ph.algorithm.mini_batch_size} for ph in self.phases]
+
     def optimizer_steps(self) -> int:
         """Policy optimizer steps of the whole run: the length the learning-rate schedule spans."""
         a = self.algorithm
@@ -1013,9 +1046,10 @@ def _dump(v: Any) -> Any:
 # Loading with errors that point at the YAML line.
 
 
-def _line_map(text: str, duplicates: list | None = None) -> dict[tuple, int]:
-    """Maps a YAML path (tuple of keys/indices) to its 1-based line. Keys repeated in one mapping (which
-    yaml.safe_load silently collapses to the last) are appended to `duplicates` as (path, first, again)."""
+def _line_map(root: yaml.Node | None, duplicates: list | None = None) -> dict[tuple, int]:
+    """Maps a YAML path (tuple of keys/indices) to its 1-based line, from the composed document (`_parse_yaml`,
+    which bounds its expansion). Keys repeated in one mapping (which YAML silently collapses to the last) are
+    appended to `duplicates` as (path, first, again)."""
     lines: dict[tuple, int] = {}
 
     def walk(node, path):
@@ -1033,13 +1067,91 @@ def _line_map(text: str, duplicates: list | None = None) -> dict[tuple, int]:
             for i, v in enumerate(node.value):
                 walk(v, path + (i,))
 
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
-        return lines
     if root is not None:
         walk(root, ())
     return lines
+
+
+# What a blueprint may be: a YAML file of a few KB holds a few hundred values. Bounded before anything expands it
+# (the line map, json.dumps, pydantic): a few KB of nested aliases (a "billion laughs") would otherwise expand to
+# billions of values. A big prompt or dataset belongs in a file the blueprint names.
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_VALUES = 20_000
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that stops composing once the document has MAX_YAML_VALUES nodes (the parser reads events
+    lazily: a long list is not read to its end)."""
+
+    def __init__(self, text: str, source: str):
+        super().__init__(text)
+        self.source, self.nodes = source, 0
+
+    def compose_node(self, parent, index):
+        self.nodes += 1
+        if self.nodes > MAX_YAML_VALUES:
+            raise BlueprintError(f"{self.source}:{self.peek_event().start_mark.line + 1}: the YAML holds more than "
+                                 f"{MAX_YAML_VALUES:,} values (no more are read); a blueprint holds a few hundred. "
+                                 "Keep long lists in the files the blueprint names (data.train_files, eval.files).")
+        return super().compose_node(parent, index)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return node.value if isinstance(node, yaml.SequenceNode) else []
+
+
+def _parse_yaml(text: str, source: str) -> tuple[Any, yaml.Node | None]:
+    """(data, root node) of one YAML document with yaml.safe_load's rules (yaml.YAMLError as it raises them),
+    refusing (BlueprintError) a text over MAX_YAML_BYTES or one that expands to over MAX_YAML_VALUES values, aliases
+    counted each time they are used, before anything is built from it."""
+    if len(text) > MAX_YAML_BYTES:  # characters: at least as many bytes
+        raise BlueprintError(f"{source}: {len(text):,} characters of YAML; a blueprint is a few KB and at most "
+                             f"{MAX_YAML_BYTES:,} are read. Keep prompts and data in the files it names "
+                             "(data.train_files, eval.files).")
+    loader = _BoundedLoader(text, source)
+    try:
+        try:
+            root = loader.get_single_node()  # aliases are shared nodes here: nothing is expanded yet
+        except RecursionError:
+            raise BlueprintError(f"{source}: the YAML is nested too deeply to read; a blueprint nests a few "
+                                 "levels (section: field: value).") from None
+        _refuse_expansion(root, source)
+        return (None if root is None else loader.construct_document(root)), root
+    finally:
+        loader.dispose()
+
+
+def _refuse_expansion(root: yaml.Node | None, source: str) -> None:
+    """BlueprintError when the document would hold over MAX_YAML_VALUES values with its aliases expanded, or an
+    alias inside the value it names (a cycle). Each node's expanded size is computed once, so a bomb costs what
+    its text does."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()  # the nodes whose values are being counted: the path from the root
+    aliased = 0
+    stack = [(root, False)] if root is not None else []
+    while stack:  # depth first, without recursion
+        node, counted = stack.pop()
+        if counted:
+            open_.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes[id(k)] for k in _children(node))
+        elif id(node) in open_:
+            raise BlueprintError(f"{source}:{node.start_mark.line + 1}: an alias (*name) inside the value it names "
+                                 "makes a value that holds itself; a blueprint is a tree: write the value out.")
+        elif id(node) in sizes:
+            aliased += 1  # reached again: an alias repeats it
+        else:
+            open_.add(id(node))
+            stack.append((node, True))
+            stack.extend((k, False) for k in _children(node))
+    total = sizes.get(id(root), 0)
+    if total <= MAX_YAML_VALUES:
+        return
+    raise BlueprintError(f"{source}: the YAML would expand to {total:,} values (at most {MAX_YAML_VALUES:,} are read): "
+                         f"its aliases (*name) repeat anchored (&name) values {aliased:,} times, nested into one "
+                         "another. A blueprint holds a few hundred values: write out what an alias stands for, or "
+                         "nest fewer aliases.")
 
 
 def _allowed(loc: tuple) -> str:
@@ -1051,7 +1163,7 @@ def _allowed(loc: tuple) -> str:
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
             return ""
         model = ann
-    names = list(model.model_fields)
+    names = [n for n, f in model.model_fields.items() if not any(isinstance(m, SkipJsonSchema) for m in f.metadata)]
     close = difflib.get_close_matches(str(loc[-1]), names, n=1)
     hint = f" Did you mean '{close[0]}'?" if close else ""
     return f"{hint} Allowed keys here: {', '.join(names)}."
@@ -1118,7 +1230,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise BlueprintError(f"override '{text}': the key '{key}' has an empty part; write section.field=value, "
                              "e.g. rollout.n=8")
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = _parse_yaml(raw, f"override '{text}'")[0] if raw != "" else ""
     except yaml.YAMLError as e:
         raise BlueprintError(f"override '{text}': value is not valid YAML ({getattr(e, 'problem', e)}); quote "
                              "strings with special characters, e.g. model.path='/a b/c'") from None
@@ -1213,7 +1325,7 @@ def load_blueprint(path: str | Path | None = None, overrides: list[str] = (), da
         source = str(path)
         text, base = _blueprint_text(path)
         try:
-            data = yaml.safe_load(text)
+            data, root = _parse_yaml(text, source)
         except yaml.YAMLError as e:
             mark, cmark = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
             where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -1227,7 +1339,7 @@ def load_blueprint(path: str | Path | None = None, overrides: list[str] = (), da
                 "(no !!python tags); check indentation and quoting."
             ) from None
         duplicates: list = []
-        lines = _line_map(text, duplicates)
+        lines = _line_map(root, duplicates)
         if duplicates:
             raise BlueprintError("\n  ".join(
                 f"{source}:{again}: {'.'.join(map(str, key))}: duplicate key (first given on line {first}); "
@@ -1244,7 +1356,11 @@ def load_blueprint(path: str | Path | None = None, overrides: list[str] = (), da
         bp = Blueprint.model_validate(data)
     except ValidationError as e:
         raise BlueprintError(format_validation_error(e, source, lines, overridden)) from None
-    return resolve_paths(bp, base)
+    try:
+        return resolve_paths(bp, base)
+    except ValidationError as e:  # e.g. storage.uri: ../../x relative to s3://bucket/bp.yaml climbs above the bucket
+        raise BlueprintError(f"{source}: a path relative to the blueprint's folder ({base}) is not usable once "
+                             f"resolved: {_plain(e)}.") from None
 
 
 def json_schema() -> dict:
@@ -1313,26 +1429,24 @@ def missing_inputs(bp: Blueprint) -> list[str]:
 
 
 def _phase_data_problems(bp: Blueprint) -> list[str]:
-    """An sft/dpo phase's files: there, parquet, and at least one mini-batch of rows (their columns and rows are
-    read by the phase's stage, which names a bad row)."""
-    import pyarrow.parquet as pq
+    """An sft/dpo phase's files, as its stage reads them (core/ml/phasedata.py: columns, types, every row), and at
+    least one mini-batch of rows."""
+    from verlflow.core.errors import InputError
+    from verlflow.core.ml.phasedata import load_preferences, load_sft_rows
 
     problems = []
     for i, ph in enumerate(bp.phases):
-        if ph.data is None:
+        if ph.kind not in ("sft", "dpo"):
             continue
-        field, rows, before = f"phases[{i}].data.train_files", 0, len(problems)
-        for j, f in enumerate(ph.data.train_files):
-            if not Path(f).is_file():
-                problems.append(f"{field}[{j}]: {f} does not exist; give a parquet file of {ph.kind} rows "
-                                f"({'prompt + response, or messages' if ph.kind == 'sft' else 'prompt, chosen, rejected'}).")
-                continue
-            try:
-                rows += pq.ParquetFile(f).metadata.num_rows
-            except Exception as e:  # not parquet: pyarrow's own words
-                problems.append(f"{field}[{j}]: {f} is not a readable parquet file ({type(e).__name__}: {e}).")
+        field = f"phases[{i}].data.train_files"
+        read = load_sft_rows if ph.kind == "sft" else load_preferences
+        try:
+            rows = len(read(ph.data.train_files, field))
+        except InputError as e:
+            problems.append(str(e))
+            continue
         mini = ph.algorithm.mini_batch_size
-        if len(problems) == before and rows < mini:
+        if rows < mini:
             problems.append(f"{field}: {rows} rows, fewer than phases[{i}].algorithm.mini_batch_size={mini}; lower "
                             "the mini-batch or add rows.")
     return problems

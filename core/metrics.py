@@ -41,6 +41,8 @@ ROLLOUT_KEYS = ("reward_mean", "reward_std", "reward_max", "response_len_mean", 
 FILTER_GROUPS_KEYS = ("rounds", "prompts_sampled", "informative_groups", "uniform_groups", "filled_with_uniform",
                       "samples_sampled")
 UPDATE_KEYS = ("step", "pg_loss", "kl_loss", "entropy", "pg_clipfrac", "grad_norm", "tokens_per_s")
+# adv_estimator gae: the critic's (verl's critic/* names; vf_explained_var from verlflow.core.ml.ppo.prepare)
+CRITIC_KEYS = ("vf_loss", "vf_clipfrac", "vpred_mean", "vf_explained_var", "critic_grad_norm")
 # verlflow.core.ml.ppo.rollout_correction (verl's names): the gap between the rollout's and the policy's log-probs
 ROLLOUT_CORR_KEYS = ("kl", "k3_kl", "ppl_ratio", "log_ppl_abs_diff", "chi2_token", "rollout_is_mean",
                      "rollout_is_max", "rollout_is_ratio_fraction_high", "rollout_is_eff_sample_size")
@@ -72,6 +74,8 @@ def available(bp) -> list[str]:
         names += ["rollout/overlong/penalised_frac", "rollout/overlong/penalty_mean"]
     if bp.algorithm.use_kl_in_reward:
         names.append("update/kl_in_reward")
+    if bp.algorithm.adv_estimator == "gae":
+        names += [f"update/{k}" for k in CRITIC_KEYS]
     if bp.algorithm.rollout_correction:
         names += [f"update/rollout_corr/{k}" for k in ROLLOUT_CORR_KEYS]
     if bp.eval.files:

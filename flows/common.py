@@ -4,17 +4,19 @@ import datetime as dt
 
 from prefect import get_run_logger
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterDeploymentId,
-                                            FlowRunFilterExpectedStartTime, FlowRunFilterState, FlowRunFilterStateType)
-from prefect.client.schemas.objects import FlowRun, StateType
+from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterDeploymentId, FlowRunFilterExpectedStartTime,
+                                            FlowRunFilterState, FlowRunFilterStateName, FlowRunFilterStateType)
+from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy, FlowRun, StateType
 from prefect.context import get_run_context
+from prefect.exceptions import Pause
+from prefect.states import Scheduled
+from prefect.utilities.engine import propose_state_sync
 
 from verlflow.core.blueprint import Blueprint, load_blueprint
-from verlflow.core.errors import StoreError
+from verlflow.core.errors import StoreError, VerlflowError
 from verlflow.core.orchestrate.pipeline import PipelineHooks, Step
 from verlflow.core.orchestrate.runner import open_store
 from verlflow.core.store.artifacts import stage_key
-from verlflow.core.wait import wait_until
 from verlflow.tasks.stages import pipeline_slots, run_step_as_task
 
 
@@ -41,62 +43,120 @@ def default_run_id(bp: Blueprint) -> str:
         return run_id_for(bp.name, client.read_flow_run(get_run_context().flow_run.id))
 
 
-# A due run that the runner has not started within this long is not waited for: a runner at its --limit (or a
-# deployment concurrency limit) may hold it back until a later run that waits for it ends, which would deadlock.
-START_GRACE_S = 60.0
+# schedule.init_from=previous: a deployment's runs take turns in the order they were scheduled, so each build
+# warm-starts from the previous run's promotion, even when runs overlap (several due at once, or a run longer than
+# the cron interval). Prefect keeps the queue: such a deployment has a concurrency limit of one run with the
+# ENQUEUE strategy, so a run that comes due while another holds the slot waits as Scheduled
+# (AwaitingConcurrencySlot) with no process, and its runner or worker asks for the slot again every 30 s (the
+# server's PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS): one request, no flow process. Prefect gives a
+# free slot to whichever run asks first, not the earliest, so a run that gets it while an earlier one waits gives
+# it back (`take_turn`), and a run that ends makes the next one due at once (`pass_turn`).
+TURNS = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
+QUEUED = "AwaitingConcurrencySlot"  # Prefect's Scheduled state of a run waiting for its deployment's slot
+RECHECK_S = 30.0  # a run that gave its turn back asks again after this long (Prefect's own wait for a slot)
+PREFETCH_S = 10.0  # runners and workers ask for runs due this soon (their default prefetch): no need to wake them
 
 
-def earlier_unfinished_runs(me: FlowRun, client) -> list[FlowRun]:
-    """Runs of my deployment scheduled before me that are running or about to start. An AwaitingRetry run (it
-    has run before) resumes with the warm start its build recorded, so it holds nobody up."""
+def turn_limit(bp: Blueprint) -> ConcurrencyLimitConfig | None:
+    """The finetune deployment's concurrency limit: one run at a time where each warm-starts from the last."""
+    return TURNS if bp.schedule.init_from == "previous" else None
+
+
+def _order(r: FlowRun):
+    return r.expected_start_time or r.created, str(r.id)
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def had_its_turn(r: FlowRun, client) -> bool:
+    """Whether the run has ended before: a Retry of it resumes with the warm start its build recorded, so it
+    holds nobody up. (A run that gave its turn back has run too, but never ended.)"""
+    return r.run_count > 0 and any(s.is_final() for s in client.read_flow_run_states(r.id))
+
+
+def runs_ahead(me: FlowRun, client) -> list[FlowRun]:
+    """Runs of my deployment scheduled before me that go first: those running (or starting, or being cancelled),
+    and those waiting for their first turn: queued for the deployment's slot, or due."""
     runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
         deployment_id=FlowRunFilterDeploymentId(any_=[me.deployment_id]),
         expected_start_time=FlowRunFilterExpectedStartTime(before_=me.expected_start_time or me.created),
         state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[
             StateType.PENDING, StateType.RUNNING, StateType.CANCELLING, StateType.SCHEDULED]))))
-    now = dt.datetime.now(dt.timezone.utc)
+    now = _now()
 
-    def order(r: FlowRun):
-        return r.expected_start_time or r.created, str(r.id)
-
-    def starting(r: FlowRun) -> bool:
+    def waiting(r: FlowRun) -> bool:
         due = r.next_scheduled_start_time
-        return r.run_count == 0 and due is not None and 0 <= (now - due).total_seconds() <= START_GRACE_S
+        return (r.state_name == QUEUED or (due is not None and due <= now)) and not had_its_turn(r, client)
 
-    return sorted((r for r in runs if r.id != me.id and order(r) < order(me)
-                   and (r.state_type != StateType.SCHEDULED or starting(r))), key=order)
+    return sorted((r for r in runs if r.id != me.id and _order(r) < _order(me)
+                   and (r.state_type != StateType.SCHEDULED or waiting(r))), key=_order)
 
 
-def wait_for_earlier_runs(bp: Blueprint, every_s: float = 2.0) -> None:
-    """schedule.init_from=previous: a deployment's runs take their turn in the order they were scheduled, so
-    each build warm-starts from the previous run's promoted policy, even when runs overlap (several due at once,
-    or a run longer than the cron interval). Decided here, not by a deployment concurrency limit: Prefect
-    submits runs that are due together concurrently, so a limit alone lets any of them go first."""
+def wake(r: FlowRun, client) -> None:
+    """Make a queued run due now, at its scheduled start if that has passed, so the runner's next poll asks for
+    the slot for it before the others (it sorts them by due time). Not a run due within the prefetch: it is asked
+    for anyway, and moving it could race that request."""
+    now, due = _now(), r.next_scheduled_start_time
+    if r.state_type == StateType.SCHEDULED and due is not None and due > now + dt.timedelta(seconds=PREFETCH_S):
+        client.set_flow_run_state(r.id, Scheduled(name=QUEUED, scheduled_time=min(_order(r)[0], now)))
+
+
+def take_turn(bp: Blueprint) -> None:
+    """schedule.init_from=previous, in a deployment's run: go on if no earlier run goes first; else give the slot
+    back and wait (Scheduled, AwaitingConcurrencySlot), ending this flow process as Prefect's suspend does."""
     if bp.schedule.init_from != "previous":
         return
-    log, shown = get_run_logger(), None
     with get_client(sync_client=True) as client:
         me = client.read_flow_run(get_run_context().flow_run.id)
         if me.deployment_id is None:  # a plain `verlflow run --prefect`: no schedule to keep in order
             return
+        ahead = runs_ahead(me, client)
+        if not ahead:
+            return
+        log, names = get_run_logger(), ", ".join(f"{r.name} ({r.state_name})" for r in ahead)
+        log.info("schedule.init_from=previous: waiting for its turn; the earlier run(s) of this deployment go "
+                 "first: %s", names)
+        if client.read_deployment(me.deployment_id).global_concurrency_limit is None:
+            log.warning("this deployment has no concurrency limit, so each waiting run starts a flow process every "
+                        "%.0f s to ask for its turn; give it concurrency_limit 1 with collision_strategy ENQUEUE "
+                        "(`verlflow deploy` and `verlflow serve` do)", RECHECK_S)
+        state = propose_state_sync(client, Scheduled(
+            name=QUEUED, scheduled_time=_now() + dt.timedelta(seconds=RECHECK_S),
+            message=f"waiting for its turn after {ahead[0].name}"), flow_run_id=me.id)
+        if not state.is_scheduled():
+            raise VerlflowError(f"flow run {me.name}: could not wait for its turn: the server answered {state!r}")
+        wake(ahead[0], client)
+    raise Pause(state=state)  # the engine exits without proposing a final state
 
-        def my_turn() -> bool:
-            nonlocal shown
-            earlier = earlier_unfinished_runs(me, client)
-            names = ", ".join(f"{r.name} ({r.state_name})" for r in earlier)
-            if earlier and names != shown:
-                log.info("schedule.init_from=previous: waiting for the earlier run(s) of this deployment to finish "
-                         "first, so this build warm-starts from the last one's promoted policy: %s", names)
-                shown = names
-            return not earlier
 
-        wait_until(my_turn, interval_s=every_s)
+def pass_turn(flow, flow_run: FlowRun, state) -> None:
+    """Flow hook on a final state (the deployment's slot is free again): wake the next queued run of the
+    deployment, the earliest that has not had its turn (or else the earliest), instead of the first to ask."""
+    if flow_run.deployment_id is None:
+        return
+    with get_client(sync_client=True) as client:
+        queued = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            deployment_id=FlowRunFilterDeploymentId(any_=[flow_run.deployment_id]),
+            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]),
+                                     name=FlowRunFilterStateName(any_=[QUEUED]))))
+        if queued:
+            wake(min(queued, key=lambda r: (had_its_turn(r, client), _order(r))), client)
+
+
+# Not on_cancellation: it runs at Cancelling, while the run still holds the slot.
+TURN_HOOKS = {f"on_{s}": [pass_turn] for s in ("completion", "failure", "crashed")}
 
 
 def name_flow_run(run_id: str) -> None:
-    """Show the run id as the flow run's name in the UI."""
+    """Show the run id as the flow run's name in the UI where Prefect chose the name: a scheduled run, or one with no
+    deployment (an in-process or `verlflow run --prefect` run). A run started by hand from a deployment (the UI's
+    Run form, `prefect deployment run`) keeps the name it was given (finetune logs its run id first)."""
     with get_client(sync_client=True) as client:
-        client.update_flow_run(get_run_context().flow_run.id, name=run_id)
+        me = client.read_flow_run(get_run_context().flow_run.id)
+        if me.deployment_id is None or me.auto_scheduled:
+            client.update_flow_run(me.id, name=run_id)
 
 
 def recomputed_here(bp: Blueprint, run_id: str, step: Step) -> bool:

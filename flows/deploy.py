@@ -1,32 +1,99 @@
-"""Deployments of a blueprint: its full object is the default parameters (the UI form shows its values).
+"""Deployments of a blueprint: its full object is the default parameters (the UI form shows its values), and the
+form is its schema as a person fills it in (`run_form`).
 
 `deploy`: a deployment on a process work pool, run by `prefect worker start --pool POOL` (infra/README.md).
 `serve`: the embedded single-machine setup; this process polls for the deployments' runs and executes them.
 """
+
+import re
 
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import DeploymentScheduleCreate, WorkPoolCreate
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 from prefect.exceptions import ObjectNotFound
 from prefect.schedules import Cron
+from prefect.utilities.callables import ParameterSchema
 
 from verlflow.core.blueprint import Blueprint
+from verlflow.flows.common import turn_limit
 from verlflow.flows.finetune import finetune
 from verlflow.flows.validate import validate
 
 
 BLUEPRINT_SCHEDULE = "blueprint-cron"  # slug of the one schedule the blueprint (or --cron) owns
 
+BACKENDS = ("slurm", "kubernetes")  # resources.<backend>: that backend's own settings, ignored by the others
+# What a person must give: fields with no usable empty value (model.path, data.train_files, reward.function and
+# storage.uri are the inputs `verlflow validate-blueprint` checks first). A section holding one is required too.
+REQUIRED = {"Blueprint": ("name",), "ModelSpec": ("path",), "DataSpec": ("train_files",), "RewardSpec": ("function",),
+            "StorageSpec": ("uri",), "RewardModelSpec": ("path",), "KubernetesSpec": ("image",),
+            "PhaseDataSpec": ("train_files",)}
+# Prefect's form renders descriptions as markdown, where runs/<run_id>/ holds an HTML tag that vanishes: as code.
+PLACEHOLDER = re.compile(r"(?<!`)<[A-Za-z_][\w.-]*>(?!`)")
+
+
+def run_form(bp: Blueprint, d: RunnerDeployment) -> RunnerDeployment:
+    """The deployment's run form (its parameter schema) as a person fills it in: of resources.slurm/kubernetes only
+    the section of a backend the blueprint uses (the others stay in the parameters, allowed but not shown), the
+    required fields marked required, placeholders in the help shown."""
+    schema = d._parameter_openapi_schema.model_dump_for_openapi()
+    defs = schema["definitions"]
+    used = {bp.resources.backend} | {ph.resources.backend for ph in bp.phases}
+    _hide(defs["ResourcesSpec"], [b for b in BACKENDS if b not in used])
+    for name, fields in REQUIRED.items():
+        defs[name]["required"] = list(fields)
+    _require_sections(schema)
+    _code_placeholders(schema)
+    d._parameter_openapi_schema = ParameterSchema.model_validate(schema)
+    return d
+
+
+def _hide(definition: dict, names: list[str]) -> None:
+    """Out of the form, still allowed (additionalProperties is false): the parameters carry the blueprint's values."""
+    for n in names:
+        definition["properties"].pop(n)
+    if names:
+        definition.setdefault("patternProperties", {})[f"^({'|'.join(names)})$"] = {}
+
+
+def _require_sections(schema: dict) -> None:
+    """A section ($ref) that holds a required field is required in its parent, up to the flow's parameter, so the
+    form marks none of them "(Optional)". Optional sections (set/none) stay optional."""
+    defs = schema["definitions"]
+    changed = True
+    while changed:
+        changed = False
+        for holder in (schema, *defs.values()):
+            for key, prop in holder.get("properties", {}).items():
+                target = defs.get(prop.get("$ref", "").removeprefix("#/definitions/"), {})
+                if target.get("required") and key not in holder.get("required", []):
+                    holder.setdefault("required", []).append(key)
+                    changed = True
+
+
+def _code_placeholders(node) -> None:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "description" and isinstance(value, str):
+                node[key] = PLACEHOLDER.sub(r"`\g<0>`", value)
+            else:
+                _code_placeholders(value)
+    elif isinstance(node, list):
+        for item in node:
+            _code_placeholders(item)
+
 
 def finetune_deployment(bp: Blueprint, name: str | None = None, cron: str | None = None, **kw) -> RunnerDeployment:
     """Each scheduled run gets its own flow run id, hence its own run id (no full cache hit between runs); with
-    schedule.init_from=previous it warm-starts from the blueprint's last promoted policy."""
+    schedule.init_from=previous it warm-starts from the blueprint's last promoted policy, and the runs take turns
+    (a concurrency limit of one run that queues the others: flows/common.py, TURNS)."""
     cron = cron or bp.schedule.cron
-    return finetune.to_deployment(
+    return run_form(bp, finetune.to_deployment(
         name or bp.name, parameters={"blueprint": bp.model_dump(mode="json")},
         schedules=[Cron(cron, timezone=bp.schedule.timezone, slug=BLUEPRINT_SCHEDULE)] if cron else None,
+        concurrency_limit=turn_limit(bp),
         description=f"Fine-tune {bp.name}: {bp.algorithm.adv_estimator}, {bp.iterations} iterations, "
-                    f"{bp.resources.world_size} x {bp.resources.device}", tags=["verlflow", bp.name], **kw)
+                    f"{bp.resources.world_size} x {bp.resources.device}", tags=["verlflow", bp.name], **kw))
 
 
 def keep_other_schedules(d: RunnerDeployment) -> RunnerDeployment:
@@ -58,8 +125,8 @@ def keep_other_schedules(d: RunnerDeployment) -> RunnerDeployment:
 
 
 def validate_deployment(bp: Blueprint, name: str | None = None, **kw) -> RunnerDeployment:
-    return validate.to_deployment(name or bp.name, parameters={"blueprint": bp.model_dump(mode="json")},
-                                  tags=["verlflow", bp.name], **kw)
+    return run_form(bp, validate.to_deployment(name or bp.name, parameters={"blueprint": bp.model_dump(mode="json")},
+                                               tags=["verlflow", bp.name], **kw))
 
 
 def ensure_process_pool(pool: str) -> None:

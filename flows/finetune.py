@@ -15,17 +15,19 @@ from prefect.context import get_run_context
 from prefect.states import Cancelled
 
 from verlflow.core.blueprint import Blueprint, OptionalText
-from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
+from verlflow.core.errors import BlueprintError, VerlflowError
 from verlflow.core.orchestrate.pipeline import checked_plan, run_pipeline
 from verlflow.core.orchestrate.runner import open_store
 from verlflow.core.store.lease import run_lease
-from verlflow.flows.common import default_run_id, flow_hooks, name_flow_run, resolve_blueprint, wait_for_earlier_runs
+from verlflow.flows.common import TURN_HOOKS, default_run_id, flow_hooks, name_flow_run, take_turn
+from verlflow.flows.validate import checked_blueprint, refused
 from verlflow.tasks.report import RunReport
+from verlflow.tasks.stages import is_cancel
 
 
 @flow(name="finetune", description="PPO/GRPO fine-tune of a blueprint: validate, build, then rollout -> update "
       "per iteration, an HF export (checkpoint) every storage.export_every and at the last. Stages committed with the "
-      "same key are reused.")
+      "same key are reused.", validate_parameters=False, **TURN_HOOKS)
 def finetune(blueprint: Blueprint = Blueprint(), run_id: OptionalText = None, blueprint_file: OptionalText = None,
              from_step: OptionalText = None) -> dict:
     """The run form's fields (Prefect reads their descriptions from here).
@@ -40,19 +42,26 @@ def finetune(blueprint: Blueprint = Blueprint(), run_id: OptionalText = None, bl
         from_step: Force a restart at this step and rerun every later one even if committed, e.g. update[2],
             rollout:3 or build. Empty: resume at the first missing stage.
     """
-    bp = resolve_blueprint(blueprint, blueprint_file)
+    try:
+        bp = checked_blueprint(blueprint, blueprint_file)
+    except BlueprintError as e:
+        return refused(e, blueprint_file)
     run_id = run_id or default_run_id(bp)
     name_flow_run(run_id)
-    wait_for_earlier_runs(bp)  # init_from=previous: the previous run's promotion first
-    steps, _ = checked_plan(bp, run_id, from_step)  # a bad run id or step fails before the store is touched
+    take_turn(bp)  # init_from=previous: the runs of a deployment go in the order they were scheduled
+    try:
+        steps, _ = checked_plan(bp, run_id, from_step)  # a bad run id or step fails before the store is touched
+    except VerlflowError as e:
+        return refused(e)
     log = get_run_logger()
     log.info("run %s: %d steps, artifact store %s", run_id, len(steps), bp.storage.uri)
     report = RunReport(bp, run_id)
     try:
         with run_lease(open_store(bp), run_id, str(get_run_context().flow_run.id), log.info):
             run_pipeline(bp, run_id, on_step=report.step_done, force_from=from_step, hooks=flow_hooks(bp, run_id))
-    except StageFailure as e:
-        if e.kind is FailureKind.CANCELLED:  # in-process runs; served/worker runs are stopped by SIGTERM
+        report.finished()  # every background commit has landed: the summary names what the pointer says now
+    except BaseException as e:  # a Cancel: the stage task's, or a served/worker run's SIGTERM between stages
+        if is_cancel(e, get_run_context().flow_run.id):
             return Cancelled(message=f"{run_id}: cancelled; the running stage's job was killed")
         raise
     return {"run_id": run_id, "iterations": report.rows}

@@ -7,6 +7,7 @@ task run's logs; a local job holds this host's device slots while it runs; every
 import contextvars
 import logging
 import threading
+import time
 from contextlib import contextmanager
 
 from prefect import get_run_logger, task
@@ -16,10 +17,10 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
 from prefect.context import get_run_context
 from prefect.exceptions import MissingContextError
-from prefect.states import Completed, State
+from prefect.states import Cancelled, Completed, State
 
 from verlflow.core.blueprint import Blueprint
-from verlflow.core.orchestrate.launcher import StageFailure
+from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
 from verlflow.core.orchestrate.logsink import LineSink, stage_log_path
 from verlflow.core.orchestrate.pipeline import Step
 from verlflow.core.orchestrate.pool import WarmPools
@@ -27,7 +28,8 @@ from verlflow.core.orchestrate.runner import (SINGLE_PROCESS, RunContext, StageR
                                               stage_status)
 from verlflow.core.errors import StoreError
 from verlflow.core.store.artifacts import ArtifactStore, stage_key
-from verlflow.tasks.report import link, location
+from verlflow.core.store.promote import export_verdict
+from verlflow.tasks.report import location
 from verlflow.tasks.slots import device_slots, limit_name
 
 
@@ -46,11 +48,20 @@ def is_committed(ctx: RunContext, stage: str, iteration, inputs: dict[str, str])
     return existing is not None and existing.get("key") == key
 
 
+CANCEL_STATES = (StateType.CANCELLING, StateType.CANCELLED)
+# How long the watcher leaves a deployment's run to the SIGTERM of its runner or worker (~1.5 s after the click on a
+# loaded machine) before it stops the stage itself: set at once, it raced that SIGTERM, which then landed in the
+# cancelled stage's clean-up and crashed its task run.
+SIGTERM_GRACE_S = 10.0
+
+
 @contextmanager
-def cancel_requested(every_s: float = 2.0, flow_run_id=None):
-    """An Event set once this flow run (or `flow_run_id`) is being cancelled. Served and worker runs also get
-    SIGTERM, which Prefect raises in this thread (launch's `finally` kills the job); an in-process run only has
-    this. An API error is logged once and the watch goes on: Cancel works again as soon as the API answers."""
+def cancel_requested(every_s: float = 2.0, flow_run_id=None, sigterm_grace_s: float = SIGTERM_GRACE_S):
+    """An Event set once this flow run (or `flow_run_id`) is being cancelled: at once for a run with no deployment
+    (in-process, `verlflow run --prefect`). A deployment's run (served, or a worker's) is stopped by the SIGTERM its
+    runner or worker sends, which Prefect raises in this thread (the stage task's `cancelled`): there the Event is
+    the fallback, set if no SIGTERM came within sigterm_grace_s. An API error is logged once and the watch goes
+    on: Cancel works again as soon as the API answers."""
     cancel, stop = threading.Event(), threading.Event()
     flow_run_id = flow_run_id or get_run_context().task_run.flow_run_id
     try:
@@ -59,11 +70,11 @@ def cancel_requested(every_s: float = 2.0, flow_run_id=None):
         log = logging.getLogger(__name__)
 
     def watch():
-        failing = False
+        failing, seen = False, None
         with get_client(sync_client=True) as client:
             while not stop.wait(every_s):
                 try:
-                    state = client.read_flow_run(flow_run_id).state
+                    run = client.read_flow_run(flow_run_id)
                 except Exception as e:
                     if not failing:
                         log.warning("cancel watcher: cannot read flow run %s's state (%s: %s); still trying every "
@@ -71,9 +82,11 @@ def cancel_requested(every_s: float = 2.0, flow_run_id=None):
                                     type(e).__name__, e, every_s)
                     failing = True
                     continue
-                if state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED):
-                    cancel.set()
-                    return
+                if run.state is not None and run.state.type in CANCEL_STATES:
+                    seen = seen or time.monotonic()
+                    if run.deployment_id is None or time.monotonic() - seen >= sigterm_grace_s:
+                        cancel.set()
+                        return
 
     ctx = contextvars.copy_context()  # the caller's Prefect settings (API URL) and run context
     threading.Thread(target=ctx.run, args=(watch,), name="verlflow-cancel-watch", daemon=True).start()
@@ -81,6 +94,22 @@ def cancel_requested(every_s: float = 2.0, flow_run_id=None):
         yield cancel
     finally:
         stop.set()
+
+
+def is_cancel(exc: BaseException, flow_run_id) -> bool:
+    """Whether `exc` is how a Cancel of this flow run reached this thread: the watcher's (a StageFailure of kind
+    CANCELLED, the job already killed), or the SIGTERM a runner or worker sends (Prefect raises a BaseException;
+    the launcher and warm pool have killed the job on their way out) while the server has the run Cancelling."""
+    if isinstance(exc, StageFailure):
+        return exc.kind is FailureKind.CANCELLED
+    if isinstance(exc, Exception):
+        return False
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(flow_run_id).state
+    except Exception:  # the API is down: a SIGTERM we cannot explain stays a crash
+        return False
+    return state is not None and state.type in CANCEL_STATES
 
 
 @task(name="stage", cache_policy=NO_CACHE, persist_result=False, retries=1, retry_delay_seconds=5,
@@ -93,17 +122,23 @@ def run_stage_task(stage: str, iteration, inputs: dict[str, str], bp: Blueprint,
     store, out = open_store(bp), stage_key(run_id, iteration, stage)
     # Every line to the stage's log file; a rank's traceback as one ERROR record in the task's logs.
     sink = LineSink(stage_log_path(store, run_id, stage, iteration), log.log)
-    with cancel_requested() as cancel, sink:
-        ctx = RunContext(bp, run_id, on_line=sink, cancel=cancel, pools=pools, store=store)
-        # Slurm and Kubernetes allocate devices themselves; a reused stage needs none; a warm pool's slots are
-        # held by its flow (pipeline_slots).
-        if bp.resources.backend != "local" or bp.resources.warm_pool or (
-                not force and is_committed(ctx, stage, iteration, inputs)):
-            res = run_stage(ctx, stage, iteration, inputs, force=force)
-        else:
-            log.info(f"[verlflow] {stage}[{iteration}] needs {ranks} slot(s) of {limit_name(bp.resources.device)}")
-            with device_slots(bp.resources.device, ranks):
+    try:
+        with cancel_requested() as cancel, sink:
+            ctx = RunContext(bp, run_id, on_line=sink, cancel=cancel, pools=pools, store=store)
+            # Slurm and Kubernetes allocate devices themselves; a reused stage needs none; a warm pool's slots are
+            # held by its flow (pipeline_slots).
+            if bp.resources.backend != "local" or bp.resources.warm_pool or (
+                    not force and is_committed(ctx, stage, iteration, inputs)):
                 res = run_stage(ctx, stage, iteration, inputs, force=force)
+            else:
+                log.info(f"[verlflow] {stage}[{iteration}] needs {ranks} slot(s) of "
+                         f"{limit_name(bp.resources.device)}")
+                with device_slots(bp.resources.device, ranks):
+                    res = run_stage(ctx, stage, iteration, inputs, force=force)
+    except BaseException as e:
+        if is_cancel(e, get_run_context().task_run.flow_run_id):  # Cancelled, not Crashed (SIGTERM) or Failed
+            return Cancelled(message=f"{stage}[{iteration}] was cancelled: its job was killed")
+        raise
     create_markdown_artifact(summary_markdown(f"{stage}[{iteration}]", res, store, out),
                              description=f"{stage}[{iteration}]")
     if res.skipped:  # named in the task list; StageTask hands the result to the flow
@@ -150,7 +185,10 @@ class StageTask:
         return StageTask(self.task.with_options(**options))
 
     def __call__(self, *args, **kwargs) -> StageResult:
-        return self.task(*args, return_state=True, **kwargs).result()
+        state = self.task(*args, return_state=True, **kwargs)
+        if state.is_cancelled():  # the flow ends Cancelled on this (flows/finetune.py)
+            raise StageFailure(FailureKind.CANCELLED, state.message or "cancelled")
+        return state.result()
 
 
 def summary_markdown(name: str, res: StageResult, store: ArtifactStore, out: str) -> str:
@@ -167,13 +205,13 @@ def summary_markdown(name: str, res: StageResult, store: ArtifactStore, out: str
     out_md += ["", "| timing | seconds |", "|---|---|"]
     out_md += [f"| {k} | {v} |" for k, v in sorted(m.get("timings", {}).items())]
     committed = m.get("committed_at") or "in the background (the manifest appears there when the commit lands)"
-    out_md += ["", f"- Artifacts: {location(store, out)}, manifest {link(store.uri(out + '/manifest.json'))}",
+    out_md += ["", f"- Artifacts: {location(store, out)}, manifest {location(store, out + '/manifest.json')}",
                f"- key `{m.get('key')}`, committed {committed}, world size {m.get('world_size')}"]
     if m.get("stage") == "checkpoint":
-        pointer = store.uri(f"pointers/runs/{m['run_id']}/latest.json")
-        when = "when its background commit lands" if res.pending else "at its commit"
-        out_md.append(f"- Policy (HF folder): {location(store, out + '/hf')}, promoted as the run's latest {when} "
-                      f"(pointer {link(pointer)})")
+        pointer = location(store, f"pointers/runs/{m['run_id']}/latest.json")
+        verdict = ("its commit has not landed yet: the promotion gate decides on it when it lands" if res.pending
+                   else export_verdict(store, m["run_id"], m["iteration"]))
+        out_md.append(f"- Policy (HF folder): {location(store, out + '/hf')}; {verdict} (pointer {pointer})")
     if m.get("lineage"):
         src = m["lineage"][-1]
         out_md.append(f"- warm-started from `{src['stage']}` (run {src['run_id']}, iteration {src['iteration']})")

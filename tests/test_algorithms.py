@@ -136,6 +136,51 @@ def test_the_update_loss_equals_verls_function_called_directly(loss, fields):
     assert torch.allclose(got, want, rtol=0, atol=1e-7), (float(got), float(want))
 
 
+def test_a_critics_training_is_reported_under_verls_names(tiny_kit, tmp_path):
+    """adv_estimator gae: the update's metrics (what MLflow, TensorBoard, compare and promote.metric read) carry the
+    critic's vf_loss, vf_clipfrac, vpred_mean (verl's compute_value_loss and its critic/* names) and the values'
+    explained variance (verl's compute_data_metrics), on one rank of the tiny kit's real models."""
+    from verl.trainer.ppo import core_algos
+    from verl.utils.torch_functional import masked_mean
+
+    from verlflow.core.metrics import CRITIC_KEYS, available, flat
+    from verlflow.core.ml import model as M, ppo
+    from verlflow.core.ml.optim import make_optimizer
+    from verlflow.core.ml.placement import Placement
+
+    bp = tiny_blueprint(tiny_kit, tmp_path, "resources.nproc_per_node=1", "algorithm.adv_estimator=gae",
+                        "data.batch_size=2", "rollout.n=4", "algorithm.ppo_mini_batch_size=2",
+                        "algorithm.ppo_micro_batch_size_per_gpu=8", "promote.metric=update/vf_explained_var")
+    torch.manual_seed(0)
+    policy, critic = (M.build_module(bp.model.path, bp, critic=c) for c in (False, True))
+    models = ppo.Models(ppo.Trainee(policy, make_optimizer(policy, bp)),
+                        ppo.Trainee(critic, make_optimizer(critic, bp, critic=True)))
+    g = torch.Generator().manual_seed(0)
+    N, P, R = 8, 5, 6
+    mask = torch.ones(N, R, dtype=torch.long)
+    mask[::2, 4:] = 0
+    batch = {"prompts": torch.randint(3, 60, (N, P), generator=g), "prompt_mask": torch.ones(N, P, dtype=torch.long),
+             "responses": torch.randint(3, 60, (N, R), generator=g), "response_mask": mask,
+             "scores": torch.rand(N, generator=g), "group": torch.arange(N) // 4}
+    at = Placement(0, 1, "cpu")
+    old = ppo.score_all(policy, batch, bp, at)
+    values = ppo.score_all(critic, batch, bp, at, critic=True)
+    data, adv_metrics = ppo.prepare(bp, batch, old, old, values, iteration=1)
+    metrics = {**adv_metrics, **ppo.update_metrics(ppo.train(bp, models, data, at))}
+
+    m = mask.float()  # one micro-batch: the critic's first forward is `values` again
+    info = {"dp_size": 1, "batch_num_tokens": int(m.sum()), "global_batch_size": N}
+    vf_loss, vf_clipfrac = core_algos.compute_value_loss(values, data.ret, values, m, bp.algorithm.cliprange_value,
+                                                         bp.algorithm.loss_agg_mode, **info)
+    ret, val = data.ret[m.bool()], values[m.bool()]
+    want = {"vf_loss": float(vf_loss), "vf_clipfrac": float(vf_clipfrac), "vpred_mean": float(masked_mean(values, m)),
+            "vf_explained_var": float(1 - torch.var(ret - val) / (torch.var(ret) + 1e-5))}
+    assert {k: metrics[k] for k in want} == pytest.approx(want, abs=1e-5), metrics
+    assert metrics["vf_loss"] > 0 and metrics["critic_grad_norm"] > 0
+    named = flat("update", metrics)
+    assert {f"update/{k}" for k in CRITIC_KEYS} <= set(named) & set(available(bp)), named
+
+
 @pytest.fixture
 def half_uniform_reward(tmp_path, monkeypatch):
     """A reward module: prompts whose answer starts with an even digit score 0 whatever the response (uniform

@@ -168,3 +168,44 @@ def test_gpu_call_refuses_a_bad_plan_and_parsers_refuse_bad_names():
                          (e2e.parser(), ["--configs", "baseline,fp8_correct"])):
         with pytest.raises(SystemExit):
             parser.parse_args(argv)
+
+
+def _collected(*args: str) -> list[str]:
+    """The test ids pytest selects with these arguments (collection only)."""
+    got = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert got.returncode in (0, 5), got.stdout[-2000:] + got.stderr[-2000:]  # 5: none selected
+    return [line for line in got.stdout.splitlines() if "::" in line]
+
+
+def test_gpu_call_tests_plan_runs_every_triton_kernel_test():
+    """The `tests` plan selects each test of tests/test_triton_kernels.py (a `-k cuda` over it selected none of
+    them): for every pytest command the plan prints, that file's tests under the command's own -k."""
+    import shlex
+
+    every = _collected("tests/test_triton_kernels.py")
+    assert len(every) >= 8
+    selected = []
+    for line in _gpu_call("--print", "tests").stdout.splitlines():
+        cmd = shlex.split(line)
+        if "tests/test_triton_kernels.py" not in cmd:
+            continue
+        k = cmd[cmd.index("-k") + 1:cmd.index("-k") + 2] if "-k" in cmd else []
+        selected += _collected("tests/test_triton_kernels.py", *(["-k", *k] if k else []))
+    assert sorted(selected) == sorted(every)
+
+
+def test_gpu_call_e2e_plan_turns_tracking_off(tmp_path):
+    """The `e2e` plan's blueprint has no tracking backend: the GPU image has no mlflow, and the blueprint's default
+    backend stopped the pipeline at validate."""
+    import shlex
+
+    from verlflow.core.blueprint import load_blueprint
+
+    e2e = benchmark_script.load("e2e.py")
+    (cmd,) = [shlex.split(line) for line in _gpu_call("--print", "e2e").stdout.splitlines() if "e2e.py" in line]
+    args = e2e.parser().parse_args(cmd[2:])
+    kit = {"model_dir": str(ROOT / "tiny/qwen2/model"), "train_file": str(tmp_path / "train.parquet")}
+    for config in args.configs.split(","):
+        bp = load_blueprint(e2e.BLUEPRINT, e2e.overrides(args, kit, tmp_path / "store", config))
+        assert bp.tracking.backends == [], config

@@ -116,6 +116,33 @@ def test_file_uri_and_relative_store_folder(tmp_path):
     assert load_blueprint(f, ["storage.uri=file:///x/y"]).storage.uri == "file:///x/y"
 
 
+@pytest.mark.parametrize("uri, what", [
+    ("s3://bucket/team-a/../../team-b", "'..' segments"), ("s3://bucket/team-a/./x", "'.' segments"),
+    ("s3://bucket/team-a//x", "empty ('//') segments"), ("file:///srv/team-a/../team-b", "'..' segments"),
+    ("file://srv/store", "is relative to the current folder"), ("s3:///team-a", "starts with its bucket")])
+def test_a_store_uri_must_name_one_place(tmp_path, capsys, uri, what):
+    """A file:// or s3:// storage.uri is the literal prefix of every key: one with '..' (or '.', '//') is refused at
+    load, naming storage.uri and the line, and the CLI touches no store (before: validated, then used as
+    s3://bucket/team-a/../../team-b/_probe/...)."""
+    from verlflow.core.orchestrate.cli import main
+
+    f = write(tmp_path / "bp.yaml", f"name: x\nstorage:\n  uri: {uri}\n")
+    assert f"{f}:3: storage.uri: " in error_of(f) and what in error_of(f)
+    for argv in (["validate-blueprint", str(f)], ["run", str(f), "--run-id", "r"]):
+        assert main(argv) != 0
+        err = capsys.readouterr().err
+        assert "storage.uri: " in err and what in err and "Traceback" not in err, err
+
+
+def test_a_plain_store_folder_may_climb_from_the_blueprints_folder(tmp_path):
+    """A plain folder path is resolved against the blueprint's folder, `..` included: the folder it names is the
+    store's root, and its keys stay under it."""
+    f = write(tmp_path / "exp/bp.yaml", "storage:\n  uri: ../artifacts\n")
+    assert load_blueprint(f).storage.uri == str(tmp_path / "artifacts")
+    for fine in ("s3://bucket/team-a/", "file:///srv/team-a", "/srv/team-a/../team-b"):
+        assert load_blueprint(f, [f"storage.uri={fine}"]).storage.uri == fine
+
+
 def test_overrides_apply_to_nested_fields_with_types(tmp_path):
     f = write(tmp_path / "bp.yaml", "rollout:\n  temperature: 1.0\nfsdp:\n  version: 2\n")
     bp = load_blueprint(f, ["rollout.temperature=0.7", "fsdp.version=1", "model.trust_remote_code=true",

@@ -503,7 +503,10 @@ def test_ls_lists_runs_and_stage_states(tmp_path, capsys):
         store.commit(f"runs/r1/{it}/{stage}", {"key": f"k-{stage}"}, {"x.bin": {"sha256": "0" * 64, "size": 1}})
     store.put_bytes("runs/r1/1/update/partial.bin", b"half")  # data without a manifest
     assert main(["ls", f"storage.uri={tmp_path / 's'}"]) == 0
-    assert capsys.readouterr().out.split() == ["r1"]
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["r1", "unknown"] in [r[:2] for r in rows]  # a run recorded before runs had plans: 0 updates of ?
+    assert rows[rows.index(["run", "state", "started", "iterations", "reward", "promoted"]) + 1] == \
+        ["r1", "unknown", "0/?"]
     assert main(["ls", f"storage.uri={tmp_path / 's'}", "--run", "r1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[:2] for line in lines] == [["build[init]", "committed"], ["rollout[1]", "committed"],
@@ -615,3 +618,157 @@ def test_a_user_error_in_a_stage_prints_one_message_and_the_log_file(tiny_kit, t
     assert "[rank0] " in p.stdout and "| inputs | NO |" in p.stdout  # the ordinary lines reached the terminal
     for line in p.stdout.splitlines() + text.splitlines():
         assert line.count("[rank") <= 1, line  # one rank prefix per line
+
+
+# ---------------------------------------------------------------------------------------------------
+# What a newcomer meets: progress, the start-up wait, `verlflow ls`, pipes.
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def run_in_pty(argv: list, env: dict, cwd: Path, timeout: float = 300) -> tuple[int, str]:
+    """The command with a pseudo-terminal (80 columns) as its stdout and stderr, as a person's shell runs it."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+    import time
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 80, 0, 0))
+    p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env, cwd=cwd)
+    os.close(slave)
+    out, deadline = b"", time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if select.select([master], [], [], 1)[0]:
+                try:
+                    data = os.read(master, 1 << 16)
+                except OSError:  # EIO: every writer closed the terminal
+                    break
+                if not data:
+                    break
+                out += data
+            elif p.poll() is not None:
+                break
+        return p.wait(timeout=30), out.decode(errors="replace")
+    finally:
+        os.close(master)
+        if p.poll() is None:
+            p.kill()
+
+
+def test_run_shows_progress_on_a_terminal_and_plain_lines_in_a_pipe(reference, tmp_path):
+    """Piped (a log file, CI): the stage lines, the warm workers' start said before its wait, the update's epochs
+    and mini-batches of their totals, and one plain line per iteration with the ETA; no escape codes. On a
+    terminal: rich's bar with iteration i/N instead of those lines."""
+    from tinybp import tiny_overrides
+
+    _, root = reference.copy(tmp_path)
+    args = tiny_overrides(reference.kit, root, iterations=2, storage__keep_last_checkpoints=3)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VERLFLOW_CACHE_DIR": str(tmp_path / "cache")}
+    p = subprocess.run([VERLFLOW, "rerun", "eq", *args, "--from", "rollout[1]"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr
+    lines = p.stdout.splitlines()
+    assert not ANSI.search(p.stdout) and "━" not in p.stdout
+    launch = next(i for i, line in enumerate(lines) if line.startswith("[verlflow] rollout[1] -> "))
+    assert lines[launch + 1].startswith("[verlflow] starting 2 warm worker(s) for rollout"), lines[launch:launch + 3]
+    assert sum(bool(re.search(r"verlflow\.update: epoch 1/1 mini-batch [12]/2: pg_loss", line)) for line in lines) == 4
+    ends = [line for line in lines if line.startswith("[verlflow] iteration ")]
+    assert len(ends) == 2, lines
+    assert re.fullmatch(r"\[verlflow\] iteration 1/2 done: elapsed (\d+m)?\d+s, ETA (\d+m)?\d+s", ends[0]), ends
+    assert re.fullmatch(r"\[verlflow\] iteration 2/2 done: elapsed (\d+m)?\d+s", ends[1]), ends
+
+    rc, out = run_in_pty([VERLFLOW, "rerun", "eq", *args], env, tmp_path)  # every stage reused: seconds
+    assert rc == 0, out[-3000:]
+    plain = ANSI.sub("", out)
+    assert "━" in plain and re.search(r"━ 2/2 iterations elapsed (\d+m)?\d+s", plain), plain[-2000:]
+    assert "[verlflow] iteration" not in plain  # the bar, not the pipe's lines
+
+
+def _ls(args: list, tmp_path: Path, columns: int = 80) -> tuple[str, dict]:
+    """`verlflow ls` as a terminal of `columns` would show it: (its output, {run id: {column: cell}})."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": str(columns)}
+    p = subprocess.run([VERLFLOW, "ls", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stderr == "", p.stdout + p.stderr
+    lines = p.stdout.splitlines()
+    head = next((i for i, line in enumerate(lines) if line.startswith("run ")), None)
+    if head is None:
+        return p.stdout, {}
+    assert max(map(len, lines)) <= columns, p.stdout  # the table fits the terminal
+    starts = [m.start() for m in re.finditer(r"(?<!\S)\S", lines[head])]
+    rows: list[list[str]] = []
+    for line in lines[head + 1:-1]:  # the last line: the hint
+        cells = [line[a:b].strip() for a, b in zip(starts, starts[1:] + [None])]
+        if cells[2 if "blueprint" in lines[head] else 1]:
+            rows.append(cells)
+        else:  # a folded cell's next line
+            rows[-1] = [a + b if b else a for a, b in zip(rows[-1], cells)]
+    names = lines[head].split()
+    return p.stdout, {r[0]: dict(zip(names, r)) for r in rows}
+
+
+def test_ls_is_a_table_of_the_blueprints_runs(reference, tmp_path):
+    """`verlflow ls BLUEPRINT`: the blueprint's runs with their state (committed, running: a live lease,
+    incomplete), start, iterations done of planned, promote.metric's best and which holds the promoted policy;
+    --all adds other blueprints' runs; an empty store says so and how to start a run."""
+    import datetime as dt
+
+    from reference import clone_stages
+    from tinybp import tiny_overrides
+    from verlflow.core.orchestrate.pipeline import plan, record_plan
+    from verlflow.core.orchestrate.runner import open_store
+    from verlflow.core.store.lease import run_lease
+
+    bp, root = reference.copy(tmp_path)
+    store = open_store(bp)
+    stopped = "eq-stopped-after-its-first-iteration-by-a-kill"  # longer than its column: folds, whole
+    clone_stages(store, "eq", stopped, [("init", "validate"), ("init", "build"), (1, "rollout"), (1, "update"),
+                                        (1, "checkpoint")])
+    record_plan(store, bp, stopped, plan(bp, stopped))
+    other = bp.model_copy(update={"name": "someone-else"})
+    clone_stages(store, "eq", "theirs", [("init", "validate")])
+    record_plan(store, other, "theirs", plan(other, "theirs"))
+    args = tiny_overrides(reference.kit, root, iterations=2, storage__keep_last_checkpoints=3)
+    rewards = [store.read_manifest(f"runs/eq/{i}/rollout")["metrics"]["reward_mean"] for i in (1, 2)]
+    with run_lease(store, "starting", say=lambda line: None):  # a run that holds its lease, nothing committed yet
+        out, runs = _ls([*args, "promote.metric=rollout/reward_mean"], tmp_path)
+    assert " ".join(out.split()).startswith(f"3 run(s) of blueprint {bp.name} in file://{root}; best: the highest "
+                                            "rollout/reward_mean"), out
+    started = dt.datetime.fromisoformat(store.read_manifest("runs/eq/init/validate")["committed_at"]).astimezone()
+    best = max((1, 2), key=lambda i: rewards[i - 1])
+    assert runs["eq"] == {"run": "eq", "state": "committed", "started": f"{started:%Y-%m-%d %H:%M}",
+                          "iterations": "2/2", "best": f"{rewards[best - 1]:.4g} (it {best})",
+                          "promoted": "yes, it 2"}, out
+    assert runs[stopped]["state"] == "incomplete" and runs[stopped]["iterations"] == "1/2", out
+    assert runs[stopped]["best"] == f"{rewards[0]:.4g} (it 1)" and runs[stopped]["promoted"] == "", out
+    assert runs["starting"]["state"] == "running", out
+    assert set(runs) == {"eq", stopped, "starting"}, out  # not another blueprint's
+
+    out, runs = _ls([*args, "--all"], tmp_path, columns=120)
+    assert runs["theirs"]["blueprint"] == "someone-else" and runs["theirs"]["iterations"] == "0/2", out
+    assert runs["eq"]["reward"] == f"{rewards[1]:.4g} (it 2)" and "reward: the last rollout's" in out, out
+
+    out, runs = _ls([*args, f"storage.uri={tmp_path / 'nothing'}"], tmp_path)
+    assert out.startswith(f"no runs of blueprint {bp.name} in file://{tmp_path / 'nothing'}; start one with "
+                          f"`verlflow run model.path={reference.kit['model_dir']} ") and not runs, out
+
+
+@pytest.mark.parametrize("verb", ["validate-blueprint", "schema", "ls"])
+def test_a_reader_that_goes_away_ends_the_command_quietly(verb, tiny_kit, tmp_path):
+    """`verlflow validate-blueprint ... | head -2`: once the reader has closed the pipe, the command stops with
+    the shell's code for it, 141, and no traceback."""
+    inputs = [f"model.path={tiny_kit['model_dir']}", f"data.train_files=[{tiny_kit['train_file']}]",
+              f"storage.uri={tmp_path / 'store'}"]
+    argv = {"validate-blueprint": [str(REPO / "blueprints/tiny-cpu.yaml"), *inputs,
+                                   f"eval.files=[{tiny_kit['test_file']}]"], "schema": [], "ls": inputs}[verb]
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    try:
+        p = subprocess.run([VERLFLOW, verb, *argv], stdout=write, stderr=subprocess.PIPE, text=True, timeout=120,
+                           cwd=tmp_path)
+    finally:
+        os.close(write)
+    assert p.returncode == 141 and p.stderr == "", p.stderr

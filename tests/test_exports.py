@@ -161,7 +161,7 @@ def test_export_every_two_of_five_exports_and_promotes_at_2_4_5_only_and_a_rerun
     arts = api(prefect_server, "/artifacts/filter", {"artifacts": {"key": {"any_": ["e-summary"]},
                                                                    "flow_run_id": {"any_": [fr]}}})
     summary = max(arts, key=lambda a: a["created"])["data"]  # one version per row
-    assert "5 of 5 iterations done" in summary and "Policy of iteration 5 (HF folder), promoted:" in summary
+    assert "5 of 5 iterations done" in summary and "- Promoted policy: iteration 5; HF folder:" in summary
     assert "runs/e/5/checkpoint/hf" in summary
 
 

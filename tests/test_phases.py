@@ -12,6 +12,7 @@ import shutil
 import threading
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -207,6 +208,65 @@ def test_a_missing_or_short_phase_dataset_is_named_before_anything_runs(tiny_kit
                for p in problems), problems
     assert any(p.startswith("phases[2].data.train_files: 256 rows, fewer than phases[2].algorithm.mini_batch_size=512")
                for p in problems), problems
+
+
+def _with_phase_file(folder: Path, kind: str, write) -> Path:
+    """tiny-phases.yaml (beside the kit) with its `kind` phase's dataset replaced by a copy that `write` changes."""
+    yaml_file = folder / "blueprints/tiny-phases.yaml"
+    kit_file = f"../tiny/qwen2/data/{kind}.parquet"
+    bad = folder / f"bad-{kind}.parquet"
+    pq.write_table(write(pq.read_table(yaml_file.parent / kit_file)), bad)
+    yaml_file.write_text(yaml_file.read_text().replace(kit_file, str(bad)))
+    return yaml_file
+
+
+@pytest.mark.parametrize("kind, write, want", [
+    ("dpo", lambda t: t.drop(["rejected"]), "phases[2].data.train_files: {bad} lacks column(s) ['rejected']"),
+    ("sft", lambda t: t.set_column(1, "response", pa.array([None] + t["response"].to_pylist()[1:], pa.string())),
+     "phases[1].data.train_files[0]: {bad} row 0: `response` is empty or not a string"),
+])
+def test_a_phase_dataset_with_a_bad_column_is_refused_before_anything_is_committed(tiny_kit, tmp_path, capsys,
+                                                                                  kind, write, want):
+    """The phase's own reader (core/ml/phasedata.py) runs in the CLI's preflight: a dpo file without `rejected`, an
+    sft row without its response, are refused by validate-blueprint and run, naming the phase, file and column,
+    with nothing written to the store (before: validate passed and the run reached build)."""
+    from verlflow.core.orchestrate.cli import main
+
+    phased_blueprint(tiny_kit, tmp_path)
+    yaml_file = _with_phase_file(tmp_path, kind, write)
+    want = want.format(bad=tmp_path / f"bad-{kind}.parquet")
+    for argv in (["validate-blueprint", str(yaml_file)], ["run", str(yaml_file), "--run-id", "bad"]):
+        assert main([*argv, f"storage.uri={tmp_path / 'store'}"]) != 0
+        err = capsys.readouterr().err
+        assert want in err and "Traceback" not in err, err
+    assert not (tmp_path / "store").exists()
+
+
+def test_phase_rows_over_their_max_length_are_named_by_validate(tiny_kit, tmp_path):
+    """What only the tokenizer tells (the validate stage's tier, core/orchestrate/preflight.py): a phase row
+    longer than its algorithm.max_length, named before build rather than in the phase's own stage."""
+    from verlflow.core.ml.model import load_tokenizer
+    from verlflow.core.orchestrate.preflight import phase_problems
+
+    bp = phased_blueprint(tiny_kit, tmp_path)
+    tok = load_tokenizer(bp.model.path)
+    assert phase_problems(bp, tok) == []
+    bp.phases[2].algorithm.max_length = 12
+    problems = phase_problems(bp, tok)
+    assert len(problems) == 1 and problems[0].startswith("phases[2].algorithm.max_length=12: the pair at "), problems
+    assert "dpo.parquet row 0" in problems[0] and "raise phases[2].algorithm.max_length" in problems[0]
+
+
+def test_validates_key_holds_what_it_checks_of_the_phases(tiny_kit, tmp_path):
+    """A changed phase dataset is checked again on a rerun (validate's key), a changed dpo beta is not."""
+    from verlflow.core.orchestrate.runner import key_sections
+
+    bp = phased_blueprint(tiny_kit, tmp_path)
+    key = lambda b: b.section_hash(*key_sections("validate", b))  # noqa: E731
+    beta, data = bp.model_copy(deep=True), bp.model_copy(deep=True)
+    beta.phases[2].algorithm.beta = 0.3
+    data.phases[2].data.train_files = [str(tmp_path / "other.parquet")]
+    assert key(beta) == key(bp) != key(data)
 
 
 # -- a user stage: blueprints/tiny-judge.yaml's JudgeStage against a stub judge --------------------------------------

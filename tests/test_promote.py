@@ -52,3 +52,96 @@ def test_promote_moves_latest_pointers(tmp_path):
             p = store.get_pointer(name)
             assert p["iteration"] == it and p["update"] == f"runs/r/{it}/update"
     assert json.loads((tmp_path / "store/pointers/blueprints/nm/latest.json").read_text())["metrics"]["reward_mean"] == 0.2
+
+
+def _evaluated(store: ArtifactStore, run_id: str, it: int, reward: float) -> None:
+    """A committed evaluation of iteration `it` (0: the start policy)."""
+    store.commit(f"runs/{run_id}/{it}/evaluate", {"key": f"e{it}", "stage": "evaluate",
+                                                  "metrics": {"reward_mean": reward}}, {})
+
+
+def _exported(store: ArtifactStore, bp: Blueprint, run_id: str, it: int, reward: float) -> dict | None:
+    """Iteration `it` evaluated at `reward`, its checkpoint stage committed, then the gate: what promote returns."""
+    _evaluated(store, run_id, it, reward)
+    out = f"runs/{run_id}/{it}/checkpoint"
+    store.commit(out, {"key": f"c{it}", "stage": "checkpoint", "metrics": {}}, {})
+    job = JobSpec.model_construct(run_id=run_id, iteration=it, output=out,
+                                  inputs={"update": f"runs/{run_id}/{it}/update", "build": f"runs/{run_id}/init/build"})
+    return promote(store, bp, job, {"metrics": {}})
+
+
+def test_the_gate_promotes_only_a_policy_better_than_the_start_and_the_summary_says_which(tmp_path, caplog):
+    """The start policy's evaluation (evaluate[0]) is the score to beat for the run's and the blueprint's pointers;
+    the blueprint's also has its best across runs."""
+    from verlflow.core.store.promote import export_verdict, promotion_status
+
+    store = ArtifactStore(tmp_path / "store")
+    bp = Blueprint(name="g", storage={"uri": str(tmp_path / "store")}, eval={"files": ["held.parquet"]},
+                   promote={"metric": "eval/reward_mean", "min_delta": 0.01})
+    _evaluated(store, "r", 0, 0.5)
+    with caplog.at_level("INFO", logger="verlflow.promote"):
+        for it, reward in ((1, 0.2), (2, 0.505)):  # worse; better by less than min_delta
+            assert _exported(store, bp, "r", it, reward) is None
+    for name in ("runs/r/latest", "runs/r/best", "blueprints/g/latest", "blueprints/g/best"):
+        assert store.get_pointer(name) is None, name
+    assert ("not promoted: r iteration 1 has eval/reward_mean=0.2, not better than its start policy's "
+            "eval/reward_mean=0.5 (evaluate[0]) by more than promote.min_delta=0.01") in caplog.text
+    assert promotion_status(store, bp, "r") == (
+        "No policy promoted: no export of this run beat its start policy's eval/reward_mean=0.5 (evaluate[0]) by "
+        "more than promote.min_delta=0.01, so the start policy stays the one to use")
+    assert export_verdict(store, "r", 2) == "not promoted: the run's latest pointer names no policy"
+    _evaluated(store, "q", 0, 0.5)  # a run whose first export is still committing: nothing to say yet
+    assert promotion_status(store, bp, "q") == "No policy promoted: no export of this run has been committed yet"
+
+    _exported(store, bp, "r", 3, 0.6)
+    for name in ("runs/r/latest", "blueprints/g/latest"):
+        assert store.get_pointer(name)["iteration"] == 3, name
+    assert promotion_status(store, bp, "r") == "Promoted policy: iteration 3 (eval/reward_mean=0.6)"
+    assert (export_verdict(store, "r", 3), export_verdict(store, "r", 2)) == (
+        "promoted: the run's latest pointer names it", "not promoted: the run's latest pointer names iteration 3")
+
+    # Another run beats its own start but not the blueprint's best: only its run's pointer moves.
+    _evaluated(store, "s", 0, 0.1)
+    _exported(store, bp, "s", 1, 0.3)
+    assert store.get_pointer("runs/s/latest")["iteration"] == 1
+    assert store.get_pointer("blueprints/g/latest")["run_id"] == "r"
+
+
+def test_a_chain_gives_each_run_its_place_once_and_its_cursor_only_moves_forward(tmp_path):
+    from verlflow.core.store.chain import advance, join
+
+    store = ArtifactStore(tmp_path / "store")
+    first = join(store, "c", "r1", cursor=6, data_seed=7)  # a new chain: at the first run's warm start's cursor
+    assert first == {"position": 0, "data_cursor": 6, "data_seed": 7}
+    advance(store, "c", 14)
+    assert join(store, "c", "r2", cursor=0, data_seed=9) == {"position": 1, "data_cursor": 14, "data_seed": 7}
+    assert join(store, "c", "r1", cursor=0, data_seed=9) == first  # a rerun (even of its build) keeps its place
+    advance(store, "c", 10)  # an earlier run resumed: the chain is further on already
+    assert join(store, "c", "r3", cursor=0, data_seed=9)["data_cursor"] == 14
+    doc = store.get_pointer("blueprints/c/chain")
+    assert [(r["run_id"], r["position"]) for r in doc["runs"]] == [("r1", 0), ("r2", 1), ("r3", 2)]
+    assert not any("runs/" in json.dumps(v) for v in doc.values())  # no stage key: retention pins nothing for it
+
+
+def test_the_run_summary_names_the_policy_the_pointer_names_never_the_last_export(tmp_path):
+    """A 3-iteration run whose best evaluation is iteration 2: its summary names iteration 2, while the export of
+    iteration 3 still commits in the background (the gate decides on it when it lands: no claim), and after."""
+    from verlflow.tasks.report import run_summary
+
+    store = ArtifactStore(tmp_path / "store")
+    bp = Blueprint(name="s", iterations=3, storage={"uri": str(tmp_path / "store")}, eval={"files": ["held.parquet"]},
+                   promote={"metric": "eval/reward_mean"})
+    rows = [{"iteration": i, "reward_mean": None} for i in (1, 2, 3)]
+    _evaluated(store, "r", 0, 0.1)
+    _exported(store, bp, "r", 1, 0.3)
+    _exported(store, bp, "r", 2, 0.5)
+    hf2 = store.uri("runs/r/2/checkpoint/hf").removeprefix("file://")
+    pending = run_summary(store, bp, "r", rows)  # checkpoint[3] not committed yet
+    assert f"- Promoted policy: iteration 2 (eval/reward_mean=0.5); HF folder: `{hf2}`" in pending, pending
+    assert ("The export of iteration 3 is still committing in the background: the promotion gate decides on it "
+            "when its commit lands") in pending
+    assert "iteration 3" not in pending.replace("export of iteration 3", "")
+    _exported(store, bp, "r", 3, 0.4)
+    landed = run_summary(store, bp, "r", rows)
+    assert f"- Promoted policy: iteration 2 (eval/reward_mean=0.5); HF folder: `{hf2}`" in landed, landed
+    assert "still committing" not in landed

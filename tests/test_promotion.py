@@ -1,6 +1,6 @@
 """Promotion decided by a metric (promote.metric, mode, min_delta): the gated `latest` pointers of a run and of its
 blueprint, the `best` pointers, `verlflow promote RUN ITER` and `verlflow rollback NAME`, and validate's list of
-metric names.
+metric names; a recurring chain (schedule.init_from: previous): its start policies, data cursor and seeds.
 
 The nightly story runs on a real evaluation (eval/reward_mean on the tiny task's held-out split). The other gate
 tests steer update/step, the optimizer steps taken so far: it grows with every iteration, so with promote.mode min
@@ -20,8 +20,8 @@ import pytest
 from tinybp import ONE_RANK, prompt_rows, tiny_blueprint
 
 from verlflow.core.orchestrate.cli import main
-from verlflow.core.orchestrate.pipeline import plan, run_pipeline, warm_start_source
-from verlflow.core.orchestrate.runner import RunContext, open_store, run_stage
+from verlflow.core.orchestrate.pipeline import run_pipeline
+from verlflow.core.orchestrate.runner import open_store
 from verlflow.core.store.retention import retain
 
 VERLFLOW = str(Path(sys.executable).with_name("verlflow"))
@@ -42,55 +42,100 @@ def anti(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def test_a_night_whose_evaluation_gets_worse_moves_no_pointer_and_the_next_starts_from_the_promoted(
-        tiny_kit, tmp_path, monkeypatch):
-    """The gate on a real evaluation: night 1 learns the tiny task and is promoted by eval/reward_mean (its held-out
-    split, greedy); night 2 warm-starts from it and trains against the task (its reward is 1 - the task's, while the
-    evaluation keeps scoring the task): its evaluations get worse, so the blueprint's latest and best stay on night
-    1, and night 3 warm-starts from night 1's policy."""
+def test_a_run_that_never_beats_its_start_policy_promotes_nothing_and_says_so(tiny_kit, tmp_path, monkeypatch,
+                                                                              capsys):
+    """The gate on a real evaluation (eval/reward_mean on the tiny task's held-out split, greedy): the base model's
+    evaluation (evaluate[0]) is the score to beat. A run trained against the task (its reward is 1 - the task's;
+    the evaluation keeps scoring the task) never beats it, so neither its run's nor its blueprint's pointer moves,
+    and the CLI's summary and the gate's log say why."""
     from verlflow.core.metrics import available, of_iteration
+    from verlflow.core.orchestrate.logsink import log_folder
+    from verlflow.core.store.promote import export_verdict
+    from tinybp import tiny_overrides
 
     (tmp_path / "antireward.py").write_text(ANTI_REWARD)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     monkeypatch.syspath_prepend(str(tmp_path))  # the driver's validate resolves the reward too
     eval_file = tmp_path / "held.parquet"
     pq.write_table(pq.read_table(tiny_kit["test_file"]).slice(0, 8), eval_file)
-
-    def bp(*more):
-        return tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "resources.warm_workers=true", "name=nightly",
-                              f"eval.files={json.dumps([str(eval_file)])}", "eval.before_train=false",
-                              "eval.reward=tiny_digits", "promote.metric=eval/reward_mean", "algorithm.lr=1e-2",
-                              *more)
-
-    def evals(run_id, iterations):
-        return {i: of_iteration(store, run_id, i)["eval/reward_mean"] for i in iterations}
-
-    first = bp("iterations=2")
-    run_pipeline(first, "n1", **QUIET)
-    store = open_store(first)
-    night1 = evals("n1", (1, 2))
-    top = 2 if night1[2] > night1[1] else 1  # strictly better moves the pointer (min_delta 0)
-    for name in ("runs/n1/latest", "blueprints/nightly/latest", "runs/n1/best", "blueprints/nightly/best"):
-        assert (pointer(store, name)["run_id"], pointer(store, name)["iteration"]) == ("n1", top), name
-    best = pointer(store, "blueprints/nightly/best")
-    assert (best["metric"], best["value"]) == ("eval/reward_mean", night1[top])
-    assert [e["by"] for e in pointer(store, "blueprints/nightly/latest")["history"]] == ["gate"] * top
+    overrides = tiny_overrides(tiny_kit, tmp_path / "store", *ONE_RANK, "resources.warm_workers=true", "name=worse",
+                               f"eval.files={json.dumps([str(eval_file)])}", "eval.reward=tiny_digits",
+                               "promote.metric=eval/reward_mean", "algorithm.lr=1e-2", "iterations=1",
+                               "reward.function=antireward:anti")
+    assert main(["run", *overrides, "--run-id", "w"]) == 0
+    out = capsys.readouterr().out
+    store = open_store(tiny_blueprint(tiny_kit, tmp_path / "store"))
+    evals = {i: of_iteration(store, "w", i)["eval/reward_mean"] for i in (0, 1)}
+    assert evals[1] <= evals[0], evals  # trained against the task: no better held out
+    for name in ("runs/w/latest", "runs/w/best", "blueprints/worse/latest", "blueprints/worse/best"):
+        assert pointer(store, name) is None, name
+    assert (f"No policy promoted: no export of this run beat its start policy's eval/reward_mean={evals[0]:.4g} "
+            "(evaluate[0])") in out, out
+    assert "latest policy (HF folder)" not in out
+    gate_log = "".join(f.read_text() for f in log_folder(store, "w").glob("*.log"))
+    assert (f"not promoted: w iteration 1 has eval/reward_mean={evals[1]}, not better than its start policy's "
+            f"eval/reward_mean={evals[0]} (evaluate[0])") in gate_log, gate_log
+    assert export_verdict(store, "w", 1) == "not promoted: the run's latest pointer names no policy"
     # the names the run recorded (eval's included) are among those validate offers for promote.metric
-    assert set(of_iteration(store, "n1", 2)) <= set(available(first))
+    assert set(of_iteration(store, "w", 1)) <= set(available(tiny_blueprint(tiny_kit, tmp_path, *overrides)))
 
-    second = bp("iterations=2", "schedule.init_from=previous", "reward.function=antireward:anti")
-    run_pipeline(second, "n2", **QUIET)
-    assert store.read_manifest("runs/n2/init/build")["inputs"]["warm_start"]["stage"] == f"runs/n1/{top}/update"
-    night2 = evals("n2", (1, 2))
-    assert max(night2.values()) < night1[top], (night1, night2)  # trained against the task: worse held out
-    for name in ("blueprints/nightly/latest", "blueprints/nightly/best"):
-        assert (pointer(store, name)["run_id"], pointer(store, name)["iteration"]) == ("n1", top), name
-    assert pointer(store, "runs/n2/latest")["run_id"] == "n2"  # the run's own pointer follows its own best
 
-    third = bp("iterations=1", "schedule.init_from=previous")  # its build is all this needs: where it starts from
-    (build,) = [s for s in plan(third, "n3", warm_start_source(third, "n3")) if s.stage == "build"]
-    run_stage(RunContext(third, "n3", **QUIET), "build", "init", build.inputs)
-    assert store.read_manifest("runs/n3/init/build")["inputs"]["warm_start"]["stage"] == f"runs/n1/{top}/update"
+def trained_rows(store_root: Path, run_id: str, iteration: int) -> list[int]:
+    """The prompt rows (of the train file) an iteration's rollout sampled, in its batch's order."""
+    samples = pq.read_table(store_root / f"runs/{run_id}/{iteration}/rollout/samples.parquet").to_pylist()
+    return [row for _, row in sorted({s["group"]: s["row"] for s in samples}.items())]
+
+
+def test_a_recurring_chain_starts_from_the_promoted_policy_continues_the_data_and_never_repeats_a_training(
+        tiny_kit, tmp_path):
+    """The issue's nights: four one-iteration runs of one blueprint with schedule.init_from: previous, gated by
+    update/step with mode min. Run 1 starts from the base model (nothing promoted yet); runs 2 to 4 take as many
+    steps, so none beats run 1 and each starts from run 1's policy again. Still, the chain's prompts run on from
+    run to run, across epochs (an 8-row train file: each epoch visits every row once), each run has its own seed
+    (a rerun keeps it), and no two runs train on the same rows from the same policy with the same seed."""
+    train_file = tmp_path / "train8.parquet"
+    pq.write_table(pq.read_table(tiny_kit["train_file"]).slice(0, 8), train_file)
+    root = tmp_path / "store"
+
+    def run(run_id: str) -> list:
+        lines: list[str] = []
+        bp = tiny_blueprint(tiny_kit, root, *GATED, "promote.mode=min", "name=chain", "schedule.init_from=previous",
+                            f"data.train_files={json.dumps([str(train_file)])}")
+        results = run_pipeline(bp, run_id, on_line=lines.append)
+        logs[run_id] = "\n".join(lines)
+        return results
+
+    def build(run_id: str) -> dict:
+        return store.read_manifest(f"runs/{run_id}/init/build")
+
+    def warm_start(run_id: str) -> str | None:
+        return build(run_id)["inputs"].get("warm_start", {}).get("stage")
+
+    store, logs, nights = open_store(tiny_blueprint(tiny_kit, root)), {}, ("c1", "c2", "c3", "c4")
+    for run_id in nights:
+        run(run_id)
+    latest = pointer(store, "blueprints/chain/latest")
+    assert (latest["run_id"], [e["run_id"] for e in latest["history"]]) == ("c1", ["c1"])  # the others failed it
+    assert [warm_start(r) for r in nights] == [None] + ["runs/c1/1/update"] * 3
+    built = {r: build(r)["metrics"] for r in nights}
+    assert "the base model" in built["c1"]["start"] and "named no policy of another run" in built["c1"]["start"]
+    assert all("the policy of run c1 iteration 1" in built[r]["start"] for r in nights[1:])
+    assert "build: starts from the policy of run c1 iteration 1" in logs["c4"]  # the build's log says it too
+
+    # The chain's prompts: each run starts where the one before left off (4 prompts an iteration), in one order.
+    assert [built[r]["chain_position"] for r in nights] == [0, 1, 2, 3]
+    assert [built[r]["data_cursor"] for r in nights] == [0, 4, 8, 12]
+    assert len({built[r]["data_seed"] for r in nights}) == 1
+    rows = {r: trained_rows(root, r, 1) for r in nights}
+    stream = [row for r in nights for row in rows[r]]
+    assert sorted(stream[:8]) == sorted(stream[8:]) == list(range(8)), stream  # each epoch: every row once
+
+    # Each run its own seed; no training repeated.
+    seeds = [built[r]["seed"] for r in nights]
+    assert len(set(seeds)) == 4, seeds
+    assert len({(tuple(rows[r]), warm_start(r), built[r]["seed"]) for r in nights}) == 4
+    # A rerun keeps its seed and its place in the chain: every stage is reused.
+    assert all(res.skipped for res in run("c2"))
 
 
 def test_mode_max_promotes_every_better_policy(tiny_kit, tmp_path):
@@ -178,6 +223,12 @@ def test_validate_refuses_an_unknown_promote_metric_and_lists_the_names(tiny_kit
         assert name in err
     assert main(["validate-blueprint", *base, "promote.metric=eval/openai/gsm8k/accuracy"]) == 0, capsys.readouterr()
     assert main(["validate-blueprint", *base, "promote.metric=eval/other/accuracy"]) != 0
+    capsys.readouterr()
+    # an evaluation metric needs the start policy's evaluation: the score a run must beat to promote anything
+    assert main(["validate-blueprint", *base, "promote.metric=eval/accuracy", "eval.before_train=false"]) != 0
+    err = capsys.readouterr().err
+    assert "promote.metric=eval/accuracy" in err and "set eval.before_train: true" in err, err
+    assert main(["validate-blueprint", *base, "promote.metric=update/kl_loss", "eval.before_train=false"]) == 0
     assert not (tmp_path / "store").exists()
 
 

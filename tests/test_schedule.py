@@ -7,14 +7,18 @@ shared test server has it off) and `verlflow serve` running the deployment.
 - Runs created through the API within one second, for the same start, get distinct run ids too (the start time
   alone does not make a run id: these ids are random, the random part of the id does).
 - A schedule added in the UI survives a restart of `verlflow serve`.
+- Runs of a deployment with init_from: previous take turns (flows/common.py: take_turn): the rules of who goes
+  first, the deployment's concurrency limit, and eight runs queued behind a long one under a process worker.
 """
 
 import datetime as dt
+import os
+import subprocess
 import time
 
 import pytest
 from tinybp import ONE_RANK, tiny_blueprint
-from prefect_server import _stop, api, manifest, start_serve, start_server, write_blueprint
+from prefect_server import PREFECT, ROOT, Served, _stop, api, manifest, start_serve, start_server, write_blueprint
 
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
 
@@ -79,6 +83,9 @@ def test_a_scheduled_batch_gets_three_run_ids_that_train_and_warm_start_in_order
     for prev, build in zip(run_ids, builds[1:]):
         assert build["inputs"]["warm_start"]["stage"] == f"runs/{prev}/1/update"
     assert [e["run_id"] for e in builds[2]["lineage"]] == run_ids[:2]  # base -> night 1 -> night 2 -> night 3
+    # the chain's prompts run on from night to night (4 an iteration), each night with its own seed
+    assert [(b["metrics"]["chain_position"], b["metrics"]["data_cursor"]) for b in builds] == [(0, 0), (1, 4), (2, 8)]
+    assert len({b["metrics"]["seed"] for b in builds}) == 3
 
 
 def test_runs_created_in_the_same_second_through_the_api_get_distinct_run_ids(sched_server, tiny_kit, tmp_path):
@@ -122,13 +129,15 @@ def test_serve_restart_keeps_schedules_added_in_the_ui(sched_server, tiny_kit, t
     assert schedules() == {("30 5 * * 1", True)}  # the blueprint's own goes with its cron; the UI's stays
 
 
-def test_a_run_waits_only_for_earlier_runs_that_are_running_or_about_to_start(sched_server, tiny_kit, tmp_path):
-    """The rules that keep the order without a deadlock: runs scheduled later, an earlier run awaiting a Retry
-    (its build keeps its warm start) and a due run the runner has not started for a minute hold nobody up."""
+def test_a_run_goes_after_earlier_runs_that_run_or_wait_for_their_first_turn(sched_server, tiny_kit, tmp_path):
+    """The rules of `take_turn`: an earlier run goes first while it runs, is queued for the deployment's slot,
+    is due (a runner at its --limit may hold it back: it starts first once a process is free) or gave its turn
+    back. Runs scheduled later, an earlier run that has ended before (a Retry of it keeps the warm start its
+    build recorded, queued or not) and one moved to a later start hold nobody up."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from verlflow.flows.common import START_GRACE_S, earlier_unfinished_runs
+    from verlflow.flows.common import QUEUED, runs_ahead
     from verlflow.flows.deploy import finetune_deployment
 
     bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "name=order")
@@ -136,26 +145,134 @@ def test_a_run_waits_only_for_earlier_runs_that_are_running_or_about_to_start(sc
     with temporary_settings({PREFECT_API_URL: sched_server.url}):
         dep_id = str(finetune_deployment(bp).apply())
 
-    def run(hours_ago: float, *states: str, due_s_ago: float = 0) -> str:
-        """A run scheduled `hours_ago`, then taken through `states` ("Scheduled" is due `due_s_ago`)."""
+    def run(hours_ago: float, *states: str, due_in_s: float = 0) -> str:
+        """A run scheduled `hours_ago`, then taken through `states` (a Scheduled one due in `due_in_s`)."""
         at = (now - dt.timedelta(hours=hours_ago)).isoformat()
         r = api(sched_server, f"/deployments/{dep_id}/create_flow_run",
                 {"state": {"type": "SCHEDULED", "state_details": {"scheduled_time": at}}})
         for name in states:
-            due = {"scheduled_time": (now - dt.timedelta(seconds=due_s_ago)).isoformat()}
-            kind = "SCHEDULED" if name in ("Scheduled", "AwaitingRetry") else name.upper()
+            due = {"scheduled_time": (now + dt.timedelta(seconds=due_in_s)).isoformat()}
+            kind = "SCHEDULED" if name in ("Scheduled", "AwaitingRetry", QUEUED) else name.upper()
             api(sched_server, f"/flow_runs/{r['id']}/set_state", {"force": True, "state": {
                 "type": kind, "name": name, "state_details": due if kind == "SCHEDULED" else {}}})
         return r["id"]
 
     running = run(5, "Running")
-    due_now = run(4, "Scheduled")  # due, never ran: the runner is about to start it
-    awaiting_retry = run(3, "Running", "Failed", "AwaitingRetry")
-    run(2, "Scheduled", due_s_ago=START_GRACE_S + 30)  # due long ago and not started: held back by a limit
+    queued = run(4.5, QUEUED, due_in_s=20)  # asks for the slot again in 20 s
+    due_now = run(4, "Scheduled")  # its runner is about to start it
+    gave_back = run(3.5, "Running", QUEUED, due_in_s=20)
+    run(3, "Running", "Failed", "AwaitingRetry")
+    run(2.5, "Running", "Failed", "AwaitingRetry", QUEUED, due_in_s=20)  # a Retry queued for the slot
+    held_back = run(2.2, "Scheduled", due_in_s=-90)
+    run(2, "Scheduled", due_in_s=86400)  # moved to tomorrow
     run(1.5, "Running", "Completed")
     me = run(1, "Running")
-    run(0.5, "Running")  # scheduled after me
+    run(0.5, QUEUED, due_in_s=20)  # scheduled after me
     with temporary_settings({PREFECT_API_URL: sched_server.url}), get_client(sync_client=True) as client:
-        assert client.read_flow_run(awaiting_retry).run_count == 1
-        waits_for = [str(r.id) for r in earlier_unfinished_runs(client.read_flow_run(me), client)]
-    assert waits_for == [running, due_now]
+        ahead = [str(r.id) for r in runs_ahead(client.read_flow_run(me), client)]
+    assert ahead == [running, queued, due_now, gave_back, held_back]
+
+
+def test_deploy_gives_a_recurring_deployment_one_slot_that_queues_and_takes_it_back(sched_server, tiny_kit, tmp_path):
+    """`verlflow deploy` of a blueprint with schedule.init_from: previous: a concurrency limit of one run with the
+    ENQUEUE strategy (its other runs wait as Scheduled); deployed again with init_from: base, the limit goes."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from verlflow.flows.deploy import deploy
+
+    def limit(init_from: str):
+        bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "name=turns", f"schedule.init_from={init_from}")
+        with temporary_settings({PREFECT_API_URL: sched_server.url}):
+            dep = api(sched_server, f"/deployments/{deploy(bp)}")
+        gcl = dep["global_concurrency_limit"]
+        return gcl and (gcl["limit"], dep["concurrency_options"]["collision_strategy"])
+
+    assert limit("previous") == (1, "ENQUEUE")
+    assert limit("base") is None
+
+
+def start_worker(server, pool: str, log, *args: str) -> Served:
+    """`prefect worker start --pool POOL` against `server`, polling every second; returns once it polls."""
+    out = open(log, "w")
+    proc = subprocess.Popen([PREFECT, "worker", "start", "--pool", pool, *args], cwd=ROOT, stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **server.env, "PREFECT_WORKER_QUERY_SECONDS": "1",
+                                 "PYTHONPATH": str(ROOT / "tests")})  # the flow's module, turnflow
+    out.close()
+    served = Served(proc, log)
+    deadline = time.monotonic() + 60
+    while "started!" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            served.stop()
+            pytest.fail(f"prefect worker did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    return served
+
+
+def states(server, run_id: str) -> list[dict]:
+    return sorted(api(server, "/flow_run_states/?flow_run_id=" + run_id), key=lambda s: at(s["timestamp"]))
+
+
+def at(iso: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(iso)
+
+
+def test_eight_runs_queued_behind_a_long_one_wait_as_scheduled_and_each_runs_in_order(sched_server, tmp_path):
+    """Runs of a deployment with schedule.init_from: previous take turns on the SQLite server: eight runs come due
+    (out of creation order, some at the same second) while a long one holds the turn, and a process worker
+    (`verlflow deploy`'s setup) at its --limit of two runs them. While waiting none is Pending or Running (no
+    process, no polling);
+    every one of them runs, none crashes, and each starts after the one scheduled before it has ended. The runs
+    take their turn as `finetune` does and then hold it (tests/turnflow.py): a training each would cost minutes."""
+    from prefect.deployments.runner import EntrypointType
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from turnflow import RECURRING, turns
+
+    from verlflow.flows.common import turn_limit
+    from verlflow.flows.deploy import ensure_process_pool
+
+    with temporary_settings({PREFECT_API_URL: sched_server.url}):
+        ensure_process_pool("turns")
+        dep_id = str(turns.to_deployment("queue", work_pool_name="turns", entrypoint_type=EntrypointType.MODULE_PATH,
+                                         concurrency_limit=turn_limit(RECURRING)).apply())
+    worker = start_worker(sched_server, "turns", tmp_path / "worker.log", "--limit", "2")
+
+    def create(at: dt.datetime, hold_s: float) -> str:
+        return api(sched_server, f"/deployments/{dep_id}/create_flow_run", {
+            "parameters": {"hold_s": hold_s},
+            "state": {"type": "SCHEDULED", "state_details": {"scheduled_time": at.isoformat()}}})["id"]
+
+    def snapshot() -> dict[str, dict]:
+        return {r["id"]: r for r in api(sched_server, "/flow_runs/filter",
+                                        {"deployments": {"id": {"any_": [dep_id]}}})}
+
+    try:
+        long = create(dt.datetime.now(dt.timezone.utc), hold_s=10)
+        deadline = time.monotonic() + 120
+        while api(sched_server, f"/flow_runs/{long}")["state_type"] != "RUNNING":
+            assert time.monotonic() < deadline, "the long run never started"
+            time.sleep(0.5)
+        soon = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=3)
+        # created latest first, two pairs due at the same second
+        queued = [create(soon + dt.timedelta(seconds=s), hold_s=0) for s in (5, 4, 3, 2, 2, 1, 0, 0)]
+        deadline, seen = time.monotonic() + 400, []
+        while not all((runs := snapshot())[i]["state_type"] in FINAL for i in [long, *queued]):
+            assert time.monotonic() < deadline, {i: r["state_name"] for i, r in runs.items()}
+            seen.append(runs)
+            time.sleep(1)
+    finally:
+        worker.stop()
+    order = sorted(queued, key=lambda i: (at(runs[i]["expected_start_time"]), i))
+    assert [runs[i]["state_name"] for i in [long, *order]] == ["Completed"] * 9, worker.log.read_text()[-3000:]
+    for snap in seen:
+        active = sorted(r["name"] for r in snap.values() if r["state_type"] in ("PENDING", "RUNNING", "CANCELLING"))
+        assert len(active) <= 1, active  # one run holds the turn; the others wait as Scheduled
+        if snap[long]["state_type"] == "RUNNING":
+            assert all(snap[i]["state_type"] == "SCHEDULED" for i in queued if i in snap)
+    assert any(r["state_name"] == "AwaitingConcurrencySlot" for snap in seen for r in snap.values())
+    ended = None
+    for i in [long, *order]:  # each run's turn (its last Running) starts after the previous one has ended
+        hist = states(sched_server, i)
+        turn = [at(s["timestamp"]) for s in hist if s["type"] == "RUNNING"][-1]
+        assert ended is None or turn >= ended, (runs[i]["name"], turn, ended)
+        ended = [at(s["timestamp"]) for s in hist if s["type"] == "COMPLETED"][-1]

@@ -19,6 +19,7 @@ import ast
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -227,6 +228,61 @@ def test_yaml_tags_that_construct_objects_are_refused(tiny_kit, tmp_path, payloa
     with pytest.raises(BlueprintError, match="not valid YAML"):
         load_blueprint(None, [f"model.path={tiny_kit['model_dir']}", f"name={value}"])
     assert not mark.exists(), "a YAML tag ran code"
+
+
+def _laughs(levels: int = 9) -> list[str]:
+    """A billion laughs: each level a list of nine aliases of the one before (9**9 values from ~400 bytes)."""
+    lines = ['a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for prev, name in zip("abcdefghi", "bcdefghij"[:levels - 1]):
+        lines.append(f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]")
+    return lines
+
+
+# Runs `verlflow` on each argv in one child process whose address space is capped (RLIMIT_AS): a loader that
+# expands a bomb fails there with a MemoryError, not by taking the machine's memory.
+BOUNDED_CHILD = """
+import contextlib, io, json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+from verlflow.core.orchestrate.cli import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except BaseException as e:  # MemoryError and the like: what the test must never see
+            rc = repr(e)
+    out.append([rc, err.getvalue()])
+print(json.dumps({"results": out, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
+"""
+
+
+def test_yaml_that_expands_past_a_blueprints_size_is_refused_in_bounded_memory(tmp_path):
+    """A few hundred bytes of nested aliases (9**9 values expanded), as a file and as an override value; a 16 MB
+    string; a 500k-item list; an alias inside its own value. Each is refused with one line saying why, in a child
+    whose address space is capped at 1 GiB (before: the bomb drove validate-blueprint past 3 GB)."""
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("name: laughs\n" + "\n".join(_laughs()) + "\nseed: *i\n")
+    inline = "[" + ", ".join(line.split(": ", 1)[1] for line in _laughs()) + "]"
+    (tmp_path / "long.yaml").write_text("name: '" + "a" * (16 << 20) + "'\n")
+    (tmp_path / "list.yaml").write_text("name: x\nseed: [" + ",".join(["1"] * 500_000) + "]\n")  # under 1 MiB
+    (tmp_path / "loop.yaml").write_text("name: x\nseed: &s [1, *s]\n")
+    (tmp_path / "plain.yaml").write_text("name: x\n")
+    cases = [(["validate-blueprint", str(bomb)], "values (at most 20,000 are read): its aliases"),
+             (["validate-blueprint", str(tmp_path / "plain.yaml"), f"seed={inline}"],
+              "aliases (*name) repeat anchored (&name) values"),
+             (["validate-blueprint", str(tmp_path / "long.yaml")], "characters of YAML; a blueprint is a few KB"),
+             (["validate-blueprint", str(tmp_path / "list.yaml")], "list.yaml:2: the YAML holds more than 20,000"),
+             (["validate-blueprint", str(tmp_path / "loop.yaml")], "loop.yaml:2: an alias (*name) inside the value")]
+    p = subprocess.run([sys.executable, "-c", BOUNDED_CHILD, json.dumps([argv for argv, _ in cases])],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads(p.stdout.splitlines()[-1])
+    for (argv, want), (rc, err) in zip(cases, report["results"]):
+        assert rc == 2 and want in err and "Traceback" not in err, (argv[1][:60], rc, err[-600:])
+    expanded = re.search(r"would expand to ([\d,]+) values", report["results"][0][1])
+    assert int(expanded.group(1).replace(",", "")) > 9 ** 9  # counted, not built
+    assert report["max_rss_mb"] < 512, report  # measured 65 MB (the 16 MB text, read once, and the imports)
 
 
 # ------------------------------------------------------------------------------ deserialization in the code

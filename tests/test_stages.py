@@ -235,6 +235,7 @@ def test_architectures_fsdp_versions_and_estimators(tiny_kit, tiny_llama_kit, tm
     assert all(row["grad_norm"] > 0 for row in update["mini_batches"])
     if estimator == "gae":
         assert "critic_params" in build and "vf_loss" in update["mini_batches"][0]
+        assert {"vf_loss", "vf_clipfrac", "vpred_mean", "vf_explained_var"} <= set(update)  # what trackers read
     assert (tmp_path / "runs/r/2/checkpoint/hf/model.safetensors").is_file()
     if kit["tie_word_embeddings"]:  # one head/embedding parameter on every rank: one optimizer state for it
         from torch.distributed.checkpoint import FileSystemReader

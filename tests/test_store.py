@@ -202,6 +202,54 @@ def test_unsafe_keys_are_refused(tmp_path, key):
     assert not any(tmp_path.rglob("x")) and not (tmp_path / "store").exists()
 
 
+def _key_args(store: ArtifactStore, tmp_path: Path, bad: str) -> dict:
+    """A value for every parameter name of the store's methods, the key-like ones `bad`."""
+    (tmp_path / "src").mkdir(exist_ok=True)
+    (tmp_path / "src/f.bin").write_bytes(b"x")
+    return {"key": bad, "stage_key": bad, "prefix": bad, "name": bad, "key_prefix": bad, "keys": [bad],
+            "data": b"x", "version": "v", "local": tmp_path / "src/f.bin", "local_dir": tmp_path / "src",
+            "manifest": {"key": "k"}, "files": {}, "checksums": False, "sizes": None, "folders": None, "value": {},
+            "change": lambda current: {"x": 1}, "rel": "f.bin", "rels": ["f.bin"]}
+
+
+KEYED = ("key", "stage_key", "prefix", "name", "key_prefix", "keys")
+
+
+def test_every_store_method_that_takes_a_key_refuses_one_that_escapes(tmp_path):
+    """Each public method of ArtifactStore that takes a key, a stage key, a prefix or a pointer name (found by
+    inspection, so a new one is covered) refuses `..` before touching the store."""
+    import inspect
+
+    store = ArtifactStore(tmp_path / "a/store")
+    checked = []
+    for name, fn in inspect.getmembers(ArtifactStore, inspect.isfunction):
+        params = list(inspect.signature(fn).parameters)[1:]
+        if name.startswith("_") or not set(params) & set(KEYED):
+            continue
+        for bad in ("../../outside", "runs/../../../outside"):
+            args = _key_args(store, tmp_path, bad)
+            with pytest.raises(UnsafeKeyError, match="is refused"):
+                getattr(store, name)(**{p: args[p] for p in params if p in args})
+        checked.append(name)
+    assert {"put_bytes", "update_pointer", "delete_if", "rm_files", "sizes", "upload_dir", "damage"} <= set(checked)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "outside").exists()
+
+
+@pytest.mark.parametrize("tail", ["team-a/../../team-b", "team-a/./x", "team-a//x"])
+def test_a_store_root_that_climbs_out_of_its_prefix_is_refused(s3_bucket, tmp_path, tail):
+    """The root is the prefix of every key: refused with '..', '.' or '//' for s3:// and file:// alike (before:
+    s3://bucket/team-a/../../team-b/_probe/... was written). A plain folder path is the folder it names."""
+    for uri in (f"{s3_bucket.uri}/{tail}", f"file://{tmp_path}/{tail}"):
+        with pytest.raises(UnsafeKeyError, match=r"Store URI .* is refused: it has .* segments"):
+            ArtifactStore(uri).probe()
+    assert s3_bucket.client().list_objects_v2(Bucket=s3_bucket.name).get("KeyCount", 0) == 0
+    assert not any(tmp_path.iterdir())
+    (tmp_path / "team-a").mkdir()
+    plain = ArtifactStore(f"{tmp_path}/team-a/../team-b")
+    plain.put_bytes("x.txt", b"x")
+    assert (tmp_path / "team-b/x.txt").read_bytes() == b"x"
+
+
 def test_safe_names():
     assert safe_key("runs/r1/0/build/model.safetensors") == "runs/r1/0/build/model.safetensors"
     assert stage_key("r-1.a_b", 3, "update") == "runs/r-1.a_b/3/update"

@@ -1,11 +1,13 @@
-"""Experiment tracking (core/tracking): a real `mlflow server` read back through MlflowClient, TensorBoard event
-files read back with tensorboard's EventAccumulator, an offline W&B run read back from its .wandb file, and
-validate's refusal of an unreachable tracking.mlflow_uri. Runs start from a copy of the reference run (every stage
-reused, nothing logged yet), so only the forced update[2] rerun computes anything."""
+"""Experiment tracking (core/tracking): a real `mlflow server` read back through MlflowClient (and its UI in
+headless Chromium), TensorBoard event files read back with tensorboard's EventAccumulator, an offline W&B run read
+back from its .wandb file, and validate's refusal of an unreachable tracking.mlflow_uri. Runs start from a copy of
+the reference run (every stage reused, nothing logged yet), so only the forced update[2] rerun computes anything."""
 
 import glob
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import struct
@@ -16,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from sysdeps import unavailable
 from tinybp import ONE_RANK, tiny_overrides
 
 from verlflow.core.metrics import flat
@@ -88,10 +91,12 @@ def test_mlflow_server_one_run_per_verlflow_run(reference, tmp_path, mlflow_serv
     url, stop_server = mlflow_server
     bp, root = _tracked_copy(reference, tmp_path, backends=["mlflow"], mlflow_uri=url)
     run_id, lines = reference.run_id, []
+    client = MlflowClient(tracking_uri=url)
+    client.create_experiment(bp.name)  # as an earlier release created it: no experiment kind
     run_pipeline(bp, run_id, on_line=lines.append)
 
-    client = MlflowClient(tracking_uri=url)
     exp = client.get_experiment_by_name(bp.name)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # a model-training experiment
 
     def the_run():
         runs = client.search_runs([exp.experiment_id])
@@ -104,6 +109,8 @@ def test_mlflow_server_one_run_per_verlflow_run(reference, tmp_path, mlflow_serv
     assert run.info.status == "FINISHED"
     params = run.data.params
     assert params["algorithm.lr"] == str(bp.algorithm.lr) and params["iterations"] == "2"
+    assert params["resources.backend"] == "local"  # a local run: no Slurm or Kubernetes settings
+    assert not [k for k in params if k.startswith(("resources.slurm.", "resources.kubernetes."))]
     assert params["storage.uri"] == bp.storage.uri and params["data.batch_size"] == str(bp.data.batch_size)
     expected = {it: {**_metrics(bp, run_id, "rollout", it), **_metrics(bp, run_id, "update", it)} for it in (1, 2)}
     assert "rollout/reward_mean" in expected[1] and any(k.startswith("update/") for k in expected[1])
@@ -112,7 +119,8 @@ def test_mlflow_server_one_run_per_verlflow_run(reference, tmp_path, mlflow_serv
                                                 (2, pytest.approx(expected[2][name]))], name
     pointer = open_store(bp).get_pointer(f"runs/{run_id}/latest")
     assert run.data.tags["verlflow.promoted_model"] == pointer["hf_uri"]
-    assert mlflow_run_url(open_store(bp), run_id) == f"{url}/#/experiments/{exp.experiment_id}/runs/{uuid}"
+    assert mlflow_run_url(open_store(bp), run_id) == \
+        f"{url}/#/experiments/{exp.experiment_id}/runs/{uuid}?workflowType=machine_learning"
 
     run_pipeline(bp, run_id, on_line=lines.append)  # everything reused: nothing logged again
     assert the_run().info.run_id == uuid
@@ -137,6 +145,67 @@ def test_mlflow_server_one_run_per_verlflow_run(reference, tmp_path, mlflow_serv
     assert results[-1].manifest["stage"] == "checkpoint" and not results[-1].skipped  # the run went on to the end
     warned = [r.getMessage() for r in caplog.records if r.name == "verlflow.tracking"]
     assert len(warned) == 1 and "mlflow failed to log update[2]" in warned[0], warned
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _page_text(url: str, profile: Path) -> str:
+    """The text of `url` as headless Chromium renders it (the SPA runs for the virtual-time budget)."""
+    r = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                        "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
+                        "--virtual-time-budget=20000", "--dump-dom", url], capture_output=True, text=True, timeout=120)
+    body = re.sub(r"<(script|style)[^>]*>.*?</\1>", "", r.stdout, flags=re.S)
+    return " ".join(re.sub(r"<[^>]+>", " ", body).split())
+
+
+def test_a_flow_run_is_tagged_and_the_linked_mlflow_page_opens_on_model_training(prefect_server, reference,
+                                                                                    tmp_path, mlflow_server):
+    """Tracked from a Prefect flow: the MLflow run carries the flow run's UI page; a new experiment is a model-training
+    one; the page the run summary links opens in MLflow's Model training view (MLflow 3.17's UI shows every
+    experiment as GenAI, on its empty traces pages, unless the URL or the user's switch says otherwise)."""
+    from mlflow.tracking import MlflowClient
+    from prefect import flow
+    from prefect.context import get_run_context
+
+    from verlflow.core.orchestrate.pipeline import run_pipeline
+    from verlflow.core.orchestrate.runner import open_store
+    from verlflow.core.tracking import mlflow_run_url, summary_lines
+
+    if CHROMIUM is None:
+        unavailable("chromium is not installed (`make test` installs it)")
+    url, _ = mlflow_server
+    bp, _ = _tracked_copy(reference, tmp_path, backends=["mlflow"], mlflow_uri=url)
+
+    @flow
+    def tracked() -> str:
+        run_pipeline(bp, reference.run_id, on_line=lambda line: None)
+        return str(get_run_context().flow_run.id)
+
+    flow_run_id = tracked()
+    client = MlflowClient(tracking_uri=url)
+    exp = client.get_experiment_by_name(bp.name)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.data.tags["verlflow.prefect_flow_run"] == f"{prefect_server.ui}/runs/flow-run/{flow_run_id}"
+    page = mlflow_run_url(open_store(bp), reference.run_id)
+    assert summary_lines(open_store(bp), reference.run_id) == [f"- MLflow run: [{page}]({page})"]
+    text = _page_text(page, tmp_path / "chromium")
+    assert reference.run_id in text and "algorithm.lr" in text, text[:2000]  # the run's page, with its params
+    assert "Model registry" in text and "Observability" not in text, text[:2000]  # Model training's menu, not GenAI's
+
+
+def test_params_hold_the_backend_sections_that_apply():
+    """A Slurm run logs its slurm settings (not its shell setup, which may export a token) and no Kubernetes ones."""
+    from verlflow.core.blueprint import load_blueprint
+    from verlflow.core.tracking.params import blueprint_params
+
+    slurm = blueprint_params(load_blueprint(None, ["resources.backend=slurm", "resources.slurm.partition=gpu"]))
+    assert slurm["resources.slurm.partition"] == "gpu" and "resources.slurm.setup" not in slurm
+    assert not [k for k in slurm if k.startswith("resources.kubernetes.")]
+    local = blueprint_params(load_blueprint(None, []))
+    assert not [k for k in local if k.startswith(("resources.slurm.", "resources.kubernetes."))]
+    assert set(slurm) - set(local) == {k for k in slurm if k.startswith("resources.slurm.")}
 
 
 def test_tensorboard_event_files_hold_each_iteration(reference, tmp_path):

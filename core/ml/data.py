@@ -76,7 +76,9 @@ def load_prompts(files: list[str], prompt_key: str = "prompt", field: str = "dat
 
 
 def select(n_rows: int, cursor: int, batch_size: int, seed: int, shuffle: bool) -> np.ndarray:
-    """Indices of the `batch_size` prompts after `cursor` prompts were consumed; epochs reshuffle by seed."""
+    """Indices of the `batch_size` prompts after `cursor` prompts were consumed; epochs reshuffle by seed. The
+    cursor runs on across epochs, and across the runs of a recurring chain, which share one seed of this order
+    (verlflow.core.store.chain): each epoch visits every prompt once, whichever run reaches it."""
     orders: dict[int, np.ndarray] = {}
     out = []
     for pos in range(cursor, cursor + batch_size):

@@ -57,11 +57,13 @@ def build_module(model_dir: str | Path, bp: Blueprint, *, critic: bool = False, 
         attn = packing.register()
     kw = dict(dtype=DTYPES[bp.model.dtype], attn_implementation=attn,
               trust_remote_code=bp.model.trust_remote_code)
+    config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=bp.model.trust_remote_code)
     if critic:
-        kw["num_labels"] = 1
+        # A one-label head without dropout, as verl builds its critic (HF's default 0.1 would make the values the
+        # update trains differ from the ones its value clip is centred on).
+        config.num_labels, config.classifier_dropout = 1, 0.0
+        kw["config"] = config
     if meta or not any(Path(model_dir).glob("*.safetensors")):
-        config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=bp.model.trust_remote_code, **(
-            {"num_labels": 1} if critic else {}))
         from accelerate import init_empty_weights
 
         ctx = init_empty_weights(include_buffers=False) if meta else contextlib.nullcontext()

@@ -143,6 +143,10 @@ def micro_batches(bp: Blueprint, batch: dict, ids, at: Placement, *, forward_onl
 
 
 def _micro_forward(model, rows: Rows, idx, bp: Blueprint, device, critic: bool = False, pi2: bool = False):
+    from verlflow.core.orchestrate import memplan
+
+    # an out-of-memory error names the micro-batch (core/orchestrate/memplan.py Watch)
+    memplan.note(micro_batch_tokens=int(rows.inputs["attention_mask"][idx].sum()), samples=len(idx))
     t = 1.0 if critic else bp.rollout.temperature
     if bp.algorithm.use_remove_padding:
         return _forward_packed(model, rows, idx, device, t, critic, pi2)
@@ -236,11 +240,33 @@ def prepare(bp: Blueprint, batch: dict, old_logp, ref_logp, values=None, *, iter
     """The batch `train` takes: the rollout batch with its log-probs, values and advantages; plus the metrics of
     the advantage computation."""
     adv, ret, metrics = advantages(bp, batch, old_logp, ref_logp, values)
+    if values is not None:
+        metrics["vf_explained_var"] = explained_variance(values, ret, batch["response_mask"])
     weights = None
     if bp.algorithm.rollout_correction:
         weights, gap = rollout_correction(bp, batch, old_logp)
         metrics.update(gap)
     return PPOBatch(batch, iteration, old_logp, ref_logp, adv, ret, values, weights), metrics
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """How much of the returns' variance the critic's values (before this update) explain, over the response
+    tokens: verl's critic/vf_explained_var (metric_utils.compute_data_metrics), 1 = perfect, <= 0 = no better than
+    their mean."""
+    keep = mask.bool()
+    ret, val = returns[keep].double(), values[keep].double()
+    if ret.numel() < 2:
+        return float("nan")
+    return float(1.0 - torch.var(ret - val) / (torch.var(ret) + 1e-5))
+
+
+def update_metrics(history: list[dict]) -> dict:
+    """The update stage's loss metrics: the last mini-batch's policy terms and, with a critic, its value terms
+    (core/metrics.py names both)."""
+    from verlflow.core.metrics import CRITIC_KEYS, UPDATE_KEYS
+
+    last = history[-1]
+    return {k: last[k] for k in (*UPDATE_KEYS, *CRITIC_KEYS) if k in last}
 
 
 def rollout_correction(bp: Blueprint, batch: dict, old_logp: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -310,14 +336,15 @@ def train(bp: Blueprint, models: Models, data: PPOBatch, at: Placement, progress
     update = _Update(bp, data, at)
     N = len(update.mask)
     mini = bp.algorithm.ppo_mini_batch_size * bp.rollout.n
-    history = []
+    history, minis = [], -(-N // mini)
     for epoch in range(bp.algorithm.ppo_epochs):
         order = torch.from_numpy(np.random.default_rng([bp.seed, data.iteration, epoch]).permutation(N))
         for m0 in range(0, N, mini):
             row = update.mini_batch(models, order[m0:m0 + mini], epoch, m0 // mini)
             history.append(row)
-            if progress:
-                progress(f"epoch {epoch} mini-batch {m0 // mini}: pg_loss {row['pg_loss']:.4f} "
+            if progress:  # counted from 1, of their totals, as a training log reads
+                progress(f"epoch {epoch + 1}/{bp.algorithm.ppo_epochs} mini-batch {m0 // mini + 1}/{minis}: "
+                         f"pg_loss {row['pg_loss']:.4f} "
                          f"kl {row['kl_loss']:.4f} grad_norm {row['grad_norm']:.4f} {row['tokens_per_s']:.0f} tok/s"
                          + (f", {row['alloc_retries']} allocator retries" if row.get("alloc_retries") else ""))
     return history
@@ -421,23 +448,26 @@ class _Update:
         a, dev, d, world = self.bp.algorithm, self.at.device, self.data, self.at.world
         critic.model.train()
         critic.optimizer.zero_grad(set_to_none=True)
-        vf_loss_sum, clipfrac = 0.0, 0.0
+        vf_loss_sum, clipfrac, vpred_sum = 0.0, 0.0, 0.0
         n_micro = len(micro)
         for j, idx in enumerate(micro):
             _grad_sync(critic.model, self.bp, world, last=j == n_micro - 1)
             vpreds, _ = _micro_forward(critic.model, self.rows, idx, self.bp, dev, critic=True)
+            m = self.mask[idx].to(dev)
             vf_loss, vf_clipfrac = core_algos.compute_value_loss(
-                vpreds=vpreds, returns=d.ret[idx].to(dev), values=d.values[idx].to(dev),
-                response_mask=self.mask[idx].to(dev), cliprange_value=a.cliprange_value,
-                loss_agg_mode=a.loss_agg_mode, **info)
+                vpreds=vpreds, returns=d.ret[idx].to(dev), values=d.values[idx].to(dev), response_mask=m,
+                cliprange_value=a.cliprange_value, loss_agg_mode=a.loss_agg_mode, **info)
             (a.vf_coef * vf_loss).backward()
             vf_loss_sum += vf_loss.detach() / world
             clipfrac += float(vf_clipfrac) / n_micro / world
+            # the mini-batch's token mean over all ranks (the ranks' parts add up: not divided by world)
+            vpred_sum += (vpreds.detach() * m).sum() / info["batch_num_tokens"]
         norm = _clip(critic.model, a.grad_clip)
         if not torch.isfinite(norm):
             raise NonFiniteError(f"critic grad norm is {norm.item()}; nothing was committed. Lower algorithm.critic_lr.")
         critic.optimizer.step()
-        return {"vf_loss": vf_loss_sum, "vf_clipfrac": clipfrac, "critic_grad_norm": float(norm) / world}
+        return {"vf_loss": vf_loss_sum, "vf_clipfrac": clipfrac, "vpred_mean": vpred_sum,
+                "critic_grad_norm": float(norm) / world}
 
     def _mean_over_ranks(self, acc: dict) -> dict:
         """One device-to-host read for all of them (floats from verl's metrics join as device scalars)."""

@@ -1,4 +1,5 @@
-"""Supervised fine-tuning (SFT) data and loss, in the rollout batch layout the RL update reads.
+"""Supervised fine-tuning (SFT): its rows (read by core/ml/phasedata.py) in the rollout batch layout the RL update
+reads, and its loss.
 
 An SFT row becomes a rollout-shaped sample: `prompts` / `prompt_mask` (left-padded) hold the conversation up to
 where training starts, rendered with the generation prompt exactly as the rollout feeds it; `responses` /
@@ -13,107 +14,11 @@ of the trained tokens over the mini-batch's trained-token count, so micro-batche
 mini-batch's token mean.
 """
 
-from dataclasses import dataclass
-from pathlib import Path
-
-import pyarrow.parquet as pq
 import torch
 
 from verlflow.core.errors import InputError
-from verlflow.core.ml.data import missing_file_problems
 from verlflow.core.ml.generate import left_pad, prompt_ids
-
-ROLES = ("system", "user", "assistant")
-
-
-@dataclass
-class Conversations:
-    """Chat messages per row; training starts at message `start[i]` (an assistant turn) and covers every
-    assistant turn from there on. `origins` name each row for errors ("<file> row <i>")."""
-    messages: list[list[dict]]
-    start: list[int]
-    origins: list[str]
-
-    def __len__(self) -> int:
-        return len(self.messages)
-
-    @classmethod
-    def of(cls, messages: list[list[dict]]) -> "Conversations":
-        """Plain conversations: training starts at each one's first assistant turn."""
-        starts = [next((k for k, m in enumerate(msgs) if m.get("role") == "assistant"), -1) for msgs in messages]
-        return cls(list(messages), starts, [f"row {i}" for i in range(len(messages))])
-
-
-def _message(m, where: str) -> dict:
-    """One {role, content} message; parquet structs carry every key any row has, so absent ones (None) go."""
-    if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-        raise InputError(f"{where}: each message must be a {{role, content}} struct of strings (got {m!r}).")
-    return {k: v for k, v in m.items() if v is not None}
-
-
-def _chat(value, where: str) -> list[dict]:
-    """A column value as chat messages: a string is one user turn (verl's plain-prompt convention)."""
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    if not (isinstance(value, list) and value):
-        raise InputError(f"{where}: must be a non-empty list of {{role, content}} messages or a string "
-                         f"(got {type(value).__name__}).")
-    return [_message(m, where) for m in value]
-
-
-def _row(r: dict, multi_turn: bool, where: str) -> tuple[list[dict], int]:
-    """(messages, start) of one parquet row. A `prompt` chat list's own assistant turns (few-shot examples) stay
-    context, as in verl's single-turn SFTDataset: only `response` is trained."""
-    if multi_turn:
-        msgs = _chat(r["messages"], f"{where} `messages`")
-        start = next((k for k, m in enumerate(msgs) if m["role"] == "assistant"), -1)
-        if start < 0:
-            raise InputError(f"{where}: `messages` has no assistant turn (roles {[m['role'] for m in msgs]}); "
-                             "SFT trains on assistant turns: add one or drop the row.")
-    else:
-        resp = r["response"]
-        if not isinstance(resp, str) or not resp.strip():
-            raise InputError(f"{where}: `response` is empty or not a string ({resp!r}); give the answer text "
-                             "or drop the row.")
-        msgs = _chat(r["prompt"], f"{where} `prompt`") + [{"role": "assistant", "content": resp}]
-        start = len(msgs) - 1
-    if start == 0:
-        raise InputError(f"{where}: the conversation opens with an assistant turn; it needs a system or user "
-                         "turn before it to be the prompt. Add one or drop the row.")
-    empty = [k for k, m in enumerate(msgs[start:], start) if m["role"] == "assistant" and not m["content"].strip()]
-    if empty:
-        raise InputError(f"{where}: assistant message(s) {empty} are empty; give their text or drop the row.")
-    return msgs, start
-
-
-def load_sft_rows(files: list[str], field: str = "phases[0].data.train_files") -> Conversations:
-    """The conversations of the parquet `files` (the blueprint's list `field`, which errors name), in verl's SFT
-    conventions: a `messages` column (multi-turn, verl's MultiTurnSFTDataset), or `prompt` (string or chat list,
-    as verl's RL data stores it) + `response` (string) columns (verl's SFTDataset)."""
-    if missing := missing_file_problems(files, field):
-        raise InputError(" ".join(p.replace("in verl's RL schema", "with SFT rows") for p in missing))
-    out = Conversations([], [], [])
-    for i, f in enumerate(files):
-        try:
-            table = pq.read_table(f)
-        except Exception as e:
-            raise InputError(f"{field}[{i}]: {f} is not a readable parquet file ({e}).") from None
-        cols = table.column_names
-        multi_turn = "messages" in cols
-        if not multi_turn and not {"prompt", "response"} <= set(cols):
-            raise InputError(f"{field}[{i}]: {f} has no `messages` column and no `prompt`+`response` columns; "
-                             f"columns are {cols}. Give multi-turn chats as `messages` (a list of {{role, content}}) "
-                             "or single turns as `prompt` (string or chat list) and `response` (string).")
-        if table.num_rows == 0:
-            raise InputError(f"{field}[{i}]: {f} has no rows.")
-        keep = ["messages"] if multi_turn else ["prompt", "response"]
-        for j, r in enumerate(table.select(keep).to_pylist()):
-            where = f"{field}[{i}]: {f} row {j}"
-            msgs, start = _row(r, multi_turn, where)
-            out.messages.append(msgs)
-            out.start.append(start)
-            out.origins.append(f"{Path(f).name} row {j} ({field}[{i}]: {f})")
-    return out
+from verlflow.core.ml.phasedata import Conversations, load_sft_rows  # noqa: F401 - the rows are read torch-free there
 
 
 def _rendered(tok, messages: list[dict], where: str, *, generation_prompt: bool) -> list[int]:

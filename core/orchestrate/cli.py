@@ -5,10 +5,12 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from verlflow.core.errors import VerlflowError
@@ -103,8 +105,15 @@ def _print_summary(bp, run_id: str, results) -> None:
               f"{'accuracy':>9}")
         for it, m in evals:
             print(f"{it:>5} {m['reward_mean']:>12.4f} {m['accuracy']:>9.4f}")
-    pointer = open_store(bp).get_pointer(f"runs/{run_id}/latest")
-    if pointer:
+    _print_promotion(open_store(bp), bp, run_id)
+
+
+def _print_promotion(store, bp, run_id: str) -> None:
+    """What the run's latest pointer names once the run is over (every background commit landed), or why none."""
+    from verlflow.core.store.promote import promotion_status
+
+    print(promotion_status(store, bp, run_id))
+    if pointer := store.get_pointer(f"runs/{run_id}/latest"):
         print(f"latest policy (HF folder): {pointer['hf_uri']}")
 
 
@@ -166,13 +175,15 @@ def _ctrl_c_cancels():
 
 class _StageLogs:
     """The CLI's on_line: each step's lines go to its stage's log file (verlflow.core.orchestrate.logsink), the terminal shows the INFO
-    records; a rank's traceback stays in the file, which a failure's message names. Steps end in plan order."""
+    records (and the run's progress, _Progress); a rank's traceback stays in the file, which a failure's message names.
+    Steps end in plan order."""
 
     def __init__(self, store, run_id: str, steps):
         from verlflow.core.orchestrate.logsink import stage_log_path
 
         self.paths = [stage_log_path(store, run_id, s.stage, s.iteration) for s in steps]
         self.done = 0
+        self.progress = _Progress(steps)
         self.sink = self._open()
 
     def _open(self):
@@ -180,10 +191,9 @@ class _StageLogs:
 
         return LineSink(self.path, self._show)
 
-    @staticmethod
-    def _show(level: int, text: str) -> None:
+    def _show(self, level: int, text: str) -> None:
         if level < logging.ERROR:
-            print(text, flush=True)
+            self.progress.say(text)
 
     @property
     def path(self) -> Path:
@@ -197,9 +207,134 @@ class _StageLogs:
         if self.done < len(self.paths):
             self.sink.close()
             self.sink = self._open()
+        self.progress.step_done(result.skipped)
 
     def close(self) -> None:
         self.sink.close()
+        self.progress.close()
+
+
+def _duration(seconds: float) -> str:
+    s = max(0, round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+class _Progress:
+    """A run's progress as training loops show it. On a terminal: a rich progress bar under the stage lines (the
+    step running, iteration i of N, elapsed, ETA); elsewhere (a pipe, a file) one plain line as each iteration ends.
+    An iteration is the steps of one iteration of the plan (in a phased plan: of one label, `sft.1`, `2`..., called
+    parts); validate, build and the initial evaluation come before the first. The ETA is the time per iteration so
+    far, steps reused from the store not counted, times the iterations left."""
+
+    def __init__(self, steps):
+        from rich.console import Console
+
+        self.steps = steps
+        self.labels = list(dict.fromkeys(s.iteration for s in steps if s.iteration not in ("init", 0)))
+        self.size = {u: sum(s.iteration == u for s in steps) for u in self.labels}  # steps per iteration
+        self.noun = "iteration" if all(isinstance(u, int) for u in self.labels) else "part"
+        self.done, self.units, self.ran_units = 0, 0.0, 0.0
+        self.started = self.last = time.monotonic()
+        self.loop_t0 = None  # when the first iteration step that ran (not reused) began
+        self.ran_in_unit = False
+        console = Console(highlight=False)
+        self.bar = None
+        if console.is_terminal and not console.is_dumb_terminal:
+            self.bar = _progress_bar(console)
+            self.task = self.bar.add_task(self._running(), total=max(len(self.labels), 1), where=self._where(),
+                                          eta=None)
+            self.bar.start()
+
+    def say(self, text: str) -> None:
+        """A stage's line: above the bar on a terminal."""
+        from rich.text import Text
+
+        if self.bar is not None:
+            self.bar.console.print(Text(text), soft_wrap=True)
+        else:
+            _print_or_drop(text)
+
+    def _running(self) -> str:
+        return self.steps[self.done].name if self.done < len(self.steps) else "done"
+
+    def _where(self) -> str:
+        n = len(self.labels)
+        if self.done == len(self.steps):
+            return f"{n}/{n} {self.noun}s"
+        label = self.steps[self.done].iteration
+        return self._name(label) if label in self.size else f"starting, {n} {self.noun}s to go"
+
+    def _name(self, label) -> str:
+        return f"{self.noun} {self.labels.index(label) + 1}/{len(self.labels)}"
+
+    def eta(self) -> float | None:
+        if not self.ran_units:
+            return None
+        return (self.last - self.loop_t0) / self.ran_units * (len(self.labels) - self.units)
+
+    def step_done(self, skipped: bool) -> None:
+        if self.done == len(self.steps):  # a display never fails the run
+            return
+        step, now = self.steps[self.done], time.monotonic()
+        weight = 1 / self.size[step.iteration] if step.iteration in self.size else 0.0
+        if weight and not skipped:
+            self.loop_t0 = self.last if self.loop_t0 is None else self.loop_t0
+            self.ran_units += weight
+            self.ran_in_unit = True
+        self.units += weight
+        self.done += 1
+        self.last = now
+        ends = weight and (self.done == len(self.steps) or self.steps[self.done].iteration != step.iteration)
+        if self.bar is not None:
+            eta = self.eta()
+            self.bar.update(self.task, description=self._running(), completed=round(self.units, 6),
+                            where=self._where(), eta=None if eta is None else now + eta)
+        elif ends:
+            self._plain_line(step.iteration)
+        if ends:
+            self.ran_in_unit = False
+
+    def _plain_line(self, label) -> None:
+        eta, last = self.eta(), label == self.labels[-1]
+        how = "done" if self.ran_in_unit else "reused from the store"
+        left = f", ETA {_duration(eta)}" if eta is not None and not last else ""
+        _print_or_drop(f"[verlflow] {self._name(label)} {how}: elapsed {_duration(self.last - self.started)}{left}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _progress_bar(console):
+    """rich's Progress with the run's columns: the step running, the bar, iteration i/N, elapsed, the ETA."""
+    from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn
+    from rich.table import Column
+    from rich.text import Text
+
+    class Times(ProgressColumn):
+        def render(self, task) -> Text:
+            eta, elapsed = task.fields["eta"], task.finished_time if task.finished else task.elapsed
+            left = f" · ETA {_duration(eta - time.monotonic())}" if eta is not None and not task.finished else ""
+            return Text(f"elapsed {_duration(elapsed or 0)}{left}", style="progress.remaining")
+
+    # markup off: a step's name (`build[init]`) would read as a style tag
+    return Progress(TextColumn("{task.description}", markup=False, table_column=Column(min_width=15)), BarColumn(),
+                    TextColumn("{task.fields[where]}", markup=False), Times(), console=console)
+
+
+def _print_or_drop(text: str) -> None:
+    """print, and once stdout's reader went away (`verlflow run ... | head`) nothing more: the run goes on, each
+    stage's lines still go to its log file."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        _stdout_to_devnull()
+
+
+def _stdout_to_devnull() -> None:
+    """Python's recipe for a closed pipe: stdout to /dev/null, so no later write (the exit's flush) fails again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 def cmd_rerun(args) -> int:
@@ -245,7 +380,7 @@ def _run_stages(sizes: dict, run: str, store=None) -> list[tuple[str, str]]:
 
 
 def _no_such_run(store, run: str) -> VerlflowError:
-    return VerlflowError(f"run {run}: no such run in {store.root_uri} (`verlflow ls` lists the runs).")
+    return VerlflowError(f"run {run}: no such run in {store.root_uri} (`verlflow ls --all` lists every run).")
 
 
 def _stage_state(store, skey: str, sizes: dict | None, checksums: bool) -> tuple[str, list[str]]:
@@ -282,9 +417,7 @@ def cmd_ls(args) -> int:
     store = open_store(bp)
     sizes = store.sizes("runs")
     if not args.run:
-        for run in sorted({k.split("/")[1] for k in sizes if k.count("/") > 1}):
-            print(run)
-        return 0
+        return _list_runs(args, bp, store, sizes)
     stages, holder = _run_stages(sizes, args.run, store), holder_of(store, args.run)
     if not stages and holder is None:
         raise _no_such_run(store, args.run)
@@ -296,6 +429,144 @@ def cmd_ls(args) -> int:
     if holder is not None:
         print(f"run {args.run} is being run by {holder.describe()} (its lease)")
     return 0
+
+
+def _list_runs(args, bp, store, sizes: dict) -> int:
+    """`verlflow ls`: the blueprint's runs (--all: every run) as a table that fits the terminal, oldest first.
+    A run whose blueprint is not known yet (starting: nothing committed) is shown too."""
+    committed: dict[str, set] = {}  # run -> {(iteration, stage)} with a manifest
+    for k in sizes:
+        parts = k.split("/")  # runs/<run>/<iteration>/<stage>/manifest.json
+        if len(parts) == 5 and parts[4] == "manifest.json":
+            committed.setdefault(parts[1], set()).add((parts[2], parts[3]))
+    leased = {k.split("/")[-1].removesuffix(".json") for k in store.sizes("leases")}
+    runs = sorted({k.split("/")[1] for k in sizes if k.count("/") > 1} | leased)
+    pointers: dict = {}
+    rows = [_RunRow.read(store, bp, run, committed.get(run, set()), pointers) for run in runs]
+    shown = sorted((r for r in rows if args.all or r.blueprint in (None, bp.name)), key=lambda r: r.since)
+    scope = "" if args.all else f" of blueprint {bp.name}"
+    if not shown:
+        others = f" ({len(rows)} of other blueprints: `verlflow ls --all`)" if rows else ""
+        print(f"no runs{scope} in {store.root_uri}{others}; start one with "
+              f"`{shlex.join(['verlflow', 'run', *([args.blueprint] if args.blueprint else []), *args.overrides])}`")
+        return 0
+    console = _table_console()
+    metric = (f"best: the {'highest' if bp.promote.mode == 'max' else 'lowest'} {bp.promote.metric} "
+              "(promote.metric)" if bp.promote.metric else "reward: the last rollout's rollout/reward_mean")
+    console.print(f"{len(shown)} run(s){scope} in {store.root_uri}; {metric}", markup=False)
+    console.print(_runs_table(bp, shown, every=args.all))
+    console.print(f"{'' if args.all else '--all: every blueprint; '}a run's stages: `verlflow ls --run RUN`",
+                  markup=False)
+    return 0
+
+
+def _table_console():
+    """The terminal's width on a terminal (or $COLUMNS); a pipe or a file gets whole lines, for grep and awk."""
+    from rich.console import Console
+
+    fits = sys.stdout.isatty() or os.environ.get("COLUMNS")
+    return Console(highlight=False, width=None if fits else 1 << 16)
+
+
+def _runs_table(bp, rows: list, every: bool):
+    from rich.table import Table
+    from rich.text import Text
+
+    metric = "best" if bp.promote.metric else "reward"  # the line above the table says what it is
+    heads = ["run", *(["blueprint"] if every else []), "state", "started", "iterations", metric, "promoted"]
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for head in heads:  # a run id folds (it stays whole to copy); the short cells keep to one line
+        table.add_column(head, overflow="fold", no_wrap=head not in ("run", "blueprint"))
+    colour = {"committed": "green", "running": "yellow", "incomplete": "red"}
+    for r in rows:
+        table.add_row(r.run, *([r.blueprint or "?"] if every else []), Text(r.state, style=colour.get(r.state, "")),
+                      _local_time(r.since), r.iterations, r.metric, r.promoted)
+    return table
+
+
+def _local_time(iso: str) -> str:
+    import datetime as dt
+
+    return dt.datetime.fromisoformat(iso).astimezone().strftime("%Y-%m-%d %H:%M") if iso else ""
+
+
+@dataclass
+class _RunRow:
+    """One run of `verlflow ls`, from the store: its recorded plan (core/orchestrate/pipeline.record_plan), its
+    validate manifest, its lease, the manifests of the blueprint's promote.metric and its blueprint's pointer."""
+    run: str
+    blueprint: str | None  # None: not known (nothing committed yet)
+    state: str  # running (a live lease) | committed (every planned step) | incomplete | unknown (no plan recorded)
+    since: str  # ISO time of its first commit (its lease's, while it starts)
+    iterations: str  # done/planned
+    metric: str
+    promoted: str  # the iteration its blueprint's latest pointer names, if this run's
+
+    @classmethod
+    def read(cls, store, bp, run: str, committed: set, pointers: dict) -> "_RunRow":
+        import datetime as dt
+
+        from verlflow.core.orchestrate.pipeline import recorded_plan
+        from verlflow.core.store.lease import Holder, holder_of
+        from verlflow.core.store.promote import blueprint_pointer
+
+        plan, validate = recorded_plan(store, run), _manifest(store, run, "init", "validate", committed)
+        name = (plan or validate or {}).get("blueprint_name")
+        steps = None if plan is None else {(str(it), stage) for stage, it in plan["steps"]}
+        holder = holder_of(store, run)
+        if holder is not None and holder.gone_because(Holder.me(None)) is None:
+            state = "running"
+        else:
+            state = "unknown" if steps is None else "committed" if steps <= committed else "incomplete"
+        since = (validate or {}).get("committed_at") or (
+            dt.datetime.fromtimestamp(holder.since, dt.timezone.utc).isoformat() if holder else "")
+        if name is not None and name not in pointers:
+            pointers[name] = store.get_pointer(blueprint_pointer(name))
+        pointer = pointers.get(name) or {}
+        promoted = f"yes, it {pointer['iteration']}" if pointer.get("run_id") == run else ""
+        return cls(run, name, state, since, _iterations(steps, committed), _metric_cell(store, bp, run, committed),
+                   promoted)
+
+
+def _manifest(store, run: str, iteration, stage: str, committed: set) -> dict | None:
+    """A committed stage's manifest; None if it has none, or an unreadable one (`verlflow verify` names it)."""
+    if (str(iteration), stage) not in committed:
+        return None
+    try:
+        return store.read_manifest(f"runs/{run}/{iteration}/{stage}")
+    except VerlflowError:
+        return None
+
+
+def _iterations(steps: set | None, committed: set) -> str:
+    """Iterations done of those planned (_Progress's iterations: a phased plan's parts); without a recorded plan,
+    the iterations with a committed update."""
+    if steps is None:
+        return f"{sum(s == 'update' and it.isdigit() and it != '0' for it, s in committed)}/?"
+    parts: dict[str, set] = {}
+    for it, stage in steps:
+        if it not in ("init", "0"):
+            parts.setdefault(it, set()).add((it, stage))
+    done = sum(p <= committed for p in parts.values())
+    return f"{done}/{len(parts)}" + ("" if all(it.isdigit() for it in parts) else " parts")
+
+
+def _metric_cell(store, bp, run: str, committed: set) -> str:
+    """The best value of promote.metric over the run's iterations (promote.mode), or its last rollout's reward."""
+    from verlflow.core.metrics import PREFIX, flat
+
+    name = bp.promote.metric or "rollout/reward_mean"
+    stage = next((s for s, prefix in PREFIX.items() if name.startswith(f"{prefix}/")), None)
+    its = sorted(int(it) for it, s in committed if s == stage and it.isdigit() and it != "0")
+    values = []
+    for it in its if bp.promote.metric else its[-1:]:
+        value = flat(stage, (_manifest(store, run, it, stage, committed) or {}).get("metrics", {})).get(name)
+        if value is not None:
+            values.append((value, it))
+    if not values:
+        return ""
+    value, it = (max if bp.promote.mode == "max" else min)(values, key=lambda v: v[0])
+    return f"{value:.4g} (it {it})"
 
 
 def cmd_verify(args) -> int:
@@ -374,7 +645,10 @@ def cmd_rollback(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    """Runs side by side: a per-iteration table on stdout and a PNG with one panel per metric, one line per run."""
+    """Runs side by side: a per-iteration table on stdout (the terminal's width) and a PNG with one panel per metric,
+    one line per run; a chain of recurring runs end to end."""
+    import shutil
+
     from verlflow.core.blueprint import load_blueprint
     from verlflow.core.orchestrate.figures import compare_runs, png
     from verlflow.core.orchestrate.runner import open_store
@@ -386,13 +660,14 @@ def cmd_compare(args) -> int:
         overrides.append(f"storage.uri={args.store}")
     for r in runs:
         safe_run_id(r, "compare RUN")
-    store = open_store(load_blueprint(args.blueprint, overrides))
+    bp = load_blueprint(args.blueprint, overrides)
     names = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None
-    result = compare_runs(store, runs, names)
-    print(result.table())
+    result = compare_runs(open_store(bp), runs, names, promote=bp.promote.metric, axis=args.axis)
+    print(result.table(width=shutil.get_terminal_size().columns))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_bytes(png(result.figure))
-    print(f"figure: {args.out} ({len(result.names)} panels, one line per run)")
+    laid = f", the runs of {result.chain}'s chain end to end" if result.chain else ""
+    print(f"figure: {args.out} ({len(result.names)} panels, one line per run{laid})")
     return 0
 
 
@@ -409,9 +684,7 @@ def _run_flow(bp, run_id, from_step) -> int:
     from verlflow.core.orchestrate.runner import open_store
 
     store, run_id = open_store(bp), out["run_id"]
-    pointer = store.get_pointer(f"runs/{run_id}/latest")
-    if pointer:
-        print(f"latest policy (HF folder): {pointer['hf_uri']}")
+    _print_promotion(store, bp, run_id)
     print(f"artifacts: {store.uri(f'runs/{run_id}')}")
     if not os.environ.get("PREFECT_API_URL"):
         print("Flow run, logs and artifacts are in Prefect's database: `prefect server start`, then open "
@@ -499,9 +772,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--limit", type=int, help="most flow runs executed at once")
     s.set_defaults(fn=cmd_serve)
 
-    s = sub.add_parser("ls", help="list runs, or one run's stages (--run)")
+    s = sub.add_parser("ls", help="list the blueprint's runs (state, iterations, metric), or one run's stages (--run)")
     _add_blueprint(s)
     s.add_argument("--run", help="run id")
+    s.add_argument("--all", action="store_true", help="every run in the store, of any blueprint")
     s.set_defaults(fn=cmd_ls)
 
     s = sub.add_parser("verify", help="check every committed stage of a run against its manifest's checksums")
@@ -532,13 +806,28 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--blueprint", help="blueprint YAML naming the store (default: embedded defaults)")
     s.add_argument("--store", help="artifact store URI (instead of the blueprint's storage.uri)")
     s.add_argument("--metrics", help="comma-separated metric names, e.g. rollout/reward_mean,eval/accuracy "
-                   "(default: reward mean, KL and eval accuracy where recorded)")
+                   "(default: reward mean, KL and eval accuracy where recorded, and promote.metric)")
+    s.add_argument("--axis", choices=("auto", "run", "chain"), default="auto",
+                   help="run: each run from its iteration 1; chain: one blueprint's recurring runs "
+                   "(schedule.init_from previous) end to end, iterations counted across the chain; auto (default): "
+                   "chain when the runs are one chain's")
     s.add_argument("--out", default="compare.png", help="PNG to write (default: compare.png)")
     s.set_defaults(fn=cmd_compare, overrides=[])
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # here, not at the interpreter's exit: a reader gone away shows as the error below
+    except BrokenPipeError:  # `verlflow ... | head`: the reader has all it wanted
+        _stdout_to_devnull()
+        return 141  # 128 + SIGPIPE, as a shell reports a command whose reader went away
+
+
+def _main(argv: list[str] | None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     p = parser()
     args, extra = p.parse_known_args(argv)

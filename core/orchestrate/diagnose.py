@@ -36,6 +36,7 @@ COLLATERAL = re.compile(r"Connection (closed|reset) by peer", re.I)  # a peer di
 # One entry of torchrun's ChildFailedError summary (global rank, local rank, exit code).
 _SUMMARY = re.compile(r"rank\s*:\s*(\d+) \(local_rank: (\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 _NONFINITE = re.compile(r"\bNonFiniteError\b")  # verlflow.core.errors.NonFiniteError, by its type name
+# torch's OutOfMemoryError, or verlflow.core.orchestrate.memplan.DeviceOutOfMemory (stage, peak, card, the setting)
 _OOM = re.compile(r"OutOfMemoryError|out of memory", re.I)
 # A bare "ProcessGroupGloo" is not enough: "ProcessGroupGloo does not support X" is a user error.
 _COLLECTIVE = re.compile(
@@ -46,7 +47,7 @@ _STORE_DOWN = re.compile(r"StoreError: .*The S3 endpoint cannot be reached")
 # A verlflow error raised in a worker already names the field or file and the fix: its traceback (kept in
 # StageFailure.traceback, and already in the job's streamed output) would only bury that message.
 _USER_FACING = re.compile(r"\b(VerlflowError|BlueprintError|InputError|StoreError|UnsafeKeyError|ChecksumError|"
-                          r"NonFiniteError): ")
+                          r"NonFiniteError|DeviceOutOfMemory): ")
 
 
 class FailureKind(enum.Enum):

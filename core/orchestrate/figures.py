@@ -1,7 +1,8 @@
 """The figures and tables people read: a run's training and evaluation curves (the run report's PNG) and runs side
-by side (`verlflow compare`). Every number is read through core/metrics.py's names from the stages' manifests;
-drawn on the driver with matplotlib's Figure API, which renders a PNG with the Agg canvas (no display, and no
-pyplot: the process's backend stays whatever it is)."""
+by side (`verlflow compare`: a rich table as wide as the terminal, a recurring chain's runs end to end). Every
+number is read through core/metrics.py's names from the stages' manifests; drawn on the driver with matplotlib's
+Figure API, which renders a PNG with the Agg canvas (no display, and no pyplot: the process's backend stays
+whatever it is)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import io
 from dataclasses import dataclass
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from verlflow.core import metrics
 from verlflow.core.store.artifacts import ArtifactStore
@@ -16,6 +18,7 @@ from verlflow.core.store.artifacts import ArtifactStore
 History = dict[int, dict[str, float]]  # iteration -> named metrics (core/metrics.py)
 EVAL_COLUMNS = ("accuracy", "reward_mean", "response_len_mean", "samples")  # then each pass@k
 PANEL_INCHES, DPI = (5.0, 3.2), 110
+MAX_TICKS = 12
 
 
 @dataclass(frozen=True)
@@ -102,13 +105,17 @@ def _draw(ax, panel: Panel, hist: History, its: list[int]) -> None:
     _axes(ax, panel.title, panel.ylabel, its)
 
 
-def _axes(ax, title: str, ylabel: str, its: list[int]) -> None:
+def _axes(ax, title: str, ylabel: str, its: list[int], legend: bool = True, xlabel: str = "iteration") -> None:
     ax.set_title(title)
-    ax.set_xlabel("iteration")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_xticks(its)
+    if len(its) <= MAX_TICKS:
+        ax.set_xticks(its)
+    else:  # a long run or chain: a tick per iteration would overlap
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=MAX_TICKS, integer=True))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    if legend:
+        ax.legend(fontsize="small")
 
 
 def _grid(n: int, title: str) -> tuple[Figure, list]:
@@ -134,24 +141,82 @@ def available(hists: dict[str, History]) -> list[str]:
     return sorted({n for h in hists.values() for m in h.values() for n in m})
 
 
-def compare_figure(hists: dict[str, History], names: list[str]) -> Figure:
-    """One panel per metric, one line per run."""
-    fig, axes = _grid(len(names), f"{' vs '.join(hists)}")
-    its = sorted({it for h in hists.values() for it, m in h.items() if any(n in m for n in names)})
+def compare_figure(hists: dict[str, History], names: list[str], title: str, offsets: dict[str, int] | None = None,
+                   promote: set[str] = frozenset()) -> Figure:
+    """One panel per metric, one line per run and one legend for them all, below the panels (a legend per panel
+    covers points). `offsets`: a chain's runs laid end to end, run r's iteration i drawn at offsets[r] + i, a dotted
+    line where each run starts."""
+    fig, axes = _grid(len(names), title)
+    off = offsets or dict.fromkeys(hists, 0)
+    its = sorted({off[r] + it for r, h in hists.items() for it, m in h.items() if any(n in m for n in names)})
     for ax, name in zip(axes, names):
         for run_id, hist in hists.items():
             xs, ys = _series(hist, name)
             if xs:
-                ax.plot(xs, ys, marker="o", label=run_id)
-        _axes(ax, name, name.rsplit("/", 1)[1], its)
+                ax.plot([off[run_id] + x for x in xs], ys, marker="o", label=run_id)
+        for start in sorted(set(off.values()))[1:] if offsets else ():
+            ax.axvline(start, color="grey", linestyle=":", linewidth=1)
+        _axes(ax, f"{name} (promote.metric)" if name in promote else name, name.rsplit("/", 1)[1], its,
+              legend=False, xlabel="iteration across the chain" if offsets else "iteration")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=_legend_columns(fig, labels), fontsize="small")
     return fig
 
 
-def compare_rows(hists: dict[str, History], names: list[str]) -> list[dict]:
-    """Rows = iteration, columns = `run:metric`."""
-    its = sorted({it for h in hists.values() for it in h})
-    return [{"iteration": it, **{f"{r}:{n}": h.get(it, {}).get(n) for r, h in hists.items() for n in names}}
-            for it in its]
+def _legend_columns(fig: Figure, labels: list[str]) -> int:
+    """As many entries a row as fit the figure's width (a label's width estimated from its characters)."""
+    points = fig.get_figwidth() * 72
+    entry = max((len(label) for label in labels), default=1) * 5.2 + 40  # small font: ~5.2 pt a character
+    return max(1, min(len(labels), int(points // entry)))
+
+
+DEFAULT_COMPARED = ("rollout/reward_mean", "update/kl_loss", "eval/accuracy")
+
+
+def default_metrics(have: list[str], promote: list[str]) -> list[str]:
+    """Reward mean, KL (kl_loss, else ppo_kl) and eval accuracy where recorded, then each metric that decided the
+    runs' promotion (promote.metric)."""
+    kl = "update/kl_loss" if "update/kl_loss" in have else "update/ppo_kl"
+    names = [n for n in (DEFAULT_COMPARED[0], kl, *DEFAULT_COMPARED[2:]) if n in have]
+    names += [m for m in dict.fromkeys(promote) if m in have and m not in names]
+    return names or have[:3]
+
+
+def promote_metrics(store: ArtifactStore, runs: list[str]) -> list[str]:
+    """The metric each run's `latest` pointer was moved by (core/store/promote.py records it), if any."""
+    pointers = (store.get_pointer(f"runs/{r}/latest") or {} for r in runs)
+    return [m for m in dict.fromkeys(p.get("metric") for p in pointers) if m]
+
+
+def chain_order(store: ArtifactStore, runs: list[str]) -> tuple[str, list[str]] | None:
+    """(blueprint name, the runs in the chain's order) when every run is one blueprint's recurring run
+    (schedule.init_from: previous): its build records its blueprint and its position in the chain; else None."""
+    from verlflow.core.store.artifacts import stage_key
+
+    builds = {r: store.read_manifest(stage_key(r, "init", "build")) or {} for r in runs}
+    names = {m.get("blueprint_name") for m in builds.values()}
+    places = {r: m.get("metrics", {}).get("chain_position") for r, m in builds.items()}
+    if len(names) != 1 or None in names or any(p is None for p in places.values()):
+        return None
+    return names.pop(), sorted(runs, key=lambda r: places[r])
+
+
+def chain_offsets(hists: dict[str, History], order: list[str]) -> dict[str, int]:
+    """Run k starts where run k-1 ended: the sum of the earlier runs' iterations."""
+    offsets, at = {}, 0
+    for r in order:
+        offsets[r] = at
+        at += max(hists[r], default=0)
+    return offsets
+
+
+def compare_rows(hists: dict[str, History], names: list[str], offsets: dict[str, int] | None = None) -> list[dict]:
+    """A row per run and iteration, by iteration (a chain's: across the chain, then the run's own), then the runs
+    in the given order."""
+    order = list(hists)
+    rows = [{**({"chain iteration": offsets[r] + it} if offsets else {}), "iteration": it, "run": r,
+             **{n: m.get(n) for n in names}} for r, h in hists.items() for it, m in h.items()]
+    return sorted(rows, key=lambda row: (row.get("chain iteration", row["iteration"]), order.index(row["run"])))
 
 
 def png(fig: Figure) -> bytes:
@@ -170,36 +235,85 @@ def eval_samples(store: ArtifactStore, run_id: str, iteration: int) -> dict[str,
     return samples if isinstance(samples, dict) else {}
 
 
-DEFAULT_COMPARED = ("rollout/reward_mean", "update/kl_loss", "eval/accuracy")
-
-
 @dataclass(frozen=True)
 class Comparison:
     names: list[str]
     rows: list[dict]
     figure: Figure
+    chain: str | None = None  # the blueprint whose chain the runs were laid end to end for
 
-    def table(self) -> str:
-        """The rows as fixed-width text: iteration, then one column per run and metric."""
-        cols = list(self.rows[0]) if self.rows else ["iteration"]
-        width = [max(len(c), 10) for c in cols]
-        cell = lambda v: "-" if v is None else (f"{v:.6g}" if isinstance(v, float) else str(v))  # noqa: E731
-        lines = ["  ".join(c.rjust(w) for c, w in zip(cols, width))]
-        lines += ["  ".join(cell(r[c]).rjust(w) for c, w in zip(cols, width)) for r in self.rows]
-        return "\n".join(lines)
+    def table(self, width: int = 80) -> str:
+        """The rows as a text table at most `width` characters wide: the runs by id, or when their ids would not
+        fit, by letter with a key above the table."""
+        runs = list(dict.fromkeys(row["run"] for row in self.rows))
+        table = self._table({r: r for r in runs})
+        if _width(table) > width:
+            labels = {r: _label(i) for i, r in enumerate(runs)}
+            return "\n".join([*(f"run {labels[r]}: {r}" for r in runs), _render(self._table(labels), width)])
+        return _render(table, width)
+
+    def _table(self, labels: dict[str, str]):
+        from rich import box
+        from rich.table import Table
+
+        cols = list(self.rows[0]) if self.rows else ["iteration", "run", *self.names]
+        group = "run" if self.chain else "iteration"  # a rule between iterations, or between a chain's runs
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+        for c in cols:  # a metric's name wraps after its stage (rollout/, eval/)
+            table.add_column(c.replace("/", "/\n", 1), justify="left" if c == "run" else "right", overflow="fold")
+        for row, after in zip(self.rows, self.rows[1:] + [None]):
+            table.add_row(*(labels[row[c]] if c == "run" else _cell(row[c]) for c in cols),
+                          end_section=after is not None and after[group] != row[group])
+        return table
 
 
-def compare_runs(store: ArtifactStore, runs: list[str], names: list[str] | None = None) -> Comparison:
-    """Runs side by side; an unknown run or metric is refused with what the store holds."""
+def _label(i: int) -> str:
+    return chr(ord("A") + i) if i < 26 else str(i + 1)
+
+
+def _width(table) -> int:
+    from rich.console import Console
+
+    return Console(width=10_000, file=io.StringIO()).measure(table).maximum
+
+
+def _render(table, width: int) -> str:
+    from rich.console import Console
+
+    console = Console(width=width, file=io.StringIO(), color_system=None, force_terminal=False)
+    console.print(table)
+    return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines()).strip("\n")
+
+
+def _cell(v) -> str:
+    return "-" if v is None else f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def compare_runs(store: ArtifactStore, runs: list[str], names: list[str] | None = None, *,
+                 promote: str | None = None, axis: str = "auto") -> Comparison:
+    """Runs side by side; an unknown run or metric is refused with what the store holds. `promote`: a blueprint's
+    promote.metric, compared by default with the metric each run was promoted by. `axis`: run (each run from
+    iteration 1), chain (one blueprint's recurring runs end to end) or auto (chain when they are one)."""
     from verlflow.core.errors import VerlflowError
 
     known = sorted({p.split("/")[1] for p in store.ls("runs") if p.count("/") > 1})
     if missing := [r for r in runs if r not in known]:
         raise VerlflowError(f"run(s) {', '.join(missing)}: not in {store.root_uri}; its runs: "
                             f"{', '.join(known) or '(none)'}")
-    hists = {r: history(store, r) for r in runs}
+    chain = chain_order(store, runs) if axis == "chain" or axis == "auto" and len(runs) > 1 else None
+    if axis == "chain" and chain is None:
+        raise VerlflowError(f"--axis chain: {', '.join(runs)} are not runs of one blueprint's recurring chain (their "
+                            "builds record no chain position of one blueprint: schedule.init_from previous); use "
+                            "--axis run")
+    order = chain[1] if chain else runs
+    hists = {r: history(store, r) for r in order}
     have = available(hists)
-    names = list(names or [n for n in DEFAULT_COMPARED if n in have] or have[:3])
+    promoted = [m for m in (promote, *promote_metrics(store, runs)) if m]
+    names = list(names or default_metrics(have, promoted))
     if unknown := [n for n in names if n not in have]:
         raise VerlflowError(f"--metrics: unknown metric(s) {', '.join(unknown)}; the runs record: {', '.join(have)}")
-    return Comparison(names, compare_rows(hists, names), compare_figure(hists, names))
+    offsets = chain_offsets(hists, order) if chain else None
+    title = (f"{chain[0]}: {len(order)} run(s) of the chain, end to end" if chain else
+             f"{len(order)} run{'s' if len(order) > 1 else ''}: one line per run")
+    return Comparison(names, compare_rows(hists, names, offsets),
+                      compare_figure(hists, names, title, offsets, set(promoted)), chain[0] if chain else None)

@@ -169,8 +169,9 @@ class _Tree:
         return [p for p in self.known.values() if running(p)]
 
     def kill(self, grace_s: float) -> None:
+        """SIGTERM, then SIGKILL what is alive after grace_s; grace_s=0: SIGKILL at once."""
         self.refresh()  # collect everything first: signalled parents stop leading us to children
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        for sig in (signal.SIGTERM, signal.SIGKILL) if grace_s > 0 else (signal.SIGKILL,):
             procs = self.alive()
             for p in procs:
                 try:
@@ -271,11 +272,17 @@ def _run(spec: LaunchSpec, cmd: list[str], on_line, cancel, grace_s, expire=None
                 if not killing:
                     on_line(f"[verlflow] {stopped.value}: stopping the job's processes")
                     killing = True
-                tree.kill(grace_s)
+                # A cancel keeps nothing of the job: SIGKILL at once (torchrun's own SIGTERM shutdown took ~2 s
+                # on a loaded machine).
+                tree.kill(0 if stopped is FailureKind.CANCELLED else grace_s)
             if proc.poll() is not None:  # an orphan may hold the pipe open: do not wait for EOF forever
                 exited_at = exited_at or now
                 if now - exited_at > 2.0:
                     break
+    except BaseException as e:
+        if not isinstance(e, Exception):  # Prefect's SIGTERM on a Cancel, Ctrl-C: the run is being stopped
+            tree.kill(0)
+        raise
     finally:
         tree.kill(grace_s)  # whatever happened (success included), leave no process of the tree
         proc.wait()

@@ -6,6 +6,8 @@ Inputs are store paths known in advance, so the plan is fixed before anything ru
 flow both run it through the one loop here (`run_pipeline`), the flow with its hooks (tasks, slots, its Retry).
 """
 
+import hashlib
+import json
 import re
 import threading
 from contextlib import AbstractContextManager, nullcontext
@@ -39,8 +41,9 @@ class Step:
 
 
 def warm_start_source(bp: Blueprint, run_id: str) -> str | None:
-    """For init_from=previous: the update stage behind this blueprint's last promoted policy, if any. A rerun
-    keeps the source its build recorded, even if another run was promoted since."""
+    """For init_from=previous: the update stage behind this blueprint's last promoted policy, if any (none: the
+    base model; the build's manifest says which and why). A rerun keeps the source its build recorded, even if
+    another run was promoted since."""
     if bp.schedule.init_from != "previous":
         return None
     store = open_store(bp)
@@ -49,6 +52,16 @@ def warm_start_source(bp: Blueprint, run_id: str) -> str | None:
         return built["inputs"].get("warm_start", {}).get("stage")
     pointer = store.get_pointer(f"blueprints/{bp.name}/latest")
     return pointer["update"] if pointer and pointer["run_id"] != run_id else None
+
+
+def run_blueprint(bp: Blueprint, run_id: str) -> Blueprint:
+    """The blueprint a run's stages get. A run of a recurring chain (schedule.init_from: previous) gets its own
+    seed, from the blueprint's and its run id (which a rerun and the UI's Retry keep), so no two runs of the chain
+    sample or shuffle alike even from the same policy; its prompts continue the chain's (core/store/chain.py). Any
+    other run seeds with `seed`."""
+    if bp.schedule.init_from != "previous":
+        return bp
+    return bp.model_copy(update={"seed": int(hashlib.sha256(f"{bp.seed}/{run_id}".encode()).hexdigest()[:8], 16)})
 
 
 def exports_at(bp: Blueprint, iteration: int) -> bool:
@@ -172,6 +185,27 @@ def checked_plan(bp: Blueprint, run_id: str, force_from: str | None,
     return steps, parse_from(force_from, steps)
 
 
+def plan_key(run_id: str) -> str:
+    return f"plans/{run_id}.json"
+
+
+def record_plan(store: ArtifactStore, bp: Blueprint, run_id: str, steps: list[Step]) -> None:
+    """What the run's latest start plans: `verlflow ls` counts its iterations and tells a finished run from a
+    stopped one by it. Outside runs/, whose folders are stages."""
+    store.put_bytes(plan_key(run_id), json.dumps({"blueprint_name": bp.name,
+                                                  "steps": [[s.stage, s.iteration] for s in steps]}).encode())
+
+
+def recorded_plan(store: ArtifactStore, run_id: str) -> dict | None:
+    """record_plan's document, or None (a run of an older release, or one written half)."""
+    if not store.exists(plan_key(run_id)):
+        return None
+    try:
+        return json.loads(store.get_bytes(plan_key(run_id)))
+    except ValueError:
+        return None
+
+
 def steps_that_run(store: ArtifactStore, bp: Blueprint, run_id: str, steps: list[Step],
                    forced: list[bool]) -> list[bool]:
     """Which steps the loop will run rather than reuse: the runner's rule (a committed manifest with the key that
@@ -235,6 +269,10 @@ def run_pipeline(bp: Blueprint, run_id: str, *, on_line: Callable[[str], None] =
                  cancel: threading.Event | None = None, hooks: PipelineHooks = PipelineHooks()) -> list[StageResult]:
     """The pipeline, step by step; a stage committed with the same key is reused. Returns each step's result,
     with the manifests that warm pools committed in their background once the pools have closed."""
+    if (own := run_blueprint(bp, run_id)) is not bp:
+        on_line(f"[verlflow] {run_id}: seed {own.seed}, the run's own (schedule.init_from: previous derives it "
+                f"from seed {bp.seed} and the run id)")
+        bp = own
     steps, first_forced = checked_plan(bp, run_id, force_from, warm_start_source(bp, run_id))
     forced = [first_forced is not None and i >= first_forced and not hooks.recomputed(s) for i, s in enumerate(steps)]
     store = open_store(bp)
@@ -245,6 +283,8 @@ def run_pipeline(bp: Blueprint, run_id: str, *, on_line: Callable[[str], None] =
             ctx = RunContext(bp, run_id, on_line=on_line, cancel=cancel, pools=pools, store=store)
             for step, force in zip(steps, forced):
                 res = hooks.run_step(ctx, step, force)
+                if not results and not _follows(bp.resources):  # the run has a stage: a refused one leaves nothing
+                    record_plan(store, bp, run_id, steps)
                 results.append(res)
                 tracker.step(step.stage, step.iteration, res.manifest)
                 if on_step:

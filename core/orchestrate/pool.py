@@ -93,6 +93,9 @@ class WarmPool:
              timeout_s: float | None) -> dict:
         self._sink = on_line
         self.n += 1
+        if self.n == 1:  # the wait for the ranks' start is otherwise a silent one
+            on_line(f"[verlflow] starting {self.nproc} warm worker(s) for {stage} and the stages after it: each "
+                    "imports torch, transformers and verl first (15-40 s on 2 CPU cores)...")
         self._send({"stage": stage, "job": str(job_file)})
         done = self.dir / f"done-{self.n}.json"
 
@@ -117,8 +120,13 @@ class WarmPool:
             raise StageFailure(FailureKind.TIMEOUT, f"{stage} ran past its timeout of {timeout_s:g} s "
                                "(resources.stage_timeout_s); its warm worker pool was killed", traceback=stacks)
 
-        wait_until(finished, interval_s=0.02, timeout_s=timeout_s, cancel=cancel, on_cancel=cancelled,
-                   on_timeout=expired)
+        try:
+            wait_until(finished, interval_s=0.02, timeout_s=timeout_s, cancel=cancel, on_cancel=cancelled,
+                       on_timeout=expired)
+        except BaseException as e:
+            if not isinstance(e, Exception):  # Prefect's SIGTERM on a Cancel: the ranks die first, at once
+                self.kill()
+            raise
         return json.loads(done.read_text())
 
     def commit_in_background(self, output: str, background: Background) -> None:

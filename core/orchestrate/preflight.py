@@ -3,11 +3,12 @@
 Each fact is decided here once, in one of two tiers:
 
 - cheap (no torch, transformers or verl import; `missing_inputs` in core/blueprint.py calls them): the model
-  types the rollout engine runs, the dataset's size (the model folder itself: verlflow.core.ml.modeldir). The CLI
+  types the rollout engine runs, the dataset's size (the model folder itself: verlflow.core.ml.modeldir; the
+  sft/dpo phases' columns, types and rows: verlflow.core.ml.phasedata). The CLI
   runs them before anything touches the store, and the validate stage runs them again, since a Prefect flow run
   (UI, schedule) starts there.
-- `rollout_problems`: needs the tokenizer and calls the reward function, so only the validate stage (a torchrun
-  job that loads both anyway) runs it, before build.
+- `rollout_problems` and `phase_problems`: need the tokenizer (and call the reward function), so only the validate
+  stage (a torchrun job that loads both anyway) runs them, before build.
 
 Every problem is one line naming the field or file, what was found and the fix.
 """
@@ -66,6 +67,27 @@ def eval_sources_line(held) -> str:
     first = next(iter(counts))
     return (f"eval.files: {len(held)} prompts, data sources " + ", ".join(f"{s} ({n})" for s, n in counts.items())
             + f"; promote.metric can name eval/<source>/<metric> (e.g. eval/{first}/accuracy) or eval/accuracy")
+
+
+def phase_problems(bp, tok) -> list[str]:
+    """What an sft/dpo phase's stage would refuse once its rows meet the tokenizer (the cheap tier read their
+    columns, types and count): a row over the phase's algorithm.max_length, a chat template that does not render a
+    row's turns as prefixes of the whole. One line per phase, naming its first bad row."""
+    from verlflow.core.ml.dpo import encode_pairs
+    from verlflow.core.ml.phasedata import load_preferences, load_sft_rows
+    from verlflow.core.ml.sft import encode_sft
+
+    problems = []
+    for i, ph in enumerate(bp.phases):
+        if ph.kind not in ("sft", "dpo"):
+            continue
+        files, limit = f"phases[{i}].data.train_files", f"phases[{i}].algorithm.max_length"
+        read, encode = (load_sft_rows, encode_sft) if ph.kind == "sft" else (load_preferences, encode_pairs)
+        try:
+            encode(tok, read(ph.data.train_files, files), ph.algorithm.max_length, limit)
+        except VerlflowError as e:
+            problems.append(str(e))
+    return problems
 
 
 def prompt_length_problems(tok, prompts, limit: int, files: str = "data.train_files") -> list[str]:

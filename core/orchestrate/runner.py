@@ -37,7 +37,8 @@ STAGES = ("validate", "build", "rollout", "update", "evaluate", "checkpoint")
 SECTIONS = {
     "validate": ("model", "data", "reward", "rollout", "fsdp", "resources", "storage", "eval.files", "eval.prompt_key",
                  "eval.max_prompts", "eval.reward", "algorithm.adv_estimator", "algorithm.policy_loss",
-                 "algorithm.ppo_mini_batch_size", "algorithm.ppo_micro_batch_size_per_gpu"),
+                 "algorithm.ppo_mini_batch_size", "algorithm.ppo_micro_batch_size_per_gpu",
+                 "phase_inputs"),  # the sft/dpo phases' rows are checked there too
     # build: optimizer hyperparameters are re-applied from the blueprint on every load, so only the
     # estimator (whether a critic exists) matters here.
     "build": ("model", "fsdp", "algorithm.adv_estimator", "seed", "deterministic"),

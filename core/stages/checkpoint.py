@@ -5,8 +5,9 @@ Inputs: `build` (hf_meta/), `update` (policy/: an update, or the last sft/dpo st
 storage.export_dtype (verlflow.core.ml.export); with model.lora the merged model or, with
 storage.export_lora=adapter, the PEFT adapter folder. The pipeline plans it every storage.export_every iterations and at
 the last. Promotion happens after this stage's manifest is committed: `latest` never points at a half-written
-export. In a warm pool with resources.async_checkpoint the stage only makes the export's CPU copy; the pool's
-committer writes it (overlapping the next rollout) before the commit.
+export. So does, for a run of a recurring chain, promoted or not, the move of the chain's data cursor to where the
+export's policy left off (verlflow.core.store.chain). In a warm pool with resources.async_checkpoint the stage only
+makes the export's CPU copy; the pool's committer writes it (overlapping the next rollout) before the commit.
 """
 
 import logging
@@ -15,6 +16,7 @@ import threading
 from verlflow.core.ml import checkpoint, export
 from verlflow.core.stages import modelcache
 from verlflow.core.stages.common import StageContext, retention_pass, stage_main
+from verlflow.core.store import chain
 from verlflow.core.store.promote import promote
 from verlflow.core.testing import faults
 
@@ -74,6 +76,8 @@ def _write(ctx: StageContext, model, meta_dir, dtype: str, written: threading.Ev
 
 def after_commit(ctx: StageContext, manifest: dict) -> None:
     promote(ctx.store, ctx.bp, ctx.job, manifest)
+    if ctx.bp.schedule.init_from == "previous" and not ctx.bp.phases:  # the build joined the chain (stages/build)
+        chain.advance(ctx.store, ctx.bp.name, manifest["metrics"]["data_cursor"])
     retention_pass(ctx)  # after the pointers moved: what they named before may go now
 
 

@@ -43,16 +43,19 @@ def _renumber(groups: list[list[dict]], n: int) -> list[dict]:
     return [{**s, "group": p, "sample": p * n + k} for p, g in enumerate(groups) for k, s in enumerate(g)]
 
 
-def collect(ctx: StageContext, model, tok, data: Prompts, cursor: int, iteration: int, progress=None) -> Collected:
-    """Iteration `iteration`'s samples of `data` from prompt `cursor` on."""
+def collect(ctx: StageContext, model, tok, data: Prompts, cursor: int, iteration: int, progress=None,
+            data_seed: int | None = None) -> Collected:
+    """Iteration `iteration`'s samples of `data` from prompt `cursor` on, in the prompt order of `data_seed` (the
+    policy's state.json: a chain's order, verlflow.core.store.chain; None, a policy built before it: seed)."""
     bp, it = ctx.bp, iteration
+    order_seed = bp.seed if data_seed is None else data_seed
     B, n, fg = bp.data.batch_size, bp.rollout.n, bp.algorithm.filter_groups
     rounds = fg.max_num_gen_batches if fg.enable else 1
     informative: list[list[dict]] = []
     uniform: list[list[dict]] = []
     sampled = 0
     for r in range(rounds):
-        rows = select(len(data), cursor + r * B, B, bp.seed, bp.data.shuffle).tolist()
+        rows = select(len(data), cursor + r * B, B, order_seed, bp.data.shuffle).tolist()
         samples = gather(ctx, generate_share(model, tok, bp, data.take(rows), it, ctx.placement, progress, attempt=r))
         sampled += len(samples)
         if not fg.enable:

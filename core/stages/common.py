@@ -25,6 +25,7 @@ from verlflow.core.errors import NO_SPACE_FIX, StoreError, is_no_space
 from verlflow.core.job import InputRecord, JobSpec
 from verlflow.core.ml import compiletime
 from verlflow.core.ml.placement import Placement
+from verlflow.core.orchestrate import memplan
 from verlflow.core.stages import modelcache
 from verlflow.core.stages import committer as committers
 from verlflow.core.agree import any_rank
@@ -241,8 +242,8 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
     timing, not the stage's."""
     t_start = time.time()
     job = JobSpec.read(job_file)
-    bp = job.blueprint
-    rank, world, local_rank, device = _init_process_group(bp)
+    rank, world, local_rank, device = _init_process_group(job.blueprint)
+    bp = memplan.resolved(job.blueprint, device)  # its `auto` settings, by the memory plan for this card
     committer = committers.for_pool(collective_timeout(bp)) if in_pool else None
     setup_logging(rank)
     _seed(bp, job.iteration, rank)
@@ -260,8 +261,9 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
     faults.hang_point(job.stage, rank)  # test hook: VERLFLOW_FAULT=hang_in_<stage>, barrier_hang_in_<stage>
     modelcache.begin_job()
     compiles = compiletime.Meter()
-    with _no_space_named(ctx):
+    with _no_space_named(ctx), memplan.watched(ctx) as memory:  # an OOM names the stage, peak, card and setting
         metrics = run(ctx) or {}
+    metrics.update(memory.metrics)
     n, seconds, parts = compiles.read()
     if n:  # a first iteration's excess: how much of it was torch.compile (its other timings include it)
         ctx.timings["compile_s"] = round(seconds, 3)

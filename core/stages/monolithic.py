@@ -80,7 +80,7 @@ def run(ctx: StageContext) -> dict:
     for it in range(1, bp.iterations + 1):
         with ctx.timed("rollout_s"):
             infer.load_state_dict(checkpoint.full_state_dict(policy.model))
-            got = collect(ctx, infer, tok, data, state["data_cursor"], it)
+            got = collect(ctx, infer, tok, data, state["data_cursor"], it, data_seed=state.get("data_seed"))
         batch, stats = _as_batch(ctx, got, tok, it)
         with ctx.timed("update_s"):
             history = _update(ctx, ref, models, batch, it)

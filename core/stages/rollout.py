@@ -67,7 +67,7 @@ def run(ctx: StageContext) -> dict:
         model = inference_copy(ctx, src)
     progress = log.info if ctx.is_main() else None
     with ctx.timed("generate_s"):
-        got = collect(ctx, model, tok, data, state["data_cursor"], ctx.iteration, progress)
+        got = collect(ctx, model, tok, data, state["data_cursor"], ctx.iteration, progress, state.get("data_seed"))
     if not ctx.is_main():
         return {}
     stats = save_batch(got.samples, ctx.out, tok.pad_token_id, bp.rollout.max_new_tokens, got.prompts_consumed)

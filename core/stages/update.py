@@ -123,11 +123,8 @@ def run(ctx: StageContext) -> dict:
                  "iteration": it}
     with ctx.timed("save_s"):
         save_copy = _save(ctx, models, new_state)
-    last = history[-1]
-    return {**adv_metrics, "step": models.step, "ref_source": ref_source, "save_copy": save_copy,
-            "mini_batches": history, "pg_loss": last["pg_loss"],
-            "kl_loss": last["kl_loss"], "entropy": last["entropy"], "pg_clipfrac": last["pg_clipfrac"],
-            "grad_norm": last["grad_norm"], "tokens_per_s": last["tokens_per_s"]}
+    return {**adv_metrics, **ppo.update_metrics(history), "step": models.step, "ref_source": ref_source,
+            "save_copy": save_copy, "mini_batches": history}
 
 
 main = stage_main(run, retention_pass)  # the older checkpoints go once this one is committed

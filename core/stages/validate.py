@@ -126,34 +126,29 @@ def check_layers(ctx: StageContext, r: Report):
         r.add("fused_kernels_backend", hidden % 128 == 0,
               f"triton: hidden size {hidden}" + ("" if hidden % 128 == 0 else " is not a multiple of 128, which verl's "
                                                  "kernels need; set algorithm.fused_kernels_backend=torch"))
-    check_memory(ctx, r, sum(p.numel() for p in meta.parameters()), trainable, meta.config)
 
 
-def check_memory(ctx: StageContext, r: Report, n_params: int, n_trainable: int, config):
-    bp, world = ctx.bp, ctx.bp.resources.world_size
-    bytes_p = M.DTYPES[bp.model.dtype].itemsize
-    # policy (params; fp32 grads + Adam moments of the trainable ones) and ref, sharded; activations of one
-    # micro-batch unsharded. model.lora: the reference is the policy with adapters off, no second copy.
-    state = n_params * bytes_p / world + n_trainable * (4 + 8) / world
-    if bp.model.lora is None:
-        state += n_params * bytes_p / world
-    if bp.algorithm.adv_estimator == "gae":
-        state *= 2
-    seq = bp.data.max_prompt_length + bp.rollout.max_new_tokens
-    hidden, layers = config.hidden_size, config.num_hidden_layers
-    act = bp.algorithm.ppo_micro_batch_size_per_gpu * seq * hidden * layers * 34 * (
-        0.1 if bp.fsdp.activation_checkpointing else 1.0)
-    logits = bp.algorithm.ppo_micro_batch_size_per_gpu * seq * config.vocab_size * 4 * 3
-    need = state + act + logits
-    if bp.resources.device == "cuda" and torch.cuda.is_available():
-        _, have = torch.cuda.mem_get_info(ctx.device)
-    else:
-        import psutil
+def check_memory(ctx: StageContext, r: Report) -> dict | None:
+    """The memory plan (core/orchestrate/memplan.py) of the blueprint as written (its `auto` settings chosen for this
+    rank's card), refused where it does not fit, and its peak against what is free on the card now (another
+    process may hold some). Rank 0 prints the table and writes memory_plan.{txt,json}; returns the plan's record."""
+    from verlflow.core.orchestrate import memplan
 
-        have = psutil.virtual_memory().available / bp.resources.nproc_per_node
-    r.add("memory_estimate", need < 0.9 * have,
-          f"~{need / 2**30:.2f} GiB per rank (params {n_params / 1e6:.1f}M, world {world}) vs {have / 2**30:.1f} GiB; "
-          "lower micro-batch, enable fsdp.activation_checkpointing or add ranks if short")
+    if model_dir_problems(ctx.bp.model.path):  # check_model names them; there is no shape to plan with
+        return None
+    plan = memplan.plan_for(ctx.job.blueprint, ctx.device)
+    r.add("memory_plan", plan.fits, f"rank {ctx.rank}: " + (plan.problem or plan.summary()))
+    if ctx.device.type == "cuda" and plan.fits:
+        free, _ = torch.cuda.mem_get_info(ctx.device)
+        r.add("memory_free", free >= plan.peak, f"rank {ctx.rank}: {memplan.gib(free)} free on the card for a plan "
+              f"peak of {memplan.gib(plan.peak)} ({plan.peak_stage})" + ("" if free >= plan.peak else
+              "; another process holds the rest: free the GPU or lower the settings the plan names"))
+    if ctx.is_main():
+        table = plan.table()
+        (ctx.out / "memory_plan.txt").write_text(table)
+        (ctx.out / "memory_plan.json").write_text(json.dumps(plan.record(), indent=1))
+        log.info("memory plan per GPU (%s):\n%s", plan.summary(), table)
+    return plan.record()
 
 
 def check_inputs(ctx: StageContext, r: Report, tok):
@@ -181,6 +176,20 @@ def check_inputs(ctx: StageContext, r: Report, tok):
               "the reward scores a sample")
     if bp.eval.files:
         check_eval_inputs(ctx, r, tok)
+    if any(ph.kind in ("sft", "dpo") for ph in bp.phases):
+        check_phase_inputs(ctx, r, tok)
+
+
+def check_phase_inputs(ctx: StageContext, r: Report, tok):
+    """The sft/dpo phases' rows through the tokenizer, as their stages encode them (missing_inputs read their
+    columns, types and count)."""
+    from verlflow.core.orchestrate.preflight import phase_problems
+
+    problems = phase_problems(ctx.bp, tok)
+    for problem in problems:
+        r.add("phase_inputs", False, problem)
+    if not problems:
+        r.add("phase_inputs", True, "every sft/dpo row fits its phase's algorithm.max_length after the chat template")
 
 
 def check_eval_inputs(ctx: StageContext, r: Report, tok):
@@ -227,6 +236,7 @@ def run(ctx: StageContext) -> dict:
     check_devices(ctx, r)
     r.guard("all_reduce", lambda: check_allreduce(ctx, r))
     r.guard("fsdp_shard", lambda: check_fsdp_sharding(ctx, r))
+    memory = r.guard("memory_plan", lambda: check_memory(ctx, r))
     if ctx.is_main():
         r.guard("store_probe", lambda: (ctx.store.probe(), r.add("store_probe", True, ctx.store.root_uri)))
         tok = r.guard("model", lambda: check_model(ctx, r))
@@ -244,7 +254,7 @@ def run(ctx: StageContext) -> dict:
             log.info(line)
     if failed:
         raise InputError("validate found {} problem(s):\n  ".format(len(failed)) + "\n  ".join(failed))
-    return {"checks": sum(len(rs) for rs in rows), "problems": 0}
+    return {"checks": sum(len(rs) for rs in rows), "problems": 0, **({"memory_plan": memory} if memory else {})}
 
 
 main = stage_main(run)

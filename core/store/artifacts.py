@@ -160,6 +160,32 @@ def carries_credentials(uri: str) -> bool:
     return "@" in authority or (scheme in ("s3", "s3a") and ":" in authority)
 
 
+def root_problem(uri: str) -> str | None:
+    """Why a file:// or s3:// URI cannot be a store's root, or None. Every key is the root + '/' + a safe key, so the
+    root itself must name one place: no '.', '..' or empty segment (S3 keeps '..' in a key as text, so a policy on
+    `team-a/` passes `team-a/../../team-b/...`, which anything that normalises paths reads as team-b; a filesystem
+    climbs out with it). A file:// path is absolute (file://rel/x would be relative to the current folder). A plain
+    folder path is no URI: the blueprint resolves it against its file's folder, `..` included, and the folder it
+    names is the root."""
+    if "://" not in uri:
+        return None
+    scheme, path = uri.split("://", 1)
+    if scheme == "file" and not path.startswith("/"):
+        return (f"file://{path} is relative to the current folder; a file:// URI takes an absolute path "
+                "(file:///abs/folder), or give a plain folder path (relative to the blueprint's folder)")
+    if scheme not in ("file", "s3"):
+        return None
+    segments = path.removeprefix("/" if scheme == "file" else "").removesuffix("/").split("/")
+    if scheme == "s3" and not segments[0]:
+        return "an s3:// URI starts with its bucket (s3://bucket/prefix)"
+    bad = [s for s in ("..", ".", "") if s in segments]
+    if not bad:
+        return None
+    what = ", ".join("empty ('//')" if s == "" else f"'{s}'" for s in bad)
+    return (f"it has {what} segments; every key of the store is this prefix + '/' + a key, so the prefix must name "
+            "one place as written (a '..' would climb out of it). Write the prefix you mean without them")
+
+
 class ArtifactStore:
     def __init__(self, uri: str | os.PathLike, *, endpoint_url: str | None = None, region: str | None = None,
                  storage_options: dict | None = None):
@@ -186,6 +212,8 @@ class ArtifactStore:
         else:
             raise StoreError(f"Store URI {uri!r} uses the unsupported protocol {self.protocol!r}; "
                              "use a local path, file:///abs/path or s3://bucket/prefix.")
+        if problem := root_problem(uri):
+            raise UnsafeKeyError(f"Store URI {uri!r} is refused: {problem}.")
         self.fs, root = fsspec.core.url_to_fs(uri, **opts)
         if self.protocol == "s3":
             self.fs.retries = 2  # s3fs's own rounds (a class attribute, default 5), see above

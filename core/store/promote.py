@@ -3,9 +3,11 @@
 The checkpoint stage's after_commit calls `promote` (the gate). Without promote.metric every export moves both
 `latest` pointers and there is no `best` pointer (retention's storage.keep_best_metric keeps the best export by
 the rollout that sampled from it, known only an iteration later). With promote.metric the exported iteration's
-metric (verlflow.core.metrics.of_iteration) moves a `latest` only when it beats that pointer's `best` by more
-than promote.min_delta: the run's `best` for `runs/<run>/latest`, the blueprint's (across its runs) for
-`blueprints/<name>/latest`, so a worse scheduled run leaves the pointer that init_from=previous warm-starts from.
+metric (verlflow.core.metrics.of_iteration) moves a `latest` only when it beats, by more than promote.min_delta,
+both the run's start policy (its evaluation before training, evaluate[0]: the base model or the warm start; an
+eval/ metric has one, validate sees to it) and that pointer's `best`: the run's `best` for `runs/<run>/latest`,
+the blueprint's (across its runs) for `blueprints/<name>/latest`. So a run that never beats its start promotes
+nothing, and a worse scheduled run leaves the pointer that init_from=previous warm-starts from.
 
 Each pointer document carries its own bounded `history` (who moved it: gate, promote, rollback; when; from which
 policy; the metric), written with the pointer in one conditional write. History entries name a policy by run id
@@ -73,12 +75,24 @@ def move(store: ArtifactStore, name: str, policy: dict, by: str, metric: str | N
     return seen[0], after
 
 
+def beats(value: float, than: float, bp: Blueprint) -> bool:
+    """Whether `value` is better than `than` by more than promote.min_delta (promote.mode says which way)."""
+    delta = value - than if bp.promote.mode == "max" else than - value
+    return delta > bp.promote.min_delta
+
+
 def better(value: float, best: dict | None, bp: Blueprint) -> bool:
     """Whether `value` beats the `best` pointer by more than promote.min_delta (promote.mode says which way)."""
     if best is None or best.get("metric") != bp.promote.metric:
         return True
-    delta = value - best["value"] if bp.promote.mode == "max" else best["value"] - value
-    return delta > bp.promote.min_delta
+    return beats(value, best["value"], bp)
+
+
+def start_score(store: ArtifactStore, run_id: str, metric: str) -> float | None:
+    """The run's start policy's `metric`: its evaluation before training (evaluate[0]), if it has that metric."""
+    from verlflow.core.metrics import of_iteration
+
+    return of_iteration(store, run_id, 0).get(metric)
 
 
 def _replaced(best: dict | None, policy: dict) -> bool:
@@ -104,6 +118,15 @@ def promote(store: ArtifactStore, bp: Blueprint, job: JobSpec, manifest: dict) -
         log.warning("not promoted: %s iteration %s has no finite %s (missing, or NaN); the latest pointers stay",
                     job.run_id, job.iteration, metric)
         return None
+    start = start_score(store, job.run_id, metric)
+    if start is not None and not beats(value, start, bp):
+        log.info("not promoted: %s iteration %s has %s=%s, not better than its start policy's %s=%s (evaluate[0]) "
+                 "by more than promote.min_delta=%s (promote.mode %s); the latest pointers stay", job.run_id,
+                 job.iteration, metric, value, metric, start, bp.promote.min_delta, bp.promote.mode)
+        return None
+    if start is None and metric.startswith("eval/"):
+        log.warning("%s has no evaluation of its start policy (evaluate[0]) with a finite %s: iteration %s is "
+                    "compared with the best pointers only", job.run_id, metric, job.iteration)
     moved = False
     for scope, latest, best_name in ((job.run_id, run_pointer(job.run_id), run_pointer(job.run_id, "best")),
                                      (bp.name, blueprint_pointer(bp.name), blueprint_pointer(bp.name, "best"))):
@@ -119,6 +142,47 @@ def promote(store: ArtifactStore, bp: Blueprint, job: JobSpec, manifest: dict) -
                      "by more than promote.min_delta=%s (promote.mode %s)", scope, job.run_id, job.iteration, metric,
                      value, best["value"], best["run_id"], best["iteration"], bp.promote.min_delta, bp.promote.mode)
     return policy if moved else None
+
+
+# ---------- what the pointer says, in words: the summaries read it once the commits have landed, never guess
+
+def promotion_status(store: ArtifactStore, bp: Blueprint, run_id: str) -> str:
+    """What `runs/<run>/latest` names now, in words: which policy, or why none."""
+    pointer = store.get_pointer(run_pointer(run_id))
+    if pointer is None:
+        return f"No policy promoted: {_why_none(store, bp, run_id)}"
+    scored = f" ({pointer['metric']}={pointer['value']:.4g})" if pointer.get("metric") else ""
+    by = (pointer.get("history") or [{}])[-1].get("by", "gate")
+    by = f", by `verlflow {by}`" if by != "gate" else ""
+    return f"Promoted policy: iteration {pointer['iteration']}{scored}{by}"
+
+
+def _why_none(store: ArtifactStore, bp: Blueprint, run_id: str) -> str:
+    metric = bp.promote.metric
+    if metric is None or not _an_export_committed(store, bp, run_id):
+        return "no export of this run has been committed yet"
+    start = start_score(store, run_id, metric)
+    if start is None:
+        return f"no committed export of this run has a finite {metric}"
+    return (f"no export of this run beat its start policy's {metric}={start:.4g} (evaluate[0]) by more than "
+            f"promote.min_delta={bp.promote.min_delta}, so the start policy stays the one to use")
+
+
+def _an_export_committed(store: ArtifactStore, bp: Blueprint, run_id: str) -> bool:
+    """Whether a checkpoint stage of the run's plan is committed (the latest first: usually the first read)."""
+    if bp.phases:  # its exports' iterations are its phases' to say; the gate has decided on something by then
+        return True
+    return any(store.read_manifest(stage_key(run_id, i, "checkpoint")) is not None
+               for i in range(bp.iterations, 0, -1) if bp.exports_at(i))
+
+
+def export_verdict(store: ArtifactStore, run_id: str, iteration: int | str) -> str:
+    """Whether a committed export is its run's promoted policy: what the run's `latest` pointer names now."""
+    pointer = store.get_pointer(run_pointer(run_id))
+    if pointer is not None and pointer["iteration"] == iteration:
+        return "promoted: the run's latest pointer names it"
+    named = f"iteration {pointer['iteration']}" if pointer else "no policy"
+    return f"not promoted: the run's latest pointer names {named}"
 
 
 # ---------- a person's moves: `verlflow promote RUN ITER`, `verlflow rollback NAME`

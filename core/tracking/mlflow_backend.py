@@ -1,5 +1,11 @@
 """MLflow: one MLflow run per verlflow run (found again by its tag verlflow.run_id, so a rerun or a Retry resumes
-it), the blueprint as params, metrics at step = iteration, the promoted model's URI as a tag.
+it), the blueprint as params, metrics at step = iteration, the promoted model's URI and the Prefect flow run's page
+as tags.
+
+The experiment is a model-training one: tagged mlflow.experimentKind (MLflow's record of an experiment's kind), and
+the pages verlflow links carry ?workflowType=machine_learning, since MLflow 3.17's UI shows every experiment in the
+workflow its GenAI / Model training switch names, GenAI (its empty traces pages) unless the URL names another
+(tests/test_tracking.py opens the link in headless Chromium).
 
 With no tracking.mlflow_uri the store is embedded: SQLite under the artifact root's tracking/ folder (places.py),
 its artifacts beside it. The client talks to the URI directly (MlflowClient), so nothing process-wide is set."""
@@ -14,6 +20,9 @@ from verlflow.core.tracking.tracker import TrackedRun
 
 RUN_TAG = "verlflow.run_id"
 MODEL_TAG = "verlflow.promoted_model"
+PREFECT_TAG = "verlflow.prefect_flow_run"
+KIND_TAG, TRAINING = "mlflow.experimentKind", "custom_model_development"  # mlflow's ExperimentKind values
+TRAINING_VIEW = "?workflowType=machine_learning"
 _BATCH = 100  # MLflow's log_batch takes at most 100 params (1000 metrics) per request
 
 
@@ -41,13 +50,20 @@ def _experiment_id(client, run: TrackedRun) -> str:
 
     found = client.get_experiment_by_name(run.experiment)
     if found is not None:
+        _mark_training(client, found)
         return found.experiment_id
     # embedded: artifacts beside the database (the default would be ./mlruns under whatever folder the driver runs in)
     where = None if run.bp.tracking.mlflow_uri else (local_root(run.store) / "mlflow-artifacts").as_uri()
     try:
-        return client.create_experiment(run.experiment, artifact_location=where)
+        return client.create_experiment(run.experiment, artifact_location=where, tags={KIND_TAG: TRAINING})
     except MlflowException:  # another run created it meanwhile
         return client.get_experiment_by_name(run.experiment).experiment_id
+
+
+def _mark_training(client, experiment) -> None:
+    """An experiment an earlier release created has no kind: it is a training one (a kind someone set stays)."""
+    if KIND_TAG not in experiment.tags:
+        client.set_experiment_tag(experiment.experiment_id, KIND_TAG, TRAINING)
 
 
 class MlflowBackend:
@@ -65,13 +81,20 @@ class MlflowBackend:
                                          tags={RUN_TAG: run.run_id, "verlflow.blueprint": run.bp.name})
         self.run_uuid = self.run.info.run_id
         self.target = f"mlflow:{self.run_uuid}"
+        if run.prefect_url:  # this attempt's flow run (a rerun in a new flow run names that one)
+            client.set_tag(self.run_uuid, PREFECT_TAG, run.prefect_url)
         self._log_params(run.params)
+
+    @property
+    def page(self) -> str:
+        """The run's page under any MLflow UI's address, in the Model training view."""
+        return f"#/experiments/{self.experiment_id}/runs/{self.run_uuid}{TRAINING_VIEW}"
 
     @property
     def url(self) -> str:
         """The run's page on a tracking server; for a store URI (sqlite://...), that URI."""
         if self.uri.startswith(("http://", "https://")):
-            return f"{self.uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_uuid}"
+            return f"{self.uri.rstrip('/')}/{self.page}"
         return self.uri
 
     def _log_params(self, params: dict[str, str]) -> None:

@@ -32,17 +32,24 @@ def embedded_mlflow_uri(store: ArtifactStore) -> str:
 def mlflow_run_url(store: ArtifactStore, run_id: str) -> str | None:
     """The MLflow run of a verlflow run: its page on a tracking server (http URIs), else the store URI holding it;
     None until the run has opened an MLflow run. Read from the ledger: no MLflow import, no request."""
-    import json
-
-    key = ledger_key(run_id)
-    return json.loads(store.get_bytes(key)).get("mlflow_url") if store.exists(key) else None
+    return _ledger(store, run_id).get("mlflow_url")
 
 
 def summary_lines(store: ArtifactStore, run_id: str) -> list[str]:
-    """The run summary's line linking the MLflow run (none when the run is not tracked in MLflow)."""
-    url = mlflow_run_url(store, run_id)
+    """The run summary's line linking the MLflow run (none when the run is not tracked in MLflow); for an embedded
+    store, how to serve it and the run's page there (`mlflow ui` listens on 127.0.0.1:5000)."""
+    ledger = _ledger(store, run_id)
+    url = ledger.get("mlflow_url")
     if url is None:
         return []
     if url.startswith(("http://", "https://")):
         return [f"- MLflow run: [{url}]({url})"]
-    return [f"- MLflow run {run_id} in `{url}` (browse: `mlflow ui --backend-store-uri {url}`)"]
+    page = f", then open `http://127.0.0.1:5000/{ledger['mlflow_page']}`" if ledger.get("mlflow_page") else ""
+    return [f"- MLflow run {run_id} in `{url}` (browse: `mlflow ui --backend-store-uri {url}`{page})"]
+
+
+def _ledger(store: ArtifactStore, run_id: str) -> dict:
+    import json
+
+    key = ledger_key(run_id)
+    return json.loads(store.get_bytes(key)) if store.exists(key) else {}

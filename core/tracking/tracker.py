@@ -7,6 +7,7 @@ import datetime as _dt
 import importlib
 import json
 import logging
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
@@ -32,6 +33,7 @@ class TrackedRun:
     run_id: str
     store: ArtifactStore
     params: dict[str, str]
+    prefect_url: str | None = None  # the Prefect UI page of the flow run tracking it
 
     @property
     def experiment(self) -> str:
@@ -73,7 +75,7 @@ class Tracker:
         self.ledger: dict = {}
 
     def _open(self) -> None:
-        run = TrackedRun(self.bp, self.run_id, self.store, blueprint_params(self.bp))
+        run = TrackedRun(self.bp, self.run_id, self.store, blueprint_params(self.bp), prefect_flow_run_url())
         self.backends = []
         for name in self.bp.tracking.backends:
             try:
@@ -81,7 +83,9 @@ class Tracker:
             except Exception as e:  # a tracker that cannot start does not stop the training
                 _warn(name, "start", e)
         self.ledger = self._read_ledger()
-        self.ledger.update({"mlflow_url": b.url for b in self.backends if b.name == "mlflow"})
+        for b in self.backends:
+            if b.name == "mlflow":
+                self.ledger.update(mlflow_url=b.url, mlflow_page=b.page)
         self._save()
 
     def step(self, stage: str, iteration, manifest: dict | None) -> None:
@@ -133,6 +137,18 @@ class Tracker:
 
     def _save(self) -> None:
         self.store.put_bytes(ledger_key(self.run_id), json.dumps(self.ledger, indent=1, sort_keys=True).encode())
+
+
+def prefect_flow_run_url() -> str | None:
+    """The UI page of the Prefect flow run this runs in (PREFECT_UI_URL, by default the API's address without /api);
+    None outside a flow run (the CLI, which never imports Prefect)."""
+    context = sys.modules.get("prefect.context")
+    ctx = context.FlowRunContext.get() if context is not None else None
+    if ctx is None or ctx.flow_run is None:
+        return None
+    from prefect.utilities.urls import url_for
+
+    return url_for("flow-run", obj_id=ctx.flow_run.id)
 
 
 def _warn(name: str, action: str, e: Exception) -> None:
