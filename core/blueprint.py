@@ -316,6 +316,9 @@ class AlgorithmSpec(Section):
         if self.rollout_correction and self.rollout_is is None:
             raise ValueError("algorithm.rollout_correction needs algorithm.rollout_is (token or sequence): with none "
                              "it would weigh nothing")
+        if self.ppo_max_token_len_per_gpu == "auto" and not self.use_remove_padding:
+            raise ValueError("algorithm.ppo_max_token_len_per_gpu=auto sizes packed micro-batches: set "
+                             "algorithm.use_remove_padding=true, or lower ppo_micro_batch_size_per_gpu instead")
         if self.policy_loss == "bypass_mode" and self.old_logprobs != "rollout":
             raise ValueError("algorithm.policy_loss=bypass_mode uses the rollout's log-probs as the old ones: set "
                              "algorithm.old_logprobs=rollout")
@@ -784,7 +787,7 @@ class Blueprint(Section):
                                     "from the previous one's policy. Empty: one rl phase (validate -> build -> "
                                     "(rollout -> update -> checkpoint) x iterations).")
     # Internal: not in the JSON schema (the run form) nor the allowed keys, and not dumped while unset.
-    active_phase: Optional[int] = Field(
+    active_phase: SkipJsonSchema[Optional[int]] = Field(
         None, ge=0, exclude_if=lambda v: v is None, description="Set by verlflow on the blueprint one phase's steps "
         "run with (its index in phases); leave it unset.")
 

@@ -152,7 +152,7 @@ TURN_HOOKS = {f"on_{s}": [pass_turn] for s in ("completion", "failure", "crashed
 def name_flow_run(run_id: str) -> None:
     """Show the run id as the flow run's name in the UI where Prefect chose the name: a scheduled run, or one with no
     deployment (an in-process or `verlflow run --prefect` run). A run started by hand from a deployment (the UI's
-    Run form, `prefect deployment run`) keeps the name it was given (finetune logs its run id first)."""
+    Run form, `prefect deployment run`) keeps the name it was given (finetune's log names its run id)."""
     with get_client(sync_client=True) as client:
         me = client.read_flow_run(get_run_context().flow_run.id)
         if me.deployment_id is None or me.auto_scheduled:

@@ -19,6 +19,7 @@ pytest_plugins = ["s3server", "kits", "prefect_server", "reference"]
 # CI (2026-12-04, byte-compiled imports, before the fault stories came back): hangs 176, schedule 107, stages 106,
 # flows 106, phases 81, launcher 59, slurm 50, dcpio 47, ui 43, cli 42.
 HEAVY_FIRST = ("test_stages", "test_schedule", "test_phases", "test_hangs", "test_flows", "test_cli", "test_faults",
+               "test_cancel_ui", "test_ui_links",
                "test_retention", "test_evaluate", "test_launcher", "test_preflight", "test_security", "test_dcpio",
                "test_slurm", "test_promotion", "test_packaging", "test_footprint", "test_algorithms", "test_tracking",
                "test_ui", "test_keys", "test_packing", "test_fastgen", "test_benchmarks", "test_exports", "test_lease",
@@ -60,7 +61,7 @@ SLOW = {
     "test_pool.py::test_failure_ends_the_pool_and_a_rerun_starts_fresh": "",
     "test_pool.py::test_background_commits_upload_to_s3": "",
     "test_pool.py::test_a_background_commit_logs_under_its_own_stage": "",
-    "test_pool.py::test_cancel_kills_the_pool": "test_hangs' cancel of a hung served run",
+    "test_pool.py::test_cancel_kills_the_pool": "test_cancel_ui's cancel of a hung served run",
     "test_pool.py::test_a_pipeline_lands_its_background_commits_before_it_returns_whatever_its_caller_holds": "",
     # every estimator and loss: test_algorithms' two-rank update
     "test_algorithms.py::test_a_reward_model_adds_to_a_batched_rule_reward_deterministically": "",
@@ -89,6 +90,8 @@ SLOW = {
     "test_exports.py::test_a_warm_pool_exports_in_the_background_and_a_crash_there_commits_and_promotes_nothing": "",
     "test_exports.py::test_export_every_two_of_five_exports_and_promotes_at_2_4_5_only_and_a_rerun_skips_all": "",
     "test_dcpio.py::test_a_writer_thread_that_fails_fails_the_save": "",
+    # a served run hung in a collective: test_cancel_ui cancels one from the UI, under load
+    "test_hangs.py::test_cancel_of_a_served_run_hung_in_a_collective_is_prompt": "",
     "test_verify.py::test_the_advised_reruns_repair_a_truncated_manifest_and_a_deleted_file": "",
     "test_packaging.py::test_a_project_with_its_own_core_flows_and_tasks_runs_the_flow": "its CLI run stays",
 }

@@ -31,7 +31,7 @@ def e4m3(u: torch.Tensor, engine: torch.Tensor | None = None) -> torch.Tensor:
     of the midpoint between it and ours), it is taken. Nowhere else: a wrong scale, a skipped or truncating rounding
     lands codes farther from u than that."""
     ours = u.to(torch.float8_e4m3fn).float()
-    if engine is None:
+    if engine is None or torch.equal(engine, ours):
         return ours
     engine = engine.float()
     as_near = (engine - u).abs() <= (ours - u).abs() + 2 * NOISE * E4M3_MAX  # False where engine is NaN (no code)

@@ -1,8 +1,9 @@
 """Cancel in the Prefect UI, as a person does it: headless Chromium opens a served finetune run whose stage is
-running on a loaded machine, clicks Cancel and Confirm, and the test times what follows. The run and its stage
-task must end Cancelled (not Crashed) in the UI, and the stage's torchrun job must be gone. The times go to the
-README (Retry and Cancel in the UI)."""
+running on a loaded machine, clicks Cancel in its menu and Cancel Flow Run, and the test times what follows. The run
+and its stage task must end Cancelled (not Crashed) in the UI, and the stage's torchrun job must be gone. The times
+go to the README (Retry and Cancel in the UI)."""
 
+import base64
 import json
 import threading
 import time
@@ -13,8 +14,8 @@ from test_hangs import _pool_ranks, cpu_hog  # noqa: F401 - cpu_hog is a fixture
 from test_ui import OUT, _cdp, _chromium, browser, js  # noqa: F401 - _chromium: autouse fixture
 from tinybp import ONE_RANK, tiny_blueprint
 
-# Loose bounds (the README gives the measured times, 1-3 s): they catch a job left to a grace period again and a run
-# left Cancelling until its runner saw the flow process exit (11-17 s).
+# Loose bounds (the README gives the measured times, 0.6-3 s): they catch a job left to a grace period again and a run
+# left Cancelling until its runner saw the flow process exit (10.5-17 s).
 JOB_DEAD_S, CANCELLED_S = 10.0, 10.0
 
 
@@ -33,13 +34,12 @@ def click(ws, element: str, what: str, wait_s: float = 60.0) -> None:
 
 def with_text(selector: str, text: str) -> str:
     """A JS expression: the first `selector` element whose text is `text`."""
-    return f"[...document.querySelectorAll({json.dumps(selector)})].find(e => e.textContent.trim() === {json.dumps(text)})"
+    return (f"[...document.querySelectorAll({json.dumps(selector)})]"
+            f".find(e => e.textContent.trim() === {json.dumps(text)})")
 
 
 def shows(ws, url: str, shot: str, *texts: str, wait_s: float = 60.0) -> str:
     """The page's text once it shows every one of `texts` (or after wait_s); a screenshot to test-outputs/."""
-    import base64
-
     _cdp(ws, "Page.navigate", url=url)
     deadline, text = time.monotonic() + wait_s, ""
     while time.monotonic() < deadline and not all(t in text for t in texts):
@@ -93,7 +93,8 @@ def test_cancel_in_the_ui_of_a_served_run_under_load(prefect_server, serve, tiny
         click(ws, "document.querySelector('button[aria-haspopup=menu]')", "the flow run's menu")
         click(ws, with_text("[role=menuitem]", "Cancel"), "Cancel in the menu")
         job_dead = {}
-        threading.Thread(target=lambda: job_dead.update(at=when(lambda: dead(job), 120)), daemon=True).start()
+        watch = threading.Thread(target=lambda: job_dead.update(at=when(lambda: dead(job), 120)), daemon=True)
+        watch.start()
         t0 = time.monotonic()
         click(ws, with_text("[role=alertdialog] button, [role=dialog] button", "Cancel Flow Run"),
               "the dialog's Cancel Flow Run")
@@ -101,7 +102,8 @@ def test_cancel_in_the_ui_of_a_served_run_under_load(prefect_server, serve, tiny
             ended = when(lambda: client.read_flow_run(run.id).state.is_final(), 120, every_s=0.1)
             state = client.read_flow_run(run.id).state
         cancelled_s = (ended or float("inf")) - t0
-        dead_s = (when(lambda: "at" in job_dead, 120) and job_dead["at"] or float("inf")) - t0
+        watch.join(120)
+        dead_s = (job_dead.get("at") or float("inf")) - t0
         print(f"\nCancel in the UI, served run, validate in a 2-rank warm pool, {cpu_hog} CPU hog(s) on "
               f"{psutil.cpu_count()} cores: job dead {dead_s:.1f} s, flow {state.name} {cancelled_s:.1f} s after "
               "the click")
@@ -130,9 +132,9 @@ def test_the_cancel_watcher_leaves_a_deployment_run_to_its_runner_first(prefect_
     for dep in (deployment, None):
         run = api(prefect_server, "/flow_runs/", {"flow_id": flow_id, "deployment_id": dep,
                                                   "state": {"type": "RUNNING"}})
-        with cancel_requested(every_s=0.1, flow_run_id=run["id"], sigterm_grace_s=2.0) as cancel:
+        with cancel_requested(every_s=0.1, flow_run_id=run["id"], sigterm_grace_s=3.0) as cancel:
             api(prefect_server, f"/flow_runs/{run['id']}/set_state", {"state": {"type": "CANCELLING"}, "force": True})
             t0 = time.monotonic()
             assert cancel.wait(30), dep
             waited = time.monotonic() - t0
-        assert waited >= 2.0 if dep else waited < 2.0, (dep, waited)
+        assert waited >= 3.0 if dep else waited < 3.0, (dep, waited)

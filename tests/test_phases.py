@@ -1,7 +1,7 @@
 """Phases (issue 19): sft -> dpo -> rl declared in one blueprint, on the tiny kit in one warm pool of two ranks.
 
 One module run of blueprints/tiny-phases.yaml: evaluate the base model, sft (1 epoch), dpo (2 epochs), evaluate the
-tuned policy, rl (1 iteration).
+tuned policy, rl (1 iteration), tracked in MLflow (its file store) and TensorBoard.
 Its first attempt has rank 1 SIGKILLed in dpo's second epoch; the rerun of the same run id resumes there.
 """
 
@@ -26,6 +26,11 @@ RUN = "ph"
 REPO = Path(__file__).resolve().parents[1]
 
 
+def tracked_overrides(folder: Path) -> tuple[str, ...]:
+    """MLflow in its file store (mlruns/ in `folder`) and TensorBoard (under the artifact root's tracking/)."""
+    return "tracking.backends=[mlflow, tensorboard]", f"tracking.mlflow_uri={(folder / 'mlruns').as_uri()}"
+
+
 def phased_blueprint(kit: dict, folder: Path, *more: str):
     """blueprints/tiny-phases.yaml beside a `tiny/` folder that is the kit, so its relative paths reach the kit."""
     (folder / "blueprints").mkdir(parents=True)
@@ -40,7 +45,8 @@ def phased_blueprint(kit: dict, folder: Path, *more: str):
 def phased(tiny_kit, tmp_path_factory):
     """(blueprint, store, results by step name, the failed first attempt's lines)."""
     folder = tmp_path_factory.mktemp("phases")
-    bp, store = phased_blueprint(tiny_kit, folder, "storage.keep_last_checkpoints=1"), folder / "store"
+    bp, store = phased_blueprint(tiny_kit, folder, "storage.keep_last_checkpoints=1",
+                                  *tracked_overrides(folder)), folder / "store"
     killed: list[str] = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VERLFLOW_FAULT", "kill_rank1_in_dpo_epoch2")
@@ -109,6 +115,110 @@ def test_a_kill_in_dpo_resumes_there_from_the_artifacts(phased):
     reused = {n for n, r in res.items() if r.skipped}
     assert {"validate[init]", "build[init]", "evaluate[base]", "sft[sft.1]", "dpo[dpo.1]"} <= reused
     assert not reused & {"dpo[dpo.2]", "build[rl]", "rollout[1]", "update[1]"}
+
+
+# -- a phased run in the trackers, `compare`, the curves and promotion (issue 38) --------------------------------------
+
+# The plan's step numbers (core/metrics.step_numbers): each iteration with metrics in plan order, the rl one's
+# stages at one number.
+NUMBERED = {"evaluate[base]": 0, "sft[sft.1]": 1, "dpo[dpo.1]": 2, "dpo[dpo.2]": 3, "evaluate[tuned]": 4,
+            "rollout[1]": 5, "update[1]": 5, "evaluate[1]": 5}
+NAMES = {0: "evaluate[base]", 1: "sft[sft.1]", 2: "dpo[dpo.1]", 3: "dpo[dpo.2]", 4: "evaluate[tuned]",
+         5: "rollout[1] update[1] evaluate[1]"}
+
+
+def _expected_points(res) -> dict[str, list]:
+    """Each tracked step's manifest metrics (core/metrics.py's names) at its number: what a tracker must hold."""
+    from verlflow.core.metrics import flat
+
+    want: dict[str, list] = {}
+    for name, step in NUMBERED.items():
+        m = res[name].manifest
+        for metric, value in flat(m["stage"], m["metrics"]).items():
+            want.setdefault(metric, []).append((step, value))
+    return {k: sorted(v) for k, v in want.items()}
+
+
+def test_a_phased_run_is_tracked_at_numbered_steps_each_named(phased):
+    """MLflow (read back from its file store) and TensorBoard (its event reader) hold every step's metrics at its
+    number, each step once although the killed first attempt logged half of them, and each number's step names (a
+    tag, a text). Before: both trackers were dropped at evaluate[base] (int('base')): no rollout/reward_mean."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from verlflow.core.metrics import PREFIX
+    from verlflow.core.tracking.mlflow_backend import mlflow_name
+
+    bp, store, res, _ = phased
+    assert {n for n, r in res.items() if r.manifest["stage"] in PREFIX} == set(NUMBERED)
+    want = _expected_points(res)
+    assert {"rollout/reward_mean", "update/pg_loss", "eval/reward_mean", "sft/sft_loss", "dpo/rewards/margins"} <= set(want)
+
+    client = MlflowClient(tracking_uri=bp.tracking.mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name(bp.name).experiment_id])  # both attempts: one run
+    assert run.info.status == "FINISHED" and run.data.tags["verlflow.run_id"] == RUN
+    for name, points in want.items():
+        got = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, mlflow_name(name)))
+        assert got == [(step, pytest.approx(v)) for step, v in points], name
+    assert {k: v for k, v in run.data.tags.items() if k.startswith("verlflow.step.")} == \
+        {f"verlflow.step.{n}": names for n, names in NAMES.items()}
+    params = run.data.params
+    assert (params["phases.0.kind"], params["phases.0.name"], params["phases.2.epochs"]) == ("evaluate", "base", "2")
+
+    events = EventAccumulator(str(store / "tracking/tensorboard" / RUN), purge_orphaned_data=False,
+                              size_guidance={"tensors": 0})
+    events.Reload()
+    for name, points in want.items():
+        assert [(e.step, e.value) for e in events.Scalars(name)] == \
+            [(step, pytest.approx(v, rel=1e-6)) for step, v in points], name
+    assert {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors("verlflow/step/text_summary")} == NAMES
+
+
+def test_compare_and_the_curves_show_a_phased_run_step_by_step(phased, tmp_path, capsys):
+    """`verlflow compare` and the curves read a phased run at the trackers' step numbers, named: the base and tuned
+    evaluations, sft's and dpo's epochs, the rl iteration. Before: its named steps were left out (iteration 1 only)."""
+    from verlflow.core.orchestrate import figures
+    from verlflow.core.orchestrate.cli import main
+
+    bp, store, res, _ = phased
+    hist = figures.history(open_store(bp), RUN)
+    want = _expected_points(res)
+    assert {name: sorted((n, m[name]) for n, m in hist.items() if name in m) for name in want} == want
+    labels = figures.step_labels(open_store(bp), RUN)
+    assert labels == {0: "base", 1: "sft.1", 2: "dpo.1", 3: "dpo.2", 4: "tuned", 5: "1"}
+    fig = figures.run_figure(hist, RUN, labels)
+    loss = next(ax for ax in fig.axes if ax.get_title() == "SFT / DPO loss (phases)")
+    assert [t.get_text() for t in loss.get_xticklabels()] == list(labels.values())
+
+    out = tmp_path / "compare.png"
+    assert main(["compare", RUN, "--store", str(store), "--metrics", "eval/reward_mean,rollout/reward_mean",
+                 "--out", str(out)]) == 0
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.split()[2:3] == [RUN]]
+    tuned, rl = res["evaluate[tuned]"].manifest["metrics"], res["rollout[1]"].manifest["metrics"]
+    assert [r[:3] for r in rows] == [[str(n), label, RUN] for n, label in labels.items()], rows
+    assert rows[4][3:] == [f"{tuned['reward_mean']:.6g}", "-"], rows
+    assert rows[5][4] == f"{rl['reward_mean']:.6g}", rows
+    assert out.stat().st_size > 10_000
+
+
+def test_a_run_ending_in_dpo_promotes_its_export_by_a_dpo_metric(phased, tmp_path):
+    """The phases up to dpo alone (their steps reused from a copy of the phased run's store) export dpo's last epoch
+    and the gate promotes it by promote.metric=dpo/rewards/accuracies, that epoch's. Before: validate refused the
+    name, and the gate found no metric at checkpoint[dpo]."""
+    bp, store, res, _ = phased
+    shutil.copytree(store, tmp_path / "store")
+    data = bp.model_dump(mode="json")
+    data["phases"] = data["phases"][:3]
+    data["storage"]["uri"], data["tracking"]["backends"] = str(tmp_path / "store"), []
+    data["promote"]["metric"] = "dpo/rewards/accuracies"
+    lines: list[str] = []
+    results = run_pipeline(Blueprint.model_validate(data), RUN, on_line=lines.append)
+    done = {f"{r.manifest['stage']}[{r.manifest['iteration']}]": r for r in results}
+    assert not done["checkpoint[dpo]"].skipped, "\n".join(lines[-30:])
+    assert all(done[n].skipped for n in ("evaluate[base]", "sft[sft.1]", "dpo[dpo.1]", "dpo[dpo.2]"))
+    pointer = json.loads((tmp_path / "store/pointers/runs" / RUN / "latest.json").read_text())
+    assert (pointer["iteration"], pointer["metric"]) == ("dpo", "dpo/rewards/accuracies")
+    assert pointer["value"] == pytest.approx(res["dpo[dpo.2]"].manifest["metrics"]["rewards/accuracies"])
 
 
 def test_each_phase_keeps_its_last_epochs_checkpoint(phased):
@@ -288,7 +398,8 @@ class _Judge(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def judge_blueprint(kit: dict, folder: Path, url: str, module: str = "verlflow.core.examples.judge:JudgeStage"):
+def judge_blueprint(kit: dict, folder: Path, url: str, module: str = "verlflow.core.examples.judge:JudgeStage",
+                    *more: str):
     (folder / "blueprints").mkdir(parents=True, exist_ok=True)
     (folder / "tiny").mkdir(exist_ok=True)
     if not (folder / "tiny/qwen2").exists():
@@ -297,10 +408,31 @@ def judge_blueprint(kit: dict, folder: Path, url: str, module: str = "verlflow.c
     text = text.replace("http://127.0.0.1:8099/score", url).replace("verlflow.core.examples.judge:JudgeStage", module)
     (folder / "blueprints/tiny-judge.yaml").write_text(text)
     return load_blueprint(folder / "blueprints/tiny-judge.yaml", [f"storage.uri={folder / 'store'}",
-                                                                  "tracking.backends=[]"])
+                                                                  "tracking.backends=[]", *more])
+
+
+# Credentials left in a blueprint by mistake, in each place one can hold them that a run writes out (the options of
+# a user stage, nested or in a URI; the store's endpoint; a scheduler section the run does not use). None may reach
+# a tracker, a manifest, the store, an artifact's text or a log line.
+PLANTED = {"options": "sk-literal-9d2e7a41", "nested": "hf_nested_4c8b1f60", "query": "qtok-6a1e93d2",
+           "endpoint": "minio-pw-2b7f5c18", "label": "k8s-label-8e3d0a77"}
+
+
+def _planted(bp: Blueprint) -> Blueprint:
+    """`bp` (the judge blueprint, its url's query holding PLANTED['query']) with the other PLANTED credentials."""
+    data = bp.model_dump(mode="json")
+    data["phases"][1]["options"].update(api_key=PLANTED["options"],
+                                        headers={"X-Hf-Token": PLANTED["nested"], "Accept": "json"})
+    data["storage"]["endpoint_url"] = f"http://minio:{PLANTED['endpoint']}@127.0.0.1:9"
+    data["resources"]["kubernetes"]["labels"] = {"team-token": PLANTED["label"]}
+    return Blueprint.model_validate(data)
 
 
 def test_a_user_stage_scores_the_rollout_with_an_external_judge_and_keeps_its_key(tiny_kit, tmp_path, monkeypatch):
+    """The judge stage against a stub judge, tracked (MLflow's file store, TensorBoard), with the API key in the
+    environment and credentials planted in the blueprint (PLANTED): its options are structured params with the
+    secret-looking ones redacted; no secret reaches a tracker, the store, the stage summaries or the lines. Before:
+    MLflow's `phases` param held the options whole."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Judge)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     _Judge.seen = []
@@ -313,8 +445,8 @@ def test_a_user_stage_scores_the_rollout_with_an_external_judge_and_keeps_its_ke
     monkeypatch.syspath_prepend(str(mine))
     monkeypatch.setenv("PYTHONPATH", f"{mine}:{os.environ.get('PYTHONPATH', '')}")
     try:
-        bp = judge_blueprint(tiny_kit, tmp_path, f"http://127.0.0.1:{server.server_port}/score",
-                             "myjudge:JudgeStage")
+        bp = _planted(judge_blueprint(tiny_kit, tmp_path, f"http://127.0.0.1:{server.server_port}/score?token="
+                                      f"{PLANTED['query']}", "myjudge:JudgeStage", *tracked_overrides(tmp_path)))
         lines: list[str] = []
         results = run_pipeline(bp, "judged", on_line=lines.append)
     finally:
@@ -330,12 +462,48 @@ def test_a_user_stage_scores_the_rollout_with_an_external_judge_and_keeps_its_ke
     assert m["inputs"]["rollout"]["stage"] == "runs/judged/1/rollout"
     assert m["metrics"]["judged"] == 16 and 0 <= m["metrics"]["agreement_with_reward"] <= 1
     assert secret not in json.dumps(m) and not any(secret in line for line in lines)
+    _assert_no_planted_secret(bp, tmp_path, results, lines, secret)
     # the user's code is part of the key: unchanged, the stage is reused; edited, it (alone) reruns
     steps, _ = checked_plan(bp, "judged", None)
     runs = lambda: steps_that_run(open_store(bp), bp, "judged", steps, [False] * len(steps))  # noqa: E731
     assert not any(runs())
     (mine / "myjudge.py").write_text((mine / "myjudge.py").read_text() + "\n# threshold changed\nCUT = 0.4\n")
     assert runs() == [s.name == "user[judge]" for s in steps]
+
+
+def _assert_no_planted_secret(bp, folder: Path, results, lines: list[str], env_secret: str) -> None:
+    """The options as params, field by field, secrets redacted; then no planted secret, nor the environment's, in
+    the MLflow store, the artifact store (manifests, pointers, TensorBoard's events, the ledger), the Prefect
+    artifacts' text of each stage and of the run, or the lines."""
+    from mlflow.tracking import MlflowClient
+
+    from verlflow.core.redact import REDACTED
+    from verlflow.tasks.report import iteration_row, run_summary
+    from verlflow.tasks.stages import summary_markdown
+
+    client = MlflowClient(tracking_uri=bp.tracking.mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name(bp.name).experiment_id])
+    options = {k.removeprefix("phases.1.options."): v for k, v in run.data.params.items()
+               if k.startswith("phases.1.options.")}
+    assert options == {"url": bp.phases[1].options["url"].replace(PLANTED["query"], REDACTED), "timeout_s": "10",
+                       "api_key_env": REDACTED, "api_key": REDACTED, "headers.X-Hf-Token": REDACTED,
+                       "headers.Accept": "json"}, options
+    assert run.data.params["storage.endpoint_url"] == f"http://{REDACTED}@127.0.0.1:9"
+    assert "phases" not in run.data.params and not any(k.startswith("resources.kubernetes.") for k in run.data.params)
+
+    store = open_store(bp)
+    by_name = {f"{r.manifest['stage']}[{r.manifest['iteration']}]": r for r in results}
+    texts = {name: summary_markdown(name, r, store, f"runs/judged/{r.manifest['iteration']}/{r.manifest['stage']}")
+             for name, r in by_name.items()}
+    rows = [iteration_row(1, by_name["rollout[1]"], by_name["update[1]"], by_name.get("checkpoint[1]"))]
+    texts["run summary"] = run_summary(store, bp, "judged", rows)
+    files = [p for root in (folder / "mlruns", folder / "store") for p in root.rglob("*") if p.is_file()]
+    assert any("tensorboard" in p.parts for p in files) and any(p.name == "manifest.json" for p in files)
+    for value in [*PLANTED.values(), env_secret]:
+        leaks = [str(p) for p in files if value.encode() in p.read_bytes()]
+        leaks += [name for name, text in texts.items() if value in text]
+        leaks += [line for line in lines if value in line]
+        assert not leaks, (value, leaks)
 
 
 def test_a_user_stage_reading_a_rollout_before_any_rl_phase_is_refused(tmp_path):

@@ -145,3 +145,131 @@ def test_the_run_summary_names_the_policy_the_pointer_names_never_the_last_expor
     landed = run_summary(store, bp, "r", rows)
     assert f"- Promoted policy: iteration 2 (eval/reward_mean=0.5); HF folder: `{hf2}`" in landed, landed
     assert "still committing" not in landed
+
+
+# ------------------------------------------- a crash between an export's commit and its gate (issue 38, item 8)
+
+def _inputs(run_id: str, it: int) -> dict:
+    return {"update": f"runs/{run_id}/{it}/update", "build": f"runs/{run_id}/init/build"}
+
+
+def _gate(store, bp, run_id: str, it: int, manifest: dict) -> None:
+    promote(store, bp, JobSpec.model_construct(run_id=run_id, iteration=it, output=f"runs/{run_id}/{it}/checkpoint",
+                                               inputs=_inputs(run_id, it)), manifest)
+
+
+def _moves(store, name: str) -> list:
+    return [(e["by"], e["run_id"], e["iteration"]) for e in (store.get_pointer(name) or {}).get("history", [])]
+
+
+def test_a_reused_export_whose_gate_never_ran_is_gated_once(tmp_path):
+    """Without promote.metric: checkpoint[2] committed, then the run stopped before its gate. The rerun that reuses
+    it runs the gate; a second rerun moves nothing. Stopped between the gate's two moves, the rerun makes only the
+    one missing. A blueprint pointer that a newer export moved since is left to it; a person's move since wins."""
+    from verlflow.core.store.promote import after_export, move, policy_of
+
+    store = ArtifactStore(tmp_path / "store")
+    bp = Blueprint(name="nm", storage={"uri": str(tmp_path / "store")})
+    run, blue = "runs/r/latest", "blueprints/nm/latest"
+
+    def reused(run_id, it, m):
+        return after_export(store, bp, run_id, it, _inputs(run_id, it), m, reused=True)
+
+    m1 = _fake_checkpoint(store, tmp_path, "r", 1, 0.1)
+    _gate(store, bp, "r", 1, m1)
+    m2 = _fake_checkpoint(store, tmp_path, "r", 2, 0.2)  # the run stopped here
+    assert reused("r", 1, m1) == (False, None)  # its gate ran
+    ran, moved = reused("r", 2, m2)
+    assert ran and moved["iteration"] == 2
+    for name in (run, blue):
+        assert _moves(store, name) == [("gate", "r", 1), ("gate", "r", 2)], name
+    assert reused("r", 2, m2) == (False, None) and _moves(store, run)[-1] == ("gate", "r", 2)
+
+    m3 = _fake_checkpoint(store, tmp_path, "r", 3, 0.3)
+    before = store.get_bytes(f"pointers/{run}.json")
+    _gate(store, bp, "r", 3, m3)
+    store.put_bytes(f"pointers/{run}.json", before)  # stopped after the blueprint's move, before the run's
+    assert reused("r", 3, m3)[0]
+    assert _moves(store, run)[-1] == ("gate", "r", 3) and _moves(store, blue).count(("gate", "r", 3)) == 1
+
+    m4 = _fake_checkpoint(store, tmp_path, "r", 4, 0.4)  # stopped; then another run of the blueprint exported
+    (tmp_path / "s").mkdir()
+    _gate(store, bp, "s", 1, _fake_checkpoint(store, tmp_path / "s", "s", 1, 0.5))
+    assert reused("r", 4, m4)[0]
+    assert store.get_pointer(run)["iteration"] == 4 and store.get_pointer(blue)["run_id"] == "s"
+
+    m5 = _fake_checkpoint(store, tmp_path, "r", 5, 0.6)  # stopped; then a person moved the run's pointer back
+    policy = policy_of(store, {**m1, "run_id": "r", "iteration": 1, "blueprint_name": "nm",
+                               "inputs": {n: {"stage": k} for n, k in _inputs("r", 1).items()}})
+    move(store, run, policy, "promote")
+    assert reused("r", 5, m5) == (False, None) and store.get_pointer(run)["iteration"] == 1
+
+
+def test_a_reused_export_is_gated_by_its_metric_and_a_half_done_gate_is_finished(tmp_path):
+    """With promote.metric: the rerun gates an export the run stopped before gating (a worse one: no move, again on
+    the next rerun); stopped after the gate moved the `best` pointers, before the run's `latest`, the rerun moves
+    that `latest` and no pointer twice."""
+    from verlflow.core.store.promote import after_export
+
+    store = ArtifactStore(tmp_path / "store")
+    bp = Blueprint(name="g", storage={"uri": str(tmp_path / "store")}, eval={"files": ["held.parquet"]},
+                   promote={"metric": "eval/reward_mean"})
+    _evaluated(store, "r", 0, 0.2)
+    for it, reward in ((1, 0.1), (2, 0.5)):
+        _evaluated(store, "r", it, reward)
+        store.commit(f"runs/r/{it}/checkpoint", {"key": f"c{it}", "stage": "checkpoint", "metrics": {}}, {})
+    m1, m2 = (store.read_manifest(f"runs/r/{it}/checkpoint") for it in (1, 2))
+
+    for _ in range(2):  # worse than the start: gated, nothing moves, and nothing marks it
+        assert after_export(store, bp, "r", 1, _inputs("r", 1), m1, reused=True) == (True, None)
+        assert not store.ls("pointers")
+    _gate(store, bp, "r", 2, m2)
+    store.rm("pointers/runs/r/latest.json")  # the run stopped before the gate's last move
+    ran, moved = after_export(store, bp, "r", 2, _inputs("r", 2), m2, reused=True)
+    assert ran and moved["iteration"] == 2
+    for name in ("runs/r/latest", "runs/r/best", "blueprints/g/latest", "blueprints/g/best"):
+        assert _moves(store, name) == [("gate", "r", 2)], name
+
+
+def test_a_rerun_completes_the_promotion_the_run_stopped_before(reference, tmp_path, capsys, monkeypatch, request):
+    """The reference run as if it stopped after checkpoint[2] committed, before its promotion (both `latest`
+    pointers back at iteration 1). `verlflow rerun` reuses every stage, promotes iteration 2 and says so; a second
+    rerun moves nothing. So does the flow (`verlflow rerun --prefect`), which shares the pipeline loop."""
+    from tinybp import tiny_overrides
+
+    from verlflow.core.orchestrate.cli import main
+    from verlflow.core.store.promote import policy_of
+
+    monkeypatch.setenv("VERLFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    bp, root = reference.copy(tmp_path)
+    store = ArtifactStore(root)
+    names = ("runs/eq/latest", f"blueprints/{bp.name}/latest")
+    args = tiny_overrides(reference.kit, root, iterations=2, storage__keep_last_checkpoints=3)
+
+    def stop_before_the_gate() -> None:
+        first = policy_of(store, store.read_manifest("runs/eq/1/checkpoint"))
+        for name in names:
+            moves = store.get_pointer(name)["history"]
+            assert [(e["run_id"], e["iteration"]) for e in moves[-2:]] == [("eq", 1), ("eq", 2)]
+            store.set_pointer(name, {**first, "history": moves[:-1]})
+
+    def rerun(*more) -> str:
+        capsys.readouterr()
+        rc = main(["rerun", "eq", *args, *more])
+        out, err = capsys.readouterr()
+        assert rc == 0, out[-3000:] + err
+        assert "Promoted policy: iteration 2" in out, out[-3000:]
+        assert all(store.get_pointer(name)["iteration"] == 2 for name in names), out[-3000:]
+        return out
+
+    stop_before_the_gate()
+    out = rerun()
+    assert out.count("is committed with the same key: reusing") == 8, out
+    assert "checkpoint[2]: its promotion never happened" in out and "promoted it -> " in out, out
+    moves = [store.get_pointer(name)["history"] for name in names]
+    assert "promotion never happened" not in rerun() and [store.get_pointer(n)["history"] for n in names] == moves
+
+    request.getfixturevalue("prefect_server")  # the flow path: a real Prefect server
+    stop_before_the_gate()
+    rerun("--prefect")
+    assert [len(store.get_pointer(n)["history"]) for n in names] == [len(m) for m in moves]

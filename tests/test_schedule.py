@@ -20,6 +20,8 @@ import pytest
 from tinybp import ONE_RANK, tiny_blueprint
 from prefect_server import PREFECT, ROOT, Served, _stop, api, manifest, start_serve, start_server, write_blueprint
 
+from verlflow.flows.common import QUEUED
+
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
 
 
@@ -62,16 +64,20 @@ def test_a_scheduled_batch_gets_three_run_ids_that_train_and_warm_start_in_order
         runs = runs[:3]  # the next three nights, made by the scheduler service in one batch
         assert all(r["auto_scheduled"] for r in runs)
         assert len({r["id"][:8] for r in runs}) == 1  # what the old run id `<name>-<id[:8]>` was made of
-        # Bring the three nights forward to now, the latest first: the runner then starts them all at once, the
-        # last one first, and they must still go in the order they were scheduled.
-        for r in reversed(runs):
+        # Bring nights 3 and 2 forward to now, and queue night 1 as Prefect queues a run the deployment's slot held
+        # back (asking again in a minute): the runner starts a later night first, which must give its turn back to
+        # night 1 and wait, and all must still go in the order they were scheduled.
+        now = dt.datetime.now(dt.timezone.utc)
+        for r, name, at in ((runs[2], "Scheduled", now), (runs[1], "Scheduled", now),
+                            (runs[0], QUEUED, now + dt.timedelta(seconds=60))):
             api(sched_server, f"/flow_runs/{r['id']}/set_state", {"force": True, "state": {
-                "type": "SCHEDULED", "name": "Scheduled",
-                "state_details": {"scheduled_time": dt.datetime.now(dt.timezone.utc).isoformat()}}})
+                "type": "SCHEDULED", "name": name, "state_details": {"scheduled_time": at.isoformat()}}})
         done = wait_final(sched_server, [r["id"] for r in runs], timeout_s=400)
     finally:
         served.stop()
     assert [done[r["id"]]["state_type"] for r in runs] == ["COMPLETED"] * 3, served.log.read_text()[-3000:]
+    waits = [s["message"] for r in runs[1:] for s in states(sched_server, r["id"]) if s["name"] == QUEUED]
+    assert f"waiting for its turn after {runs[0]['name']}" in waits, waits  # a later night gave its turn back
     run_ids = [done[r["id"]]["name"] for r in runs]  # each flow run is named after the run id it used
     assert len(set(run_ids)) == 3, run_ids
     for run_id, r in zip(run_ids, runs):
@@ -133,11 +139,12 @@ def test_a_run_goes_after_earlier_runs_that_run_or_wait_for_their_first_turn(sch
     """The rules of `take_turn`: an earlier run goes first while it runs, is queued for the deployment's slot,
     is due (a runner at its --limit may hold it back: it starts first once a process is free) or gave its turn
     back. Runs scheduled later, an earlier run that has ended before (a Retry of it keeps the warm start its
-    build recorded, queued or not) and one moved to a later start hold nobody up."""
+    build recorded, queued or not) and one moved to a later start hold nobody up. And of `pass_turn`: a run that
+    ends makes the earliest queued run that has not had its turn due at once."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from verlflow.flows.common import QUEUED, runs_ahead
+    from verlflow.flows.common import pass_turn, runs_ahead
     from verlflow.flows.deploy import finetune_deployment
 
     bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "name=order")
@@ -158,19 +165,23 @@ def test_a_run_goes_after_earlier_runs_that_run_or_wait_for_their_first_turn(sch
         return r["id"]
 
     running = run(5, "Running")
-    queued = run(4.5, QUEUED, due_in_s=20)  # asks for the slot again in 20 s
+    queued = run(4.5, QUEUED, due_in_s=60)  # asks for the slot again in a minute
     due_now = run(4, "Scheduled")  # its runner is about to start it
-    gave_back = run(3.5, "Running", QUEUED, due_in_s=20)
+    gave_back = run(3.5, "Running", QUEUED, due_in_s=60)
     run(3, "Running", "Failed", "AwaitingRetry")
-    run(2.5, "Running", "Failed", "AwaitingRetry", QUEUED, due_in_s=20)  # a Retry queued for the slot
+    run(2.5, "Running", "Failed", "AwaitingRetry", QUEUED, due_in_s=60)  # a Retry queued for the slot
     held_back = run(2.2, "Scheduled", due_in_s=-90)
     run(2, "Scheduled", due_in_s=86400)  # moved to tomorrow
     run(1.5, "Running", "Completed")
     me = run(1, "Running")
-    run(0.5, QUEUED, due_in_s=20)  # scheduled after me
+    run(0.5, QUEUED, due_in_s=60)  # scheduled after me
     with temporary_settings({PREFECT_API_URL: sched_server.url}), get_client(sync_client=True) as client:
         ahead = [str(r.id) for r in runs_ahead(client.read_flow_run(me), client)]
-    assert ahead == [running, queued, due_now, gave_back, held_back]
+        assert ahead == [running, queued, due_now, gave_back, held_back]
+        # my run ends: the earliest queued run that has not had its turn is due at once, the other queued ones not
+        pass_turn(None, client.read_flow_run(me), None)
+        due = {i: client.read_flow_run(i).next_scheduled_start_time for i in (queued, gave_back)}
+    assert due[queued] <= dt.datetime.now(dt.timezone.utc) < due[gave_back], due
 
 
 def test_deploy_gives_a_recurring_deployment_one_slot_that_queues_and_takes_it_back(sched_server, tiny_kit, tmp_path):

@@ -208,6 +208,52 @@ def test_params_hold_the_backend_sections_that_apply():
     assert set(slurm) - set(local) == {k for k in slurm if k.startswith("resources.slurm.")}
 
 
+def test_params_redact_each_credential_a_blueprint_can_hold(tmp_path, monkeypatch):
+    """Credentials planted in each free-form place of a blueprint (a user stage's options: by key, nested, in a
+    list, in a URI's user-info or query; Kubernetes labels and node selector; Slurm's sbatch lines and setup; the
+    store's endpoint, the MLflow URI) and an environment secret's value: no param holds one, a redacted one reads
+    [REDACTED] under its own key, the options are params field by field, and the schema's own names that look like
+    secrets (prompt_key, max_new_tokens, env_from_secret) keep their values. Before: the `phases` param held the
+    options whole, and TOKENIZERS_PARALLELISM=false dropped every param holding `false`."""
+    from verlflow.core.blueprint import load_blueprint
+    from verlflow.core.redact import REDACTED
+    from verlflow.core.tracking.params import blueprint_params
+
+    s = {k: f"{k}-s3cr3t-{i}" for i, k in enumerate(("opt", "camel", "nested", "listed", "query", "userinfo", "env",
+                                                      "label", "selector", "sbatch", "setup", "endpoint", "mlflow"))}
+    monkeypatch.setenv("MY_SERVICE_TOKEN", s["env"])
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # a name with TOKEN in it, not a secret
+    options = {"url": f"https://judge.example/score?api_key={s['query']}&lang=en", "api_key": s["opt"],
+               "apiKey": s["camel"], "auth": {"user": "me", "pass": s["nested"]}, "timeout_s": 10,
+               "headers": [{"Authorization": f"Bearer {s['listed']}", "Accept": "json"}],
+               "mirror": f"https://bob:{s['userinfo']}@mirror.example/x", "note": f"plain {s['env']}"}
+    k8s = {"image": "img", "labels": {"api-token": s["label"]}, "node_selector": {"secret-pool": s["selector"]},
+           "tolerations": [{"key": "gpu", "operator": "Exists"}], "env_from_secret": "my-k8s-secret"}
+    bp = load_blueprint(None, [], data={
+        "phases": [{"kind": "rl"}, {"kind": "verlflow.core.examples.judge:JudgeStage", "name": "judge",
+                                    "resources": {"backend": "kubernetes"}, "options": options}],
+        "resources": {"backend": "slurm", "kubernetes": k8s,
+                      "slurm": {"extra_sbatch": [f"--export=ALL,HF_TOKEN={s['sbatch']}"],
+                                "setup": [f"export HF_TOKEN={s['setup']}"]}},
+        "storage": {"uri": str(tmp_path / "store"), "endpoint_url": f"http://minio:{s['endpoint']}@minio:9000"},
+        "tracking": {"mlflow_uri": f"https://user:{s['mlflow']}@mlflow.example"}})
+    params = blueprint_params(bp)
+    assert not [(k, v) for k, v in params.items() for secret in s.values() if secret in k + v]
+    opts = {k.removeprefix("phases.1.options."): v for k, v in params.items() if k.startswith("phases.1.options.")}
+    assert opts == {"url": f"https://judge.example/score?api_key={REDACTED}&lang=en", "api_key": REDACTED,
+                    "apiKey": REDACTED, "auth": REDACTED, "timeout_s": "10", "headers.0.Authorization": REDACTED,
+                    "headers.0.Accept": "json", "mirror": f"https://{REDACTED}@mirror.example/x", "note": REDACTED}
+    assert (params["phases.0.kind"], params["phases.1.kind"]) == ("rl", "verlflow.core.examples.judge:JudgeStage")
+    assert params["resources.kubernetes.labels.api-token"] == params["resources.kubernetes.node_selector.secret-pool"] \
+        == REDACTED
+    assert params["resources.slurm.extra_sbatch"] == f'["--export=ALL,HF_TOKEN={REDACTED}"]'
+    assert "resources.slurm.setup" not in params
+    assert params["storage.endpoint_url"] == f"http://{REDACTED}@minio:9000"
+    assert params["tracking.mlflow_uri"] == f"https://{REDACTED}@mlflow.example"
+    assert (params["data.prompt_key"], params["rollout.max_new_tokens"], params["resources.kubernetes.env_from_secret"],
+            params["deterministic"]) == ("prompt", "16", "my-k8s-secret", "false")
+
+
 def test_tensorboard_event_files_hold_each_iteration(reference, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -126,3 +126,81 @@ def test_a_flow_rerun_from_a_damaged_stage_forces_it(tmp_path):
     store.put_bytes(f"runs/{RUN}/1/update/manifest.json", text[: len(text) // 2])
     bp = load_blueprint(None, [f"storage.uri={store.root}"])
     assert recomputed_here(bp, RUN, Step("update", 1)) is False
+
+
+# ---------------------------------------------------------------- a rerun checks what it reuses (issue 38, item 7)
+
+def _reference_args(reference, root, *more: str) -> list[str]:
+    from tinybp import tiny_overrides
+
+    return tiny_overrides(reference.kit, root, *more, iterations=2, storage__keep_last_checkpoints=3)
+
+
+def test_a_rerun_recomputes_a_damaged_stage_and_every_later_one_that_read_it(reference, tmp_path, capsys, monkeypatch):
+    """The reference run with rollout[2]'s batch deleted: `verlflow rerun` reuses what is intact, recomputes
+    rollout[2] (its listing shows the file missing), then update[2] and checkpoint[2], whose input committed after
+    them; the seeded batch comes back byte for byte and the run verifies."""
+    monkeypatch.setenv("VERLFLOW_CACHE_DIR", str(tmp_path / "cache"))  # the stages' log files
+    _, root = reference.copy(tmp_path)
+    args = _reference_args(reference, root)
+    batch = root / "runs" / "eq" / "2" / "rollout" / "batch.safetensors"
+    batch.unlink()
+    rc, out, err = cli(capsys, "rerun", "eq", *args)
+    assert rc == 0, out[-3000:] + err
+    assert "rollout[2] is committed with the same key, but its files are damaged (batch.safetensors is missing): " \
+           "recomputing it" in out
+    for stage in ("update", "checkpoint"):
+        assert re.search(rf"{stage}\[2\] is committed with the same key, but its inputs? .*committed after it", out)
+    reused = {m[0] for m in re.findall(r"\] (\w+\[\w+\]) is committed with the same key: reusing", out)}
+    assert reused == {"validate[init]", "build[init]", "rollout[1]", "update[1]", "checkpoint[1]"}, out
+    assert re.search(r"^\[verlflow\] rollout\[2\] -> ", out, re.M)
+    assert file_digest(batch)["sha256"] == reference.results[5].manifest["files"]["batch.safetensors"]["sha256"]
+    rc, out, err = cli(capsys, "verify", "eq", *args)
+    assert rc == 0, out + err
+
+
+def test_the_repair_of_a_damaged_stage_works_under_the_runs_retention(reference, tmp_path, capsys):
+    """Retention kept only update[2]'s checkpoint, then rollout[1]'s batch went: rollout[1] reads the build's
+    pruned policy, so neither a plain rerun nor `--from rollout[1]` can repair it. `verify` and the rerun name the
+    nearest step whose inputs the store still holds, build[init], and the rerun's own check before anything runs
+    accepts it; the rerun stops before starting a job."""
+    from verlflow.core.errors import PrunedError
+    from verlflow.core.orchestrate.pipeline import checked_plan, check_not_pruned, checkpoint_reads, steps_that_run
+    from verlflow.core.orchestrate.runner import open_store
+    from verlflow.core.store.retention import retain
+
+    _, root = reference.copy(tmp_path)
+    args = _reference_args(reference, root, "storage.keep_last_checkpoints=1", "storage.keep_best_metric=null")
+    bp = _blueprint_of(args)
+    store = open_store(bp)
+    assert retain(store, bp, "eq", head=2, reads=checkpoint_reads(bp, "eq")) == ["runs/eq/1/update",
+                                                                                 "runs/eq/init/build"]
+    (root / "runs" / "eq" / "1" / "rollout" / "batch.safetensors").unlink()
+
+    rc, out, err = cli(capsys, "verify", "eq", *args)
+    assert rc == 2 and states(out)["rollout[1]"] == "DAMAGED"
+    fix = re.search(r"Repair with `verlflow rerun (.*?)`", err)[1]
+    assert fix == shlex.join(["eq", *args, "--from", "build[init]"]), err
+    assert "rollout[1] cannot be recomputed from what the store holds (rollout[1] reads runs/eq/init/build " \
+           "(policy/" in err and "which retention pruned); build[init] is the nearest step" in err, err
+
+    rc, out, err = cli(capsys, "rerun", "eq", *args)
+    assert rc == 2 and ("rollout[1] is committed but its files are damaged (batch.safetensors is missing), and it "
+                        "cannot be recomputed: its input 'policy'") in err, err
+    assert f"`verlflow rerun eq BLUEPRINT --from 'build[init]'`" in err, err
+    assert not re.search(r"^\[verlflow\] \w+\[\w+\] -> ", out, re.M), out  # no job was launched
+
+    for start, ok in (("rollout[1]", False), ("build[init]", True)):  # the rerun's check before anything runs
+        steps, first = checked_plan(bp, "eq", start)
+        runs = steps_that_run(store, bp, "eq", steps, [i >= first for i in range(len(steps))])
+        if ok:
+            check_not_pruned(store, "eq", steps, runs)
+        else:
+            with pytest.raises(PrunedError):
+                check_not_pruned(store, "eq", steps, runs)
+
+
+def _blueprint_of(args: list[str]):
+    from verlflow.core.blueprint import load_blueprint
+
+    return load_blueprint(None, args)

@@ -571,7 +571,7 @@ def _metric_cell(store, bp, run: str, committed: set) -> str:
 
 def cmd_verify(args) -> int:
     from verlflow.core.orchestrate.runner import open_store
-    from verlflow.core.store.artifacts import repair_command, safe_run_id
+    from verlflow.core.store.artifacts import safe_run_id
 
     bp = _blueprint(args)
     safe_run_id(args.run, "verify RUN")
@@ -589,12 +589,38 @@ def cmd_verify(args) -> int:
             damaged.append((name, skey))
         print(f"  {name}".ljust(20) + f"{'ok' if state == 'committed' else state:<14}" + "; ".join(problems))
     if damaged:
-        fix = repair_command(damaged[0][1], tuple([args.blueprint] if args.blueprint else []) + tuple(args.overrides))
         raise VerlflowError(f"run {args.run}: {len(damaged)} damaged stage(s) in {store.root_uri}: "
-                            f"{', '.join(n for n, _ in damaged)}. Repair with `{fix}` (it runs {damaged[0][0]} and "
-                            "every later stage again and reuses the ones before it, which verified).")
+                            f"{', '.join(n for n, _ in damaged)}. {_repair(store, args, stages, damaged)}")
     print(f"run {args.run}: every committed stage matches its manifest ({files} files checked)")
     return 0
+
+
+def _repair(store, args, stages: list, damaged: list) -> str:
+    """The rerun that repairs the first damaged stage under the run's retention: from it, or from the nearest
+    earlier step whose inputs the store still holds (core/store/retention.py repair_from), or why none can."""
+    from verlflow.core.store.artifacts import repair_command
+    from verlflow.core.store.retention import repair_from
+
+    def inputs(skey: str) -> dict:
+        try:
+            m = store.read_manifest(skey) or {}
+        except VerlflowError:  # a damaged manifest: what it read is unknown
+            m = {}
+        return {n: i["stage"] for n, i in (m.get("inputs") or {}).items() if isinstance(i, dict) and "stage" in i}
+
+    steps = [(k, inputs(k)) for k in (f"runs/{args.run}/{it}/{stage}" for it, stage in stages)]
+    first = [k for k, _ in steps].index(damaged[0][1])
+    j, blocked = repair_from(store, steps, first, [k for _, k in damaged])
+    if j is None:
+        return (f"No rerun of this run can repair {damaged[0][0]}: {'; '.join(blocked)}. Start a new run (another "
+                "run id).")
+    skey = steps[j][0]
+    name = f"{skey.split('/')[3]}[{skey.split('/')[2]}]"
+    fix = repair_command(skey, tuple([args.blueprint] if args.blueprint else []) + tuple(args.overrides))
+    why = "" if j == first else (f"{damaged[0][0]} cannot be recomputed from what the store holds ({'; '.join(blocked)}"
+                                 f"); {name} is the nearest step a rerun can start from under the run's retention. ")
+    return f"{why}Repair with `{fix}` (it runs {name} and every later stage again and reuses the ones before it, " \
+           "which verified)."
 
 
 def cmd_show(args) -> int:

@@ -35,11 +35,31 @@ def run_iterations(store: ArtifactStore, run_id: str) -> list[int]:
     return sorted(its)
 
 
+def phase_steps(store: ArtifactStore, run_id: str) -> dict[str, int]:
+    """A phased run's step numbers by iteration (evaluate[base] -> 0, ..., core/metrics.step_numbers of its recorded
+    plan: the numbers its trackers logged at); {} for a run without named steps."""
+    from verlflow.core.orchestrate.pipeline import recorded_plan
+
+    recorded = recorded_plan(store, run_id)
+    numbers = metrics.step_numbers((stage, it) for stage, it in recorded["steps"]) if recorded else {}
+    return numbers if any(not it.isdigit() for it in numbers) else {}
+
+
 def history(store: ArtifactStore, run_id: str, iterations=None) -> History:
-    """Named metrics per iteration (those with any), from the committed manifests."""
-    its = run_iterations(store, run_id) if iterations is None else iterations
-    out = {it: metrics.of_iteration(store, run_id, it) for it in its}
+    """Named metrics per iteration (those with any), from the committed manifests; a phased run's per step number
+    (phase_steps)."""
+    numbers = phase_steps(store, run_id) if iterations is None else {}
+    if numbers:
+        out = {n: metrics.of_iteration(store, run_id, it) for it, n in numbers.items()}
+    else:
+        its = run_iterations(store, run_id) if iterations is None else iterations
+        out = {it: metrics.of_iteration(store, run_id, it) for it in its}
     return {it: m for it, m in out.items() if m}
+
+
+def step_labels(store: ArtifactStore, run_id: str) -> dict[int, str]:
+    """A phased run's step number -> its iteration's name (base, sft.1, 1); {} for a run without named steps."""
+    return {n: it for it, n in phase_steps(store, run_id).items()}
 
 
 def eval_sources(hist: History) -> list[str]:
@@ -80,6 +100,8 @@ def run_panels(hist: History) -> list[Panel]:
               Panel("Response length (rollout)", "tokens", {"mean length": "rollout/response_len_mean"}),
               # algorithm.rollout_correction: how far the sampling policy (fp8, other kernels) is from the trained one
               Panel("Rollout vs trained policy", "KL (k3)", {"k3 KL": "update/rollout_corr/k3_kl"}),
+              # a phased run's supervised phases, one point per epoch
+              Panel("SFT / DPO loss (phases)", "loss", {"sft loss": "sft/sft_loss", "dpo loss": "dpo/dpo_loss"}),
               Panel("Eval accuracy per data source", "accuracy", {s: f"eval/{s}/accuracy" for s in sources}),
               Panel("Eval reward mean per data source", "reward", {s: f"eval/{s}/reward_mean" for s in sources})]
     names = {n for m in hist.values() for n in m}
@@ -91,7 +113,7 @@ def _series(hist: History, name: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def _draw(ax, panel: Panel, hist: History, its: list[int]) -> None:
+def _draw(ax, panel: Panel, hist: History, its: list[int], labels: dict[int, str]) -> None:
     for label, name in panel.lines.items():
         xs, ys = _series(hist, name)
         if not xs:
@@ -102,14 +124,18 @@ def _draw(ax, panel: Panel, hist: History, its: list[int]) -> None:
             lo = [ys[xs.index(x)] - s for x, s in zip(bx, sd) if x in xs]
             hi = [ys[xs.index(x)] + s for x, s in zip(bx, sd) if x in xs]
             ax.fill_between([x for x in bx if x in xs], lo, hi, color=line.get_color(), alpha=0.2, label="± std")
-    _axes(ax, panel.title, panel.ylabel, its)
+    _axes(ax, panel.title, panel.ylabel, its, xlabel="step" if labels else "iteration", labels=labels)
 
 
-def _axes(ax, title: str, ylabel: str, its: list[int], legend: bool = True, xlabel: str = "iteration") -> None:
+def _axes(ax, title: str, ylabel: str, its: list[int], legend: bool = True, xlabel: str = "iteration",
+          labels: dict[int, str] | None = None) -> None:
+    """`labels`: a phased run's step names under its step numbers (evaluate[base] at 0: `base`)."""
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    if len(its) <= MAX_TICKS:
+    if labels and len(its) <= MAX_TICKS:
+        ax.set_xticks(its, [labels.get(i, str(i)) for i in its], rotation=30, fontsize="small")
+    elif len(its) <= MAX_TICKS:
         ax.set_xticks(its)
     else:  # a long run or chain: a tick per iteration would overlap
         ax.xaxis.set_major_locator(MaxNLocator(nbins=MAX_TICKS, integer=True))
@@ -127,13 +153,14 @@ def _grid(n: int, title: str) -> tuple[Figure, list]:
     return fig, axes
 
 
-def run_figure(hist: History, run_id: str) -> Figure:
-    """One panel per metric over the run's iterations (iteration 0: the evaluation before training)."""
+def run_figure(hist: History, run_id: str, labels: dict[int, str] | None = None) -> Figure:
+    """One panel per metric over the run's iterations (iteration 0: the evaluation before training); a phased run's
+    over its steps, named by `labels` (step_labels)."""
     panels = run_panels(hist)
-    fig, axes = _grid(max(len(panels), 1), f"{run_id}: training and evaluation per iteration")
+    fig, axes = _grid(max(len(panels), 1), f"{run_id}: training and evaluation per {'step' if labels else 'iteration'}")
     its = sorted(hist)
     for ax, panel in zip(axes, panels):
-        _draw(ax, panel, hist, its)
+        _draw(ax, panel, hist, its, labels or {})
     return fig
 
 
@@ -210,11 +237,14 @@ def chain_offsets(hists: dict[str, History], order: list[str]) -> dict[str, int]
     return offsets
 
 
-def compare_rows(hists: dict[str, History], names: list[str], offsets: dict[str, int] | None = None) -> list[dict]:
+def compare_rows(hists: dict[str, History], names: list[str], offsets: dict[str, int] | None = None,
+                 labels: dict[str, dict[int, str]] | None = None) -> list[dict]:
     """A row per run and iteration, by iteration (a chain's: across the chain, then the run's own), then the runs
-    in the given order."""
+    in the given order. `labels`: each phased run's step names (step_labels), in a `step` column."""
     order = list(hists)
-    rows = [{**({"chain iteration": offsets[r] + it} if offsets else {}), "iteration": it, "run": r,
+    named = labels and any(labels.values())
+    rows = [{**({"chain iteration": offsets[r] + it} if offsets else {}), "iteration": it,
+             **({"step": labels[r].get(it, str(it))} if named else {}), "run": r,
              **{n: m.get(n) for n in names}} for r, h in hists.items() for it, m in h.items()]
     return sorted(rows, key=lambda row: (row.get("chain iteration", row["iteration"]), order.index(row["run"])))
 
@@ -307,6 +337,7 @@ def compare_runs(store: ArtifactStore, runs: list[str], names: list[str] | None 
                             "--axis run")
     order = chain[1] if chain else runs
     hists = {r: history(store, r) for r in order}
+    labels = {r: step_labels(store, r) for r in order}  # a phased run's steps by name
     have = available(hists)
     promoted = [m for m in (promote, *promote_metrics(store, runs)) if m]
     names = list(names or default_metrics(have, promoted))
@@ -315,5 +346,5 @@ def compare_runs(store: ArtifactStore, runs: list[str], names: list[str] | None 
     offsets = chain_offsets(hists, order) if chain else None
     title = (f"{chain[0]}: {len(order)} run(s) of the chain, end to end" if chain else
              f"{len(order)} run{'s' if len(order) > 1 else ''}: one line per run")
-    return Comparison(names, compare_rows(hists, names, offsets),
+    return Comparison(names, compare_rows(hists, names, offsets, labels),
                       compare_figure(hists, names, title, offsets, set(promoted)), chain[0] if chain else None)

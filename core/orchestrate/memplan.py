@@ -18,16 +18,22 @@ node, NO_SHARD not at all):
 - activations per token of an update micro-batch (ppo_max_token_len_per_gpu tokens): per decoder layer and token
   ACT[mode] = a_h x hidden + a_kv x kv width + a_i x intermediate elements of the compute dtype. Eager: measured on
   CPU (tests/test_memplan.py holds it to a tiny Qwen2's saved tensors). Compiled (fsdp.compile): inductor saves
-  fewer, measured on the GPU (benchmarks/RESULTS.md). Activation checkpointing keeps each layer's input only, plus
-  one layer's activations recomputed in the backward.
+  fewer, measured on the GPU (benchmarks/RESULTS.md). Activation checkpointing keeps each layer's inputs only (its
+  hidden state, the rotary tables), plus one layer's activations recomputed in the backward. A micro-batch holds
+  at most a rank's share of a mini-batch.
 - the log-prob head: without fused kernels the micro-batch's [tokens, vocab] logits in the compute dtype, their fp32
   copy and the log-softmax (and its gradient); with fused kernels a few fp32 numbers a token and, for the torch
   backend, one chunk's fp32 logits.
-- the rollout: the unsharded inference copy (the compute dtype; + fp8 projections with rollout.weights=fp8), the
-  static engine's KV cache (rows x (prompt + new tokens + 1) slots x layers x 2 x kv width) and its work buffers
-  (a prefill chunk's activations, the rows' sampling logits).
-- resources.warm_workers: the pool keeps the policy, its optimizer state and the reference (and the critic) from
-  the update into the next rollout, and the inference copy with its engine (KV cache included) into the update.
+- the rollout: the unsharded inference copy (the compute dtype), the static engine's own fused copies of the
+  projections (or their fp8 copies), its KV cache (rows x (data.max_prompt_length + new tokens + 1) slots x layers
+  x 2 x kv width: the longest prompt bounds it) and its work buffers (a prefill chunk's activations, the rows'
+  sampling logits).
+- resources.warm_workers: the pool keeps the policy, its optimizer state, its gradients (allocated until the next
+  zero_grad) and the reference (with its weights left gathered by its forward-only pass when
+  reshard_after_forward is false), and the critic, from the update into the next stages; and the inference copy
+  with its engine (KV cache included) from the rollout into the update. The first rollout (from the build's
+  policy) has only the policy's weights beside it. Measured against torch.cuda.max_memory_allocated per stage on
+  an H100: benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -48,7 +54,6 @@ ACT = {
     "eager": (11.0, 2.0, 4.0),  # HF's decoder layer: norms' fp32 inputs, q/k/v, attention out, gate/up/act/product
     "compiled": (8.0, 2.0, 3.0),  # inductor's partitioner recomputes the norms' and SwiGLU's pointwise work
 }
-AC_KEPT = 1.0  # activation checkpointing: the layer's input, per layer and token (hidden elements)
 FUSED_TORCH_CHUNK = 4096  # tokens per chunk of verl's FusedLinearForPPO (its own default)
 UNFUSED_HEAD = 3  # fp32 words per token x vocab the plain head keeps: the fp32 logits, log-softmax, its gradient
 FORWARD_ONLY = (4.0, 3.0)  # a forward-only pass's transient work per token (hidden, intermediate elements)
@@ -156,6 +161,11 @@ def samples_per_rank(bp) -> int:
     return max(1, bp.data.batch_size * bp.rollout.n // bp.resources.world_size)
 
 
+def mini_batch_tokens(bp) -> int:
+    """The most tokens a micro-batch can hold: a rank's share of a mini-batch, every sample at its longest."""
+    return max(1, bp.algorithm.ppo_mini_batch_size * bp.rollout.n // bp.resources.world_size) * seq_len(bp)
+
+
 def given_budget(bp) -> int:
     """The update's tokens per micro-batch as the blueprint sets them (auto aside): the packed budget, or
     ppo_micro_batch_size_per_gpu samples of the longest length (padded, or the packed default)."""
@@ -234,7 +244,8 @@ def act_per_token(shape: Shape, compiled: bool, checkpointing: bool, cdt: int) -
     layer = (a_h * shape.hidden + a_kv * shape.kv_width + a_i * shape.intermediate) * cdt
     if not checkpointing:
         return shape.layers * layer
-    return shape.layers * AC_KEPT * shape.hidden * cdt + layer  # + the layer being recomputed
+    # each layer's checkpointed inputs (its hidden state, the rotary cos and sin) + the layer being recomputed
+    return shape.layers * (shape.hidden + 2 * shape.head_dim) * cdt + layer
 
 
 def head_per_token(bp, shape: Shape, cdt: int) -> tuple[float, float]:
@@ -263,41 +274,60 @@ def terms(bp, shape: Shape, choice: Choice) -> dict[str, StagePlan]:
                  "sharded" + (" + unsharded (defer_grad_sync)" if f.defer_grad_sync else ""))
     ref = Term("reference", 0 if lora else on_gpu * P * mdt / S, "none: the base with adapters off" if lora else "")
     critic = Term("critic", on_gpu * 4 * P * mdt / S if gae else 0, "weights, gradients, AdamW (gae)")
-    gathered_n = P if (f.version == 2 and not f.reshard_after_forward) else 2 * shape.layer_params + shape.embed
+    keeps_gathered = f.version == 2 and not f.reshard_after_forward
+    gathered_n = P if keeps_gathered else 2 * shape.layer_params + shape.embed
     gathered = Term("gathered weights", gathered_n * cdt,
-                    "every layer, forward to backward" if gathered_n == P else "two layers and the root")
-    infer_bytes = P * cdt + (max(0, P - shape.embed) if r.weights == "fp8" else 0)
-    infer = Term("inference copy", infer_bytes, "unsharded, " + f.mixed_precision
-                 + (" + fp8 projections" if r.weights == "fp8" else ""))
-    kv = Term("KV cache", kv_cache_bytes(bp, shape, choice.rows, cdt),
-              f"{choice.rows} rows x {seq_len(bp) + 1} slots" if r.engine == "static" else
-              f"{choice.rows} rows x {seq_len(bp)} (transformers' cache)")
-    engine = Term("engine buffers", engine_bytes(bp, shape, choice.rows, cdt), "prefill chunk, sampling logits")
-    tokens = choice.token_budget
+                    "every layer, forward to backward" if keeps_gathered else "two layers and the root")
+    # a forward-only pass does not reshard: the reference keeps its gathered weights after scoring
+    ref_gathered = Term("reference, gathered", 0 if lora or not keeps_gathered else P * cdt,
+                        "left unsharded by its forward-only pass")
+    infer = Term("inference copy", P * cdt, "unsharded, " + f.mixed_precision)
+    fused = Term("engine weights", engine_weights_bytes(bp, shape, cdt) if r.engine == "static" else 0,
+                 "fp8 projections" if r.weights == "fp8" else "fused q/k/v and gate/up copies")
+    rows = min(choice.rows, samples_per_rank(bp))  # the engine takes no more rows than it has samples
+    kv = Term("KV cache", kv_cache_bytes(bp, shape, rows, cdt),
+              f"{rows} rows x {seq_len(bp) + 1} slots" if r.engine == "static" else
+              f"{rows} rows x {seq_len(bp)} (transformers' cache)")
+    engine = Term("engine buffers", engine_bytes(bp, shape, rows, cdt), "prefill chunk, sampling logits")
+    tokens = min(choice.token_budget, mini_batch_tokens(bp))
     act = Term("activations", tokens * act_per_token(shape, f.compile, choice.activation_checkpointing, cdt),
                f"{tokens:,} tokens, checkpointing {'on' if choice.activation_checkpointing else 'off'}"
                f"{', compiled' if f.compile else ''}")
     per, once = head_per_token(bp, shape, cdt)
     head = Term("log-prob head", tokens * per + once, "fused " + a.fused_kernels_backend if a.use_fused_kernels
                 else "fp32 logits over the vocabulary")
-    kept_train = (weights, optim, ref, critic)  # what a warm pool keeps from one update to the next stage
-    kept_rollout = (infer, kv) if warm and r.engine == "static" else ()
-    rollout_infer = replace(infer, bytes=max(infer.bytes, P * mdt), note=infer.note + "; built in " + bp.model.dtype)
-    rollout = (*((weights, optim, ref, critic) if warm else ()), rollout_infer, kv, engine)
+    # What a warm pool keeps from an update into the next stages (gradients stay allocated until the next
+    # zero_grad), and from a rollout into the update (the inference copy and its engine, KV cache included).
+    kept_train = (weights, optim, grads, ref, ref_gathered, critic) if warm else ()
+    kept_rollout = (infer, fused, kv) if warm and r.engine == "static" else ()
+    rollout = (*kept_train, infer, fused, kv, engine)
     # The update: its forward-only passes (old and reference log-probs) or its training micro-batches, whichever is
     # bigger, with the warm pool's rollout engine beside them.
     score = Term("log-prob pass", score_bytes(bp, shape, tokens, cdt), "forward only, its own token budget")
-    train_peak = act.bytes + head.bytes + grads.bytes
-    work = (grads, act, head) if train_peak >= score.bytes else (score,)
-    update = (*kept_train, *kept_rollout, gathered, *work)
-    build = (weights, ref, Term("load buffers", 2 * shape.layer_params * mdt + shape.embed * mdt,
-                                "a layer and the embeddings unsharded"))
-    checkpoint = (*kept_train, *kept_rollout, Term("export gather", 2 * shape.layer_params * mdt + shape.embed * mdt,
-                                                   "a layer's full tensors at a time"))
-    stages = {"build": build, "rollout": rollout, "update": update}
+    work = (act, head) if act.bytes + head.bytes >= score.bytes else (score,)
+    update = (weights, optim, grads, ref, ref_gathered, critic, *kept_rollout, gathered, *work)
+    stages = {
+        "build": (weights, ref, Term("load buffers", 2 * shape.layer_params * mdt + shape.embed * mdt,
+                                     "a layer and the embeddings unsharded")),
+        # the first rollout (and evaluation) from the build's policy: no optimizer state or reference kept yet
+        "first rollout": (weights, infer, fused, kv, engine) if warm else (infer, fused, kv, engine),
+        "rollout": rollout,
+        "update": update,
+    }
     if warm:
-        stages["checkpoint"] = checkpoint
+        export = ITEMSIZE.get(bp.storage.export_dtype, cdt)
+        stages["checkpoint"] = (*kept_train, *kept_rollout, Term("export copy", P * export,
+                                                                 "the whole model in the export dtype"))
     return {s: StagePlan(s, tuple(t for t in ts if t.bytes)) for s, ts in stages.items()}
+
+
+def engine_weights_bytes(bp, shape: Shape, cdt: int) -> float:
+    """The static engine's own copies of the projections: fused [q; k; v] and [gate; up] in the compute dtype, or
+    (rollout.weights=fp8) every projection in e4m3 with a scale per output channel."""
+    h, q, kv, i = shape.hidden, shape.heads * shape.head_dim, shape.kv_width, shape.intermediate
+    if bp.rollout.weights == "fp8":
+        return shape.layers * (h * (q + 2 * kv) + q * h + 3 * h * i + 4 * (q + 2 * kv + h + 2 * i + h))
+    return shape.layers * (h * (q + 2 * kv) + 2 * h * i) * cdt
 
 
 def kv_cache_bytes(bp, shape: Shape, rows: int, cdt: int) -> float:
@@ -361,9 +391,12 @@ class Plan:
     def fits(self) -> bool:
         return self.problem is None
 
-    def stage_peak(self, stage: str) -> float | None:
-        """The planned peak of a pipeline stage (validate and evaluate: as the rollout, which they resemble)."""
-        s = self.stages.get({"evaluate": "rollout", "monolithic": "update"}.get(stage, stage))
+    def stage_peak(self, stage: str, from_build: bool = False) -> float | None:
+        """The planned peak of a pipeline stage (evaluate: as the rollout; `from_build`: a rollout or evaluation of
+        the build's policy, before any update)."""
+        if stage in ("rollout", "evaluate"):
+            stage = "first rollout" if from_build else "rollout"
+        s = self.stages.get({"monolithic": "update"}.get(stage, stage))
         return None if s is None else s.peak
 
     def choices_text(self) -> str:
@@ -574,7 +607,9 @@ class Watch:
 
     def planned(self) -> float | None:
         try:
-            return plan_for(self.ctx.job.blueprint, self.ctx.device).stage_peak(self.ctx.job.stage)
+            inputs = self.ctx.job.inputs
+            from_build = "build" in inputs and inputs.get("policy") == inputs["build"]
+            return plan_for(self.ctx.job.blueprint, self.ctx.device).stage_peak(self.ctx.job.stage, from_build)
         except Exception:  # noqa: BLE001 - a model folder the plan cannot read: validate reports it
             return None
 

@@ -2,7 +2,9 @@
 
 A stage's key hashes the blueprint sections it reads, its inputs' keys, its iteration and its code version (the
 sources its worker computes with, verlflow.core.store.keys), so a committed stage with the same key is reused (that is how
-reruns resume) and a changed field reruns it.
+reruns resume) and a changed field reruns it. A reused stage is checked first (one listing of its folder): a damaged
+one is recomputed, and so, one after the other, is every later stage that read it (its input then committed after
+it); a reused export whose promotion a crash cut short is promoted.
 """
 
 import hashlib
@@ -173,14 +175,20 @@ class _Attempt:
 
 
 def run_stage(ctx: RunContext, stage: str, iteration, inputs: dict[str, str], *, force: bool = False) -> StageResult:
-    """Run `stage` for `iteration` unless a committed manifest with the same key exists. `inputs` maps an input
-    name to the stage key (store path) of a committed stage."""
+    """Run `stage` for `iteration` unless a committed manifest with the same key exists, whose files are all there
+    and which committed after its inputs of this run (_not_reusable). `inputs` maps an input name to the stage key
+    (store path) of a committed stage."""
     t0 = time.time()
     key, out, existing, manifests = stage_status(ctx, stage, iteration, inputs, read_output=not force)
-    if existing is not None and existing.get("key") == key and not force:
-        ctx.on_line(f"[verlflow] {stage}[{iteration}] is committed with the same key: reusing {ctx.store.uri(out)}")
-        return StageResult(existing, True, time.time() - t0)
     run = _Attempt(stage, iteration, inputs, key, out, manifests, t0)
+    if existing is not None and existing.get("key") == key and not force:
+        why = _not_reusable(ctx, run, existing)
+        if why is None:
+            ctx.on_line(f"[verlflow] {run.name} is committed with the same key: reusing {ctx.store.uri(out)}")
+            _complete_reused(ctx, run, existing)
+            return StageResult(existing, True, time.time() - t0)
+        ctx.on_line(f"[verlflow] {run.name} is committed with the same key, but {why}: recomputing it")
+        _refuse_unrecomputable(ctx, run, why)
     follower = _follows(ctx.bp.resources)
     if follower and stage in SINGLE_PROCESS:
         return _await_commit(ctx, run)
@@ -191,6 +199,92 @@ def run_stage(ctx: RunContext, stage: str, iteration, inputs: dict[str, str], *,
     run.launched_at = time.time()
     pool = None if follower else _warm_pool(ctx)
     return _run_in_pool(ctx, run, pool) if pool is not None else _run_fresh(ctx, run, leader=not follower)
+
+
+def _not_reusable(ctx: RunContext, run: _Attempt, existing: dict) -> str | None:
+    """Why a stage committed with the key it would commit is not reused (None: it is).
+    - An input of this run committed after it: that input was recomputed since (a damaged one repaired, or a
+      `--from` rerun that stopped before reaching this stage), and a commit never lands before its inputs' (one job
+      after the other; in a warm pool, stages/committer.py), so this stage was computed from bytes that are gone.
+      Keys hash recipes, not bytes: only the commit times tell.
+    - Its files are missing or of another size than its manifest says (what `verlflow ls` shows as DAMAGED): one
+      listing of its folder, a request whatever its number of files, also on S3 (`verlflow verify` reads checksums).
+    """
+    since = [n for n, skey in run.inputs.items()
+             if skey.startswith(f"runs/{ctx.run_id}/") and _committed_after(run.manifests[n], existing)]
+    if since:
+        return (f"its input{'s' * (len(since) > 1)} {', '.join(since)} ({', '.join(run.inputs[n] for n in since)}) "
+                "committed after it (recomputed since)")
+    problems = ctx.store.damage(run.out, checksums=False, sizes=ctx.store.sizes(run.out))
+    return f"its files are damaged ({'; '.join(problems)})" if problems else None
+
+
+def _committed_after(a: dict, b: dict) -> bool:
+    """Whether manifest `a` was committed after manifest `b` (a warm pool's pending manifest has no time yet)."""
+    import datetime as dt
+
+    if not a.get("committed_at") or not b.get("committed_at"):
+        return False
+    return dt.datetime.fromisoformat(a["committed_at"]) > dt.datetime.fromisoformat(b["committed_at"])
+
+
+def _refuse_unrecomputable(ctx: RunContext, run: _Attempt, why: str) -> None:
+    """A stage to recompute whose inputs retention pruned: stop with the rerun that can repair it, or say that none
+    can (the pipeline's own check before the loop sees only the steps it knows will run)."""
+    from verlflow.core.errors import PrunedError
+    from verlflow.core.store import retention
+
+    gone = {n: g for n, m in run.manifests.items() if (g := retention.needed_pruned(run.stage, n, m))}
+    if not gone:
+        return
+    reads = "; ".join(f"its input '{n}' ({ctx.store.uri(run.inputs[n])}) needs {', '.join(g[:2])}"
+                      f"{', ...' if len(g) > 2 else ''}" for n, g in gone.items())
+    raise PrunedError(f"{run.name} is committed but {why}, and it cannot be recomputed: {reads}, which retention "
+                      f"pruned (storage.keep_last_checkpoints, keep_best_metric); {_repair_hint(ctx, run)}.")
+
+
+def _repair_hint(ctx: RunContext, run: _Attempt) -> str:
+    """The nearest step of the plan a `rerun --from` can repair `run` from (core/store/retention.py repair_from)."""
+    from verlflow.core.store import retention
+    from verlflow.core.store.artifacts import repair_command
+
+    steps = _plan_steps(ctx)
+    keys = [k for k, _ in steps]
+    if run.out not in keys:  # run_stage outside its run's plan
+        return f"`verlflow verify {ctx.run_id} BLUEPRINT` names the nearest step to rerun from"
+    j, blocked = retention.repair_from(ctx.store, steps, keys.index(run.out))
+    if j is None:
+        return (f"no step of this run can be recomputed from what the store still holds ({'; '.join(blocked)}); "
+                "start a new run (another run id)")
+    return (f"the nearest step this run can be repaired from is {_name_of(keys[j])}: `{repair_command(keys[j])}` "
+            "(it recomputes that step and every later one)")
+
+
+def _plan_steps(ctx: RunContext) -> list[tuple[str, dict[str, str]]]:
+    """The run's plan as (stage key, inputs), in order (the plan's module imports this one)."""
+    from verlflow.core.orchestrate.pipeline import plan, warm_start_source
+
+    return [(stage_key(ctx.run_id, s.iteration, s.stage), s.inputs)
+            for s in plan(ctx.bp, ctx.run_id, warm_start_source(ctx.bp, ctx.run_id))]
+
+
+def _name_of(skey: str) -> str:
+    _, _, it, stage = skey.split("/")
+    return f"{stage}[{it}]"
+
+
+def _complete_reused(ctx: RunContext, run: _Attempt, manifest: dict) -> None:
+    """What follows a stage's commit, which a crash right after it may have cut short, done for the reused stage:
+    an export's promotion (the gate, if it never ran) and its chain's cursor (core/store/promote.py after_export).
+    Node 0 leads: a follower leaves the store to it."""
+    if run.stage != "checkpoint" or _follows(ctx.bp.resources):
+        return
+    from verlflow.core.store.promote import after_export
+
+    _, moved = after_export(ctx.store, ctx.bp, ctx.run_id, run.iteration, run.inputs, manifest, reused=True)
+    if moved:  # a gate that moves nothing leaves no mark: it may have run before, to the same decision
+        ctx.on_line(f"[verlflow] {run.name}: its promotion never happened (the run stopped between its commit and "
+                    f"the promotion gate): promoted it -> {moved['hf_uri']}")
 
 
 def _follows(res) -> bool:

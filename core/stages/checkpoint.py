@@ -16,8 +16,7 @@ import threading
 from verlflow.core.ml import checkpoint, export
 from verlflow.core.stages import modelcache
 from verlflow.core.stages.common import StageContext, retention_pass, stage_main
-from verlflow.core.store import chain
-from verlflow.core.store.promote import promote
+from verlflow.core.store.promote import after_export
 from verlflow.core.testing import faults
 
 log = logging.getLogger("verlflow.checkpoint")
@@ -75,9 +74,8 @@ def _write(ctx: StageContext, model, meta_dir, dtype: str, written: threading.Ev
 
 
 def after_commit(ctx: StageContext, manifest: dict) -> None:
-    promote(ctx.store, ctx.bp, ctx.job, manifest)
-    if ctx.bp.schedule.init_from == "previous" and not ctx.bp.phases:  # the build joined the chain (stages/build)
-        chain.advance(ctx.store, ctx.bp.name, manifest["metrics"]["data_cursor"])
+    # the gate and the chain's cursor; a rerun that reuses this export completes them if the run stopped here
+    after_export(ctx.store, ctx.bp, ctx.job.run_id, ctx.job.iteration, ctx.job.inputs, manifest)
     retention_pass(ctx)  # after the pointers moved: what they named before may go now
 
 

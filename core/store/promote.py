@@ -1,6 +1,6 @@
 """Promotion: the `latest` and `best` pointers of a run and of its blueprint (retention: verlflow.core.store.retention).
 
-The checkpoint stage's after_commit calls `promote` (the gate). Without promote.metric every export moves both
+The checkpoint stage's after_commit calls `after_export`: the gate, then a recurring chain's cursor. Without promote.metric every export moves both
 `latest` pointers and there is no `best` pointer (retention's storage.keep_best_metric keeps the best export by
 the rollout that sampled from it, known only an iteration later). With promote.metric the exported iteration's
 metric (verlflow.core.metrics.of_iteration) moves a `latest` only when it beats, by more than promote.min_delta,
@@ -12,6 +12,10 @@ nothing, and a worse scheduled run leaves the pointer that init_from=previous wa
 Each pointer document carries its own bounded `history` (who moved it: gate, promote, rollback; when; from which
 policy; the metric), written with the pointer in one conditional write. History entries name a policy by run id
 and iteration, not by stage key: retention pins only what a pointer names now (a stage key anywhere in it).
+
+A run that stopped between an export's commit and its gate is completed by its rerun: the runner reuses the export
+and calls after_export(reused=True), which runs the gate if the run's `latest` shows it never ran (gated). The gate
+moves the run's `latest` last, and run late it moves no pointer twice.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def policy_of(store: ArtifactStore, manifest: dict) -> dict:
 
 
 def _entry(by: str, policy: dict, before: dict | None, metric: str | None, value: float | None) -> dict:
-    return {"by": by, "at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    return {"by": by, "at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="microseconds"),
             "run_id": policy["run_id"], "iteration": policy["iteration"],
             "from": None if before is None else {"run_id": before["run_id"], "iteration": before["iteration"]},
             "metric": metric, "value": value}
@@ -102,44 +106,106 @@ def _replaced(best: dict | None, policy: dict) -> bool:
 
 def promote(store: ArtifactStore, bp: Blueprint, job: JobSpec, manifest: dict) -> dict | None:
     """The gate, after the checkpoint stage committed: the pointers it moved to (None: none moved)."""
+    return _gate(store, bp, job.run_id, job.iteration, job.inputs, manifest)
+
+
+def after_export(store: ArtifactStore, bp: Blueprint, run_id: str, iteration, inputs: dict[str, str], manifest: dict,
+                 *, reused: bool = False) -> tuple[bool, dict | None]:
+    """What follows an export's commit: the gate, then (a recurring chain) the chain's data cursor, which only moves
+    forward. `reused`: a rerun found the export committed; the gate runs only if it never did (gated). Returns
+    (whether the gate ran, the policy it promoted or None)."""
+    from verlflow.core.store import chain
+
+    ran = not reused or not gated(store.get_pointer(run_pointer(run_id)), run_id, iteration, manifest)
+    moved = _gate(store, bp, run_id, iteration, inputs, manifest, late=reused) if ran else None
+    if bp.schedule.init_from == "previous" and not bp.phases:  # the build joined the chain (stages/build)
+        chain.advance(store, bp.name, manifest["metrics"]["data_cursor"])
+    return ran, moved
+
+
+def gated(pointer: dict | None, run_id: str, iteration, manifest: dict) -> bool:
+    """Whether the run's `latest` pointer (the gate's last move: _gate) shows that the export's gate ran, or has no
+    say any more: the pointer names it or a later export of the run, or its history has a move to it, or a move
+    after it committed (a later export's gate, a person's promote or rollback). A gate that promoted nothing leaves
+    no mark: a rerun runs it again, on the same scores, to the same decision."""
+    if pointer is None:
+        return False
+    if pointer.get("run_id") == run_id and _at_or_after(pointer.get("iteration"), iteration):
+        return True
+    return any((e.get("run_id"), e.get("iteration")) == (run_id, iteration) or _after(e.get("at"), manifest)
+               for e in pointer.get("history", []))
+
+
+def _at_or_after(named, iteration) -> bool:
+    """Iteration `named` is `iteration` or later in a plan: ints by number; a name (the last phase's export, after
+    every rl iteration) is after any number."""
+    if named == iteration:
+        return True
+    if isinstance(named, int) and isinstance(iteration, int):
+        return named > iteration
+    return isinstance(named, str) and isinstance(iteration, int)
+
+
+def _after(at: str | None, manifest: dict) -> bool:
+    """Whether a pointer move made `at` came after the commit of `manifest`."""
+    committed = manifest.get("committed_at")
+    return bool(at and committed) and dt.datetime.fromisoformat(at) > dt.datetime.fromisoformat(committed)
+
+
+def _names(pointer: dict | None, policy: dict) -> bool:
+    return pointer is not None and (pointer.get("run_id"), pointer.get("iteration")) == (
+        policy["run_id"], policy["iteration"])
+
+
+def _gate(store: ArtifactStore, bp: Blueprint, run_id: str, iteration, inputs: dict[str, str], manifest: dict,
+          late: bool = False) -> dict | None:
+    """The gate: the pointers it moved to (None: none moved). The blueprint's pointers move first, the run's
+    `latest` last: a rerun reads that one as the gate's mark (gated). `late`: the gate of a reused export, whose
+    earlier run stopped between the commit and the gate, maybe between two of its moves: it moves no pointer a
+    second time, and under no promote.metric leaves a blueprint `latest` that moved since the export committed (a
+    newer export, or a person, had the last word)."""
     from verlflow.core.metrics import of_iteration
 
-    policy = policy_of(store, {**manifest, "run_id": job.run_id, "iteration": job.iteration,
-                               "blueprint_name": bp.name,
-                               "inputs": {n: {"stage": k} for n, k in job.inputs.items()}})
+    policy = policy_of(store, {**manifest, "run_id": run_id, "iteration": iteration, "blueprint_name": bp.name,
+                               "inputs": {n: {"stage": k} for n, k in inputs.items()}})
+
+    def moves(current: dict | None) -> bool:
+        return not late or not _names(current, policy)
+
     metric = bp.promote.metric
     if metric is None:
-        for name in (run_pointer(job.run_id), blueprint_pointer(bp.name)):
-            move(store, name, policy, "gate")
-        log.info("promoted %s iteration %s -> %s", job.run_id, job.iteration, policy["hf_uri"])
+        move(store, blueprint_pointer(bp.name), policy, "gate", only_if=lambda current: moves(current) and not (
+            late and current and _after((current.get("history") or [{}])[-1].get("at"), manifest)))
+        move(store, run_pointer(run_id), policy, "gate", only_if=moves)
+        log.info("promoted %s iteration %s -> %s", run_id, iteration, policy["hf_uri"])
         return policy
-    value = of_iteration(store, job.run_id, job.iteration).get(metric)
+    value = of_iteration(store, run_id, iteration).get(metric)
     if value is None or not math.isfinite(value):
         log.warning("not promoted: %s iteration %s has no finite %s (missing, or NaN); the latest pointers stay",
-                    job.run_id, job.iteration, metric)
+                    run_id, iteration, metric)
         return None
-    start = start_score(store, job.run_id, metric)
+    start = start_score(store, run_id, metric)
     if start is not None and not beats(value, start, bp):
         log.info("not promoted: %s iteration %s has %s=%s, not better than its start policy's %s=%s (evaluate[0]) "
-                 "by more than promote.min_delta=%s (promote.mode %s); the latest pointers stay", job.run_id,
-                 job.iteration, metric, value, metric, start, bp.promote.min_delta, bp.promote.mode)
+                 "by more than promote.min_delta=%s (promote.mode %s); the latest pointers stay", run_id,
+                 iteration, metric, value, metric, start, bp.promote.min_delta, bp.promote.mode)
         return None
     if start is None and metric.startswith("eval/"):
         log.warning("%s has no evaluation of its start policy (evaluate[0]) with a finite %s: iteration %s is "
-                    "compared with the best pointers only", job.run_id, metric, job.iteration)
+                    "compared with the best pointers only", run_id, metric, iteration)
     moved = False
-    for scope, latest, best_name in ((job.run_id, run_pointer(job.run_id), run_pointer(job.run_id, "best")),
-                                     (bp.name, blueprint_pointer(bp.name), blueprint_pointer(bp.name, "best"))):
-        best, won = move(store, best_name, policy, "gate", metric, value,
-                         only_if=lambda best: better(value, best, bp) or _replaced(best, policy))
-        if won:
-            move(store, latest, policy, "gate", metric, value)
-            log.info("promoted %s iteration %s (%s=%s, the best of %s so far) -> %s", job.run_id, job.iteration,
+    for scope, latest, best_name in ((bp.name, blueprint_pointer(bp.name), blueprint_pointer(bp.name, "best")),
+                                     (run_id, run_pointer(run_id), run_pointer(run_id, "best"))):
+        best, won = move(store, best_name, policy, "gate", metric, value, only_if=lambda best: moves(best) and (
+            better(value, best, bp) or (not late and _replaced(best, policy))))
+        if won or (late and _names(best, policy)):  # late: this gate moved `best` before the run stopped
+            move(store, latest, policy, "gate", metric, value, only_if=moves)
+            log.info("promoted %s iteration %s (%s=%s, the best of %s so far) -> %s", run_id, iteration,
                      metric, value, scope, policy["hf_uri"])
             moved = True
         else:
             log.info("not promoted for %s: %s iteration %s has %s=%s, not better than the best %s (%s iteration %s) "
-                     "by more than promote.min_delta=%s (promote.mode %s)", scope, job.run_id, job.iteration, metric,
+                     "by more than promote.min_delta=%s (promote.mode %s)", scope, run_id, iteration, metric,
                      value, best["value"], best["run_id"], best["iteration"], bp.promote.min_delta, bp.promote.mode)
     return policy if moved else None
 

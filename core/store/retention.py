@@ -89,6 +89,46 @@ def has_checkpoint(manifest: dict | None) -> bool:
     return manifest is not None and not needed_pruned("rollout", "policy", manifest)
 
 
+def repair_from(store: ArtifactStore, steps: list[tuple[str, dict[str, str]]], first: int,
+                damaged: Iterable[str] = ()) -> tuple[int | None, list[str]]:
+    """Where the rerun that repairs steps[first] can start under this retention: the latest j <= first such that
+    `rerun --from` steps[j] (it and every later step recomputed) reads, of what comes before it, nothing pruned,
+    damaged or lost. `steps`: the run's (stage key, {input name: stage key}) in plan order. Returns (j, or None if
+    no step of the run can start it: a read outside the run is gone; and why each later start could not)."""
+    at = {key: i for i, (key, _) in enumerate(steps)}
+    damaged, manifests, blocked = set(damaged), {}, []
+
+    def lost(reader: str, name: str, key: str) -> str | None:
+        if key not in manifests:
+            try:
+                manifests[key] = store.read_manifest(key)
+            except StoreError:
+                manifests[key] = False  # an unreadable manifest
+        m = manifests[key]
+        if key in damaged or m is False:
+            return f"{_step_name(reader)} reads {key}, which is damaged"
+        if m is None:  # a step of the plan not committed yet runs anyway; another run's is gone
+            return None if key in at else f"{_step_name(reader)} reads {key}, which is not committed"
+        gone = needed_pruned(reader.rsplit("/", 1)[1], name, m)
+        return (f"{_step_name(reader)} reads {key} ({', '.join(gone[:2])}{', ...' if len(gone) > 2 else ''}), "
+                "which retention pruned") if gone else None
+
+    j = first
+    while j >= 0:
+        reads = [(at.get(key, -1), why) for reader, inputs in steps[j:] for name, key in inputs.items()
+                 if at.get(key, -1) < j and (why := lost(reader, name, key))]
+        if not reads:
+            return j, blocked
+        j = min(reads)[0]
+        blocked += [why for _, why in sorted(reads) if why not in blocked]
+    return None, blocked
+
+
+def _step_name(stage_key: str) -> str:
+    _, _, it, stage = stage_key.split("/")[:4]
+    return f"{stage}[{it}]"
+
+
 def pinned_keys(store: ArtifactStore) -> set[str]:
     """Every stage key a pointer names, at any depth of its JSON."""
     found: set[str] = set()

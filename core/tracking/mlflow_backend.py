@@ -1,6 +1,7 @@
 """MLflow: one MLflow run per verlflow run (found again by its tag verlflow.run_id, so a rerun or a Retry resumes
-it), the blueprint as params, metrics at step = iteration, the promoted model's URI and the Prefect flow run's page
-as tags.
+it), the blueprint as params (core/tracking/params.py), metrics at their step number (core/metrics.step_numbers:
+the iteration; a phased run's steps in plan order, each named by a tag verlflow.step.<n>), the promoted model's URI
+and the Prefect flow run's page as tags.
 
 The experiment is a model-training one: tagged mlflow.experimentKind (MLflow's record of an experiment's kind), and
 the pages verlflow links carry ?workflowType=machine_learning, since MLflow 3.17's UI shows every experiment in the
@@ -21,6 +22,7 @@ from verlflow.core.tracking.tracker import TrackedRun
 RUN_TAG = "verlflow.run_id"
 MODEL_TAG = "verlflow.promoted_model"
 PREFECT_TAG = "verlflow.prefect_flow_run"
+STEP_TAG = "verlflow.step"  # verlflow.step.<n>: the steps logged at step n of a phased run (evaluate[base])
 KIND_TAG, TRAINING = "mlflow.experimentKind", "custom_model_development"  # mlflow's ExperimentKind values
 TRAINING_VIEW = "?workflowType=machine_learning"
 _BATCH = 100  # MLflow's log_batch takes at most 100 params (1000 metrics) per request
@@ -107,15 +109,17 @@ class MlflowBackend:
         for i in range(0, len(new), _BATCH):
             self.client.log_batch(self.run_uuid, params=new[i:i + _BATCH])
 
-    def log(self, iteration: int, values: dict[str, float], wall_s: float) -> None:
-        from mlflow.entities import Metric
+    def log(self, step: int, values: dict[str, float], wall_s: float, name: str | None = None) -> None:
+        from mlflow.entities import Metric, RunTag
 
         ms = int(wall_s * 1000)
-        batch = [Metric(mlflow_name(k), v, ms, iteration) for k, v in values.items()]
+        batch = [Metric(mlflow_name(k), v, ms, step) for k, v in values.items()]
         for i in range(0, len(batch), 1000):
             self.client.log_batch(self.run_uuid, metrics=batch[i:i + 1000])
+        if name:  # a phased run's step: its name beside its number
+            self.client.log_batch(self.run_uuid, tags=[RunTag(f"{STEP_TAG}.{step}", name)])
 
-    def tag_model(self, iteration: int, uri: str) -> None:
+    def tag_model(self, iteration: int | str, uri: str, step: int | None) -> None:
         self.client.set_tag(self.run_uuid, MODEL_TAG, uri)
         self.client.set_tag(self.run_uuid, "verlflow.promoted_iteration", str(iteration))
 

@@ -1,9 +1,12 @@
 """TensorBoard: event files in <tracking root>/tensorboard/<run_id>/ (places.py; a local folder for s3:// stores,
-since TensorBoard's own S3 support needs TensorFlow). A rerun appends a new event file to the same folder."""
+since TensorBoard's own S3 support needs TensorFlow). A rerun appends a new event file to the same folder. Scalars
+at their step number (core/metrics.step_numbers); a phased run's step names as the text verlflow/step there."""
 
 from __future__ import annotations
 
 from verlflow.core.tracking.tracker import TrackedRun
+
+STEP_TEXT = "verlflow/step"
 
 
 def log_dir(run: TrackedRun):
@@ -26,13 +29,15 @@ class TensorboardBackend:
     def __init__(self, writer, target: str):
         self.writer, self.target = writer, target
 
-    def log(self, iteration: int, values: dict[str, float], wall_s: float) -> None:
+    def log(self, step: int, values: dict[str, float], wall_s: float, name: str | None = None) -> None:
         for k, v in values.items():
-            self.writer.add_scalar(k, v, global_step=iteration, walltime=wall_s)
+            self.writer.add_scalar(k, v, global_step=step, walltime=wall_s)
+        if name:  # a phased run's step: its name at its number
+            self.writer.add_text(STEP_TEXT, name, global_step=step, walltime=wall_s)
         self.writer.flush()
 
-    def tag_model(self, iteration: int, uri: str) -> None:
-        self.writer.add_text("verlflow/promoted_model", uri, global_step=iteration)
+    def tag_model(self, iteration: int | str, uri: str, step: int | None) -> None:
+        self.writer.add_text("verlflow/promoted_model", uri, global_step=step)
 
     def close(self, status: str) -> None:
         self.writer.add_text("verlflow/status", status)

@@ -48,9 +48,11 @@ class Backend(Protocol):
     name: str
     target: str  # where it logs, e.g. mlflow:<run uuid>: the ledger is kept per destination
 
-    def log(self, iteration: int, values: dict[str, float], wall_s: float) -> None: ...
+    # step: core/metrics.step_numbers; name: the steps logged there (`evaluate[base]`), None where step = iteration
+    def log(self, step: int, values: dict[str, float], wall_s: float, name: str | None = None) -> None: ...
 
-    def tag_model(self, iteration: int, uri: str) -> None: ...
+    # step: the step number of the exported policy's last step with metrics (None: it has none)
+    def tag_model(self, iteration: int | str, uri: str, step: int | None) -> None: ...
 
     def close(self, status: str) -> None: ...  # FINISHED, FAILED or KILLED
 
@@ -73,6 +75,7 @@ class Tracker:
         self.bp, self.run_id, self.store = bp, run_id, store
         self.backends: list[Backend] | None = None  # None: not opened yet
         self.ledger: dict = {}
+        self._steps: tuple[dict[str, int], dict[int, str]] | None = None  # the plan's step numbers and names
 
     def _open(self) -> None:
         run = TrackedRun(self.bp, self.run_id, self.store, blueprint_params(self.bp), prefect_flow_run_url())
@@ -89,7 +92,7 @@ class Tracker:
         self._save()
 
     def step(self, stage: str, iteration, manifest: dict | None) -> None:
-        """Log a committed step's metrics (rollout/update/evaluate) at step = iteration, once per commit."""
+        """Log a committed step's metrics (core/metrics.PREFIX's stages) at its step number, once per commit."""
         if stage == "validate":
             return
         if self.backends is None:
@@ -97,22 +100,39 @@ class Tracker:
         if stage not in metrics.PREFIX or not manifest or manifest.get("pending") or not self.backends:
             return
         name, done = f"{stage}[{iteration}]", commit_id(manifest)
+        number, label = self._number(iteration)
         values = metrics.flat(stage, manifest.get("metrics", {}))
 
         def log_once(b: Backend) -> None:
             logged = self.ledger.setdefault("logged", {}).setdefault(b.target, {})
             if logged.get(name) != done:
-                b.log(int(iteration), values, commit_time(manifest))
+                b.log(number, values, commit_time(manifest), label)
                 logged[name] = done
 
         self._each(f"log {name}", log_once)
         self._save()
 
+    def _number(self, iteration) -> tuple[int, str | None]:
+        """The step number of an iteration, and for a named one (a phase's) the names of the steps logged there."""
+        numbers, names = self._plan_steps()
+        number = numbers[str(iteration)]
+        return number, None if str(number) == str(iteration) else names[number]
+
+    def _plan_steps(self) -> tuple[dict[str, int], dict[int, str]]:
+        if self._steps is None:
+            from verlflow.core.orchestrate.pipeline import plan  # it imports this module
+
+            pairs = [(s.stage, s.iteration) for s in plan(self.bp, self.run_id)]
+            self._steps = metrics.step_numbers(pairs), metrics.step_names(pairs)
+        return self._steps
+
     def promoted(self) -> None:
         """Tag the model the run's `latest` pointer names (verlflow.core.store.promote), if any."""
-        pointer = self.store.get_pointer(f"runs/{self.run_id}/latest")
+        pointer = self.store.get_pointer(f"runs/{self.run_id}/latest") if self.backends else None
         if pointer and pointer.get("hf_uri"):
-            self._each("tag the promoted model", lambda b: b.tag_model(pointer.get("iteration"), pointer["hf_uri"]))
+            it, numbers = pointer.get("iteration"), self._plan_steps()[0]
+            step = numbers.get(str(it), max(numbers.values(), default=None))  # checkpoint[dpo]: the run's last step
+            self._each("tag the promoted model", lambda b: b.tag_model(it, pointer["hf_uri"], step))
 
     def close(self, status: str) -> None:
         self._each(f"close ({status})", lambda b: b.close(status))

@@ -1,7 +1,8 @@
 """Weights & Biases: wandb.init with an id derived from the run id and resume="allow" (a rerun continues the same
-W&B run), the blueprint as config, metrics against the `iteration` step metric (so steps a warm pool committed in
-its background may land after later ones). The API key is read by wandb from WANDB_API_KEY only; nothing here
-passes it, and the config is the secret-free blueprint params. WANDB_MODE=offline writes the run folder only."""
+W&B run), the blueprint as config, metrics against the `iteration` step metric (its step number,
+core/metrics.step_numbers, so steps a warm pool committed in its background may land after later ones; a phased
+run's step names in the config as verlflow.step.<n>). The API key is read by wandb from WANDB_API_KEY only; nothing
+here passes it, and the config is the redacted blueprint params. WANDB_MODE=offline writes the run folder only."""
 
 from __future__ import annotations
 
@@ -40,10 +41,12 @@ class WandbBackend:
     def __init__(self, handle, target: str):
         self.handle, self.target = handle, target
 
-    def log(self, iteration: int, values: dict[str, float], wall_s: float) -> None:
-        self.handle.log({**values, STEP: iteration})
+    def log(self, step: int, values: dict[str, float], wall_s: float, name: str | None = None) -> None:
+        if name:  # a phased run's step: its name in the config, by number
+            self.handle.config.update({f"verlflow.step.{step}": name}, allow_val_change=True)
+        self.handle.log({**values, STEP: step})
 
-    def tag_model(self, iteration: int, uri: str) -> None:
+    def tag_model(self, iteration: int | str, uri: str, step: int | None) -> None:
         self.handle.summary["verlflow/promoted_model"] = uri
         self.handle.summary["verlflow/promoted_iteration"] = iteration
 

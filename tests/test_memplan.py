@@ -1,0 +1,175 @@
+"""The memory plan (core/orchestrate/memplan.py): its per-term arithmetic against what a real tiny model allocates on
+CPU, and how `auto` chooses (or refuses) on the cards people have, from a model folder holding only its config."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verlflow.core.blueprint import load_blueprint
+from verlflow.core.orchestrate import memplan
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_BLUEPRINT = ROOT / "blueprints/gpu-qwen2.5-1.5b.yaml"
+H100, H200 = int(79.19 * 2**30), int(139.7 * 2**30)  # torch.cuda.get_device_properties().total_memory
+QWEN = {  # Qwen2.5's shapes (benchmarks/rollout.py SHAPES)
+    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+               intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+}
+
+
+def config_folder(tmp_path: Path, size: str) -> Path:
+    folder = tmp_path / size
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2", **QWEN[size]}))
+    return folder
+
+
+def gpu_bp(model: Path, *overrides: str):
+    return load_blueprint(GPU_BLUEPRINT, [f"model.path={model}", "resources.nproc_per_node=1", *overrides])
+
+
+# ------------------------------------------------------------------------------------ the terms, measured on CPU
+
+
+def test_weight_gradient_and_adamw_terms_match_a_tiny_fsdp_build(tiny_kit):
+    """Two gloo ranks build the tiny policy with the update's own code and take one AdamW step: each rank's bytes of
+    parameters, gradients and AdamW moments are the plan's terms (full fine-tune, and LoRA: adapters only)."""
+    base = [f"model.path={tiny_kit['model_dir']}", "resources.device=cpu", "resources.nproc_per_node=2",
+            "fsdp.mixed_precision=fp32", "data.batch_size=4", "algorithm.ppo_mini_batch_size=2", "rollout.n=2",
+            "algorithm.ppo_micro_batch_size_per_gpu=2"]
+    cases = [base, base + ["model.lora={rank: 4, target_modules: [q_proj, v_proj]}"]]
+    got = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          str(ROOT / "tests/memplan_probe.py"), json.dumps(cases)],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert got.returncode == 0, got.stderr[-3000:]
+    measured = json.loads(got.stdout.strip().splitlines()[-1])
+    for overrides, m in zip(cases, measured):
+        bp = load_blueprint(None, overrides)
+        shape = memplan.Shape.of(bp.model.path, bp.model.lora)
+        update = memplan.terms(bp, shape, memplan._fixed(bp))["update"]
+        for term, key in (("policy weights", "weights"), ("gradients", "gradients"), ("AdamW state", "adamw")):
+            assert update.term(term).bytes == pytest.approx(m[key], rel=0.15), (overrides[-1], term, m)
+    full, lora = measured
+    assert lora["adamw"] < full["adamw"] / 10  # the adapters' moments only
+
+
+def _saved_bytes_per_token(model, checkpointing: bool) -> float:
+    """Bytes autograd saves for the backward per token (the slope between two lengths; parameters not counted)."""
+    import torch
+
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def saved(tokens: int) -> int:
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.model(input_ids=torch.randint(0, 500, (1, tokens)))
+        return sum(n for ptr, n in seen.items() if ptr not in params)
+
+    return (saved(384) - saved(128)) / 256
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activations_per_token_match_what_autograd_saves(checkpointing):
+    """An eager Qwen2 decoder (fp32 on CPU, the hidden/intermediate ratio of the real models): the bytes per token it
+    saves for the backward are the plan's eager estimate, with and without activation checkpointing (with it, the
+    forward keeps each layer's inputs; the plan adds the one layer recomputed in the backward)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(hidden_size=256, intermediate_size=1536, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=3, vocab_size=512, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    measured = _saved_bytes_per_token(Qwen2ForCausalLM(cfg), checkpointing)
+    shape = memplan.Shape(params=0, trainable=0, hidden=256, layers=3, intermediate=1536, heads=4, kv_heads=2,
+                          head_dim=64, vocab=512, embed=0)
+    planned = memplan.act_per_token(shape, compiled=False, checkpointing=checkpointing, cdt=4)
+    if checkpointing:
+        planned -= memplan.act_per_token(shape, compiled=False, checkpointing=False, cdt=4) / shape.layers
+    assert planned == pytest.approx(measured, rel=0.15)
+
+
+def test_parameter_count_is_the_safetensors_headers(tiny_kit):
+    from safetensors import safe_open
+
+    with safe_open(str(Path(tiny_kit["model_dir"]) / "model.safetensors"), framework="numpy") as f:
+        numel = sum(f.get_tensor(k).size for k in f.keys())
+    assert memplan.Shape.of(tiny_kit["model_dir"]).params == numel
+
+
+# -------------------------------------------------------------------------------------------- the choice logic
+
+
+def test_auto_fits_the_shipped_blueprint_on_each_card(tmp_path):
+    """The shipped GPU blueprint (all three settings auto) on one H100, one H200 and 8 H100s: a plan that fits with
+    headroom, whose choice is the first in the order of preference that fits (the ones before it do not)."""
+    model = config_folder(tmp_path, "1.5b")
+    seen = {}
+    for name, capacity, gpus in (("h100", H100, 1), ("h200", H200, 1), ("8xh100", H100, 8)):
+        bp = gpu_bp(model, f"resources.nproc_per_node={gpus}")
+        shape = memplan.Shape.of(model)
+        plan = memplan.plan(bp, shape, capacity, name)
+        assert plan.fits and plan.peak <= capacity * memplan.HEADROOM
+        assert plan.chosen == memplan.AUTO_FIELDS
+        candidates = memplan._candidates(bp)
+        earlier = candidates[:candidates.index(plan.choice)]
+        assert all(max(s.peak for s in memplan.terms(bp, shape, c).values()) > plan.limit for c in earlier)
+        assert plan.choice.token_budget >= memplan.seq_len(bp)  # a packed micro-batch holds a whole sample
+        assert plan.choice.rows <= memplan.samples_per_rank(bp)
+        seen[name] = plan.choice
+    # the H200 trains without recomputation at the full budget; one H100 cannot keep both (its update would hold
+    # ~100 GiB) and recomputes; on 8 H100s the sharded state leaves room to train without it
+    assert seen["h200"] == memplan.Choice(False, 32768, 256)
+    assert seen["h100"].activation_checkpointing and not seen["8xh100"].activation_checkpointing
+    assert seen["8xh100"].rows == 160  # the rank's whole share of the 1,280 samples
+
+
+def test_a_setting_that_does_not_fit_is_refused_with_the_numbers_and_the_fix(tmp_path):
+    model = config_folder(tmp_path, "1.5b")
+    bp = gpu_bp(model, "fsdp.activation_checkpointing=false", "algorithm.ppo_max_token_len_per_gpu=32768")
+    plan = memplan.plan(bp, memplan.Shape.of(model), H100, "NVIDIA H100 80GB HBM3")
+    assert not plan.fits
+    assert "does not fit NVIDIA H100 80GB HBM3: update needs ~" in plan.problem
+    assert "activations" in plan.problem and "against 71.3 GiB usable (79.2 GiB x 90%)" in plan.problem
+    # the fix: the setting that makes it fit (the budget alone cannot, at >= the longest sample)
+    assert "Set fsdp.activation_checkpointing: true (or auto" in plan.problem
+    assert memplan.plan(memplan.with_auto(bp), memplan.Shape.of(model), H100).fits
+
+
+def test_a_model_no_setting_fits_names_the_gpus_that_would_hold_it(tmp_path):
+    model = config_folder(tmp_path, "7b")
+    bp = gpu_bp(model)
+    plan = memplan.plan(bp, memplan.Shape.of(model), H100, "H100")
+    assert not plan.fits and "No setting of fsdp.activation_checkpointing" in plan.problem
+    assert "4 GPUs would hold it" in plan.problem and "model.lora" in plan.problem
+    lora = gpu_bp(model, "model.lora={rank: 16}", "model.dtype=bfloat16")
+    assert memplan.plan(lora, memplan.Shape.of(model, lora.model.lora), H100).fits  # 7B LoRA fits one H100
+
+
+def test_resolved_sets_only_the_auto_fields(tmp_path):
+    model = config_folder(tmp_path, "1.5b")
+    bp = gpu_bp(model, "rollout.micro_batch_size=64")
+    plan = memplan.plan(bp, memplan.Shape.of(model), H200)
+    out = memplan.apply(bp, plan.choice)
+    assert out.rollout.micro_batch_size == 64 and plan.choice.rows == 64
+    assert out.fsdp.activation_checkpointing is False and out.algorithm.ppo_max_token_len_per_gpu == 32768
+    assert memplan.auto_fields(out) == [] and bp.fsdp.activation_checkpointing == "auto"
+    table = plan.table()
+    assert "KV cache" in table and "activations" in table and "update" in table
+
+
+def test_ppo_max_token_len_auto_needs_packed_micro_batches():
+    with pytest.raises(Exception, match="use_remove_padding"):
+        load_blueprint(None, ["algorithm.ppo_max_token_len_per_gpu=auto"])
