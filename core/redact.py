@@ -1,5 +1,5 @@
-"""Redaction of a blueprint's values before anything writes them out (tracker params and tags, reports): a literal
-credential left in a blueprint by mistake (a user stage's `options: {api_key: ...}`) is never copied on.
+"""Redaction of a blueprint's values before they are written out (the trackers' params, core/tracking/params.py): a
+literal credential left in a blueprint by mistake (a user stage's `options: {api_key: ...}`) is never copied on.
 
 - A value under a key the user chose (inside a free-form mapping: a phase's `options`, Kubernetes labels,
   tolerations) whose name looks like a secret: *key*, *token*, *secret*, *passw*, *pwd*, *credential*, *auth*,
@@ -42,13 +42,13 @@ def secret_env_values() -> set[str]:
 
 
 def redact_text(text: str, env_secrets: set[str] | None = None) -> str:
-    """`text` with a URI's user-info and the values assigned to secret names replaced; REDACTED whole if it holds an environment
-    secret (core/store/artifacts.py's carries_credentials says what user-info is; an s3 secret may hold '/')."""
+    """`text` with a URI's user-info and the values assigned to secret names replaced; REDACTED whole if it holds an
+    environment secret (what user-info is: core/store/artifacts.py's carries_credentials; an s3 one may hold '/')."""
     if any(s in text for s in (secret_env_values() if env_secrets is None else env_secrets)):
         return REDACTED
     if carries_credentials(text):
         cleaned = _USERINFO.sub(rf"\g<1>{REDACTED}@", text, count=1)
-        if carries_credentials(cleaned.replace(f"{REDACTED}@", "")):  # s3://KEY:SE/CRET@bucket: no telling where it ends
+        if carries_credentials(cleaned.replace(f"{REDACTED}@", "")):  # s3://KEY:SE/CRET@bucket: where does it end?
             return REDACTED
         text = cleaned
     return _ASSIGNED_SECRET.sub(rf"\g<1>{REDACTED}", text)

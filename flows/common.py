@@ -62,8 +62,12 @@ def turn_limit(bp: Blueprint) -> ConcurrencyLimitConfig | None:
     return TURNS if bp.schedule.init_from == "previous" else None
 
 
+def _scheduled(r: FlowRun) -> dt.datetime:
+    return r.expected_start_time or r.created
+
+
 def _order(r: FlowRun):
-    return r.expected_start_time or r.created, str(r.id)
+    return _scheduled(r), str(r.id)  # runs due together: a fixed order
 
 
 def _now() -> dt.datetime:
@@ -100,7 +104,7 @@ def wake(r: FlowRun, client) -> None:
     for anyway, and moving it could race that request."""
     now, due = _now(), r.next_scheduled_start_time
     if r.state_type == StateType.SCHEDULED and due is not None and due > now + dt.timedelta(seconds=PREFETCH_S):
-        client.set_flow_run_state(r.id, Scheduled(name=QUEUED, scheduled_time=min(_order(r)[0], now)))
+        client.set_flow_run_state(r.id, Scheduled(name=QUEUED, scheduled_time=min(_scheduled(r), now)))
 
 
 def take_turn(bp: Blueprint) -> None:

@@ -195,7 +195,10 @@ class RunReport:
                       MarkdownArtifact(markdown=md))
 
     def _figure_artifacts(self, store: ArtifactStore) -> None:
-        png = figures.png(figures.run_figure(self.history, self.run_id))
+        # a phased run's curves are over its named steps (the base and tuned evaluations, sft's and dpo's epochs)
+        labels = figures.step_labels(store, self.run_id) if self.bp.phases else {}
+        hist = figures.history(store, self.run_id) if labels else self.history
+        png = figures.png(figures.run_figure(hist, self.run_id, labels))
         key = f"reports/{self.run_id}/curves.png"
         store.put_bytes(key, png)
         self._publish("plot", "reward, KL and eval per iteration", MarkdownArtifact(markdown=(

@@ -123,6 +123,10 @@ def test_e2e_benchmark_smoke(tmp_path):
         # the build reserved the first update's CPU copy, and the second refills it
         assert [it["stages"]["update"]["save_copy"] for it in its] == ["reserved", "refilled"]
     assert not res["configs"]["rollout_logprobs"]["setup"]["build"]["skipped"]  # each config builds its own
+    # the GPU blueprint's `auto` settings: validate's memory plan chose them (here the smoke fixes two of three)
+    plan = res["configs"]["baseline"]["setup"]["validate"]["memory_plan"]
+    assert plan["chosen"] == ["fsdp.activation_checkpointing"] and plan["choices"]["rollout.micro_batch_size"] == 8
+    assert plan["stages_gib"]["update"] <= plan["usable_gib"]
 
 
 def _gpu_call(*args: str) -> subprocess.CompletedProcess:

@@ -1,7 +1,7 @@
 """Phases (issue 19): sft -> dpo -> rl declared in one blueprint, on the tiny kit in one warm pool of two ranks.
 
 One module run of blueprints/tiny-phases.yaml: evaluate the base model, sft (1 epoch), dpo (2 epochs), evaluate the
-tuned policy, rl (1 iteration), tracked in MLflow (its file store) and TensorBoard.
+tuned policy, rl (1 iteration), tracked in MLflow (its embedded store) and TensorBoard.
 Its first attempt has rank 1 SIGKILLed in dpo's second epoch; the rerun of the same run id resumes there.
 """
 
@@ -26,9 +26,15 @@ RUN = "ph"
 REPO = Path(__file__).resolve().parents[1]
 
 
-def tracked_overrides(folder: Path) -> tuple[str, ...]:
-    """MLflow in its file store (mlruns/ in `folder`) and TensorBoard (under the artifact root's tracking/)."""
-    return "tracking.backends=[mlflow, tensorboard]", f"tracking.mlflow_uri={(folder / 'mlruns').as_uri()}"
+TRACKED = "tracking.backends=[mlflow, tensorboard]"  # both in the artifact root's tracking/: MLflow's embedded store
+
+
+def mlflow_client(bp):
+    from mlflow.tracking import MlflowClient
+
+    from verlflow.core.tracking.places import embedded_mlflow_uri
+
+    return MlflowClient(tracking_uri=embedded_mlflow_uri(open_store(bp)))
 
 
 def phased_blueprint(kit: dict, folder: Path, *more: str):
@@ -45,8 +51,7 @@ def phased_blueprint(kit: dict, folder: Path, *more: str):
 def phased(tiny_kit, tmp_path_factory):
     """(blueprint, store, results by step name, the failed first attempt's lines)."""
     folder = tmp_path_factory.mktemp("phases")
-    bp, store = phased_blueprint(tiny_kit, folder, "storage.keep_last_checkpoints=1",
-                                  *tracked_overrides(folder)), folder / "store"
+    bp, store = phased_blueprint(tiny_kit, folder, "storage.keep_last_checkpoints=1", TRACKED), folder / "store"
     killed: list[str] = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VERLFLOW_FAULT", "kill_rank1_in_dpo_epoch2")
@@ -140,10 +145,9 @@ def _expected_points(res) -> dict[str, list]:
 
 
 def test_a_phased_run_is_tracked_at_numbered_steps_each_named(phased):
-    """MLflow (read back from its file store) and TensorBoard (its event reader) hold every step's metrics at its
+    """MLflow (read back from its embedded store) and TensorBoard (its event reader) hold every step's metrics at its
     number, each step once although the killed first attempt logged half of them, and each number's step names (a
     tag, a text). Before: both trackers were dropped at evaluate[base] (int('base')): no rollout/reward_mean."""
-    from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from verlflow.core.metrics import PREFIX
@@ -152,9 +156,10 @@ def test_a_phased_run_is_tracked_at_numbered_steps_each_named(phased):
     bp, store, res, _ = phased
     assert {n for n, r in res.items() if r.manifest["stage"] in PREFIX} == set(NUMBERED)
     want = _expected_points(res)
-    assert {"rollout/reward_mean", "update/pg_loss", "eval/reward_mean", "sft/sft_loss", "dpo/rewards/margins"} <= set(want)
+    assert {"rollout/reward_mean", "update/pg_loss", "eval/reward_mean", "sft/sft_loss",
+            "dpo/rewards/margins"} <= set(want)
 
-    client = MlflowClient(tracking_uri=bp.tracking.mlflow_uri)
+    client = mlflow_client(bp)
     (run,) = client.search_runs([client.get_experiment_by_name(bp.name).experiment_id])  # both attempts: one run
     assert run.info.status == "FINISHED" and run.data.tags["verlflow.run_id"] == RUN
     for name, points in want.items():
@@ -171,7 +176,8 @@ def test_a_phased_run_is_tracked_at_numbered_steps_each_named(phased):
     for name, points in want.items():
         assert [(e.step, e.value) for e in events.Scalars(name)] == \
             [(step, pytest.approx(v, rel=1e-6)) for step, v in points], name
-    assert {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors("verlflow/step/text_summary")} == NAMES
+    texts = events.Tensors("verlflow/step/text_summary")
+    assert {e.step: e.tensor_proto.string_val[0].decode() for e in texts} == NAMES
 
 
 def test_compare_and_the_curves_show_a_phased_run_step_by_step(phased, tmp_path, capsys):
@@ -429,7 +435,7 @@ def _planted(bp: Blueprint) -> Blueprint:
 
 
 def test_a_user_stage_scores_the_rollout_with_an_external_judge_and_keeps_its_key(tiny_kit, tmp_path, monkeypatch):
-    """The judge stage against a stub judge, tracked (MLflow's file store, TensorBoard), with the API key in the
+    """The judge stage against a stub judge, tracked (MLflow, TensorBoard), with the API key in the
     environment and credentials planted in the blueprint (PLANTED): its options are structured params with the
     secret-looking ones redacted; no secret reaches a tracker, the store, the stage summaries or the lines. Before:
     MLflow's `phases` param held the options whole."""
@@ -446,7 +452,7 @@ def test_a_user_stage_scores_the_rollout_with_an_external_judge_and_keeps_its_ke
     monkeypatch.setenv("PYTHONPATH", f"{mine}:{os.environ.get('PYTHONPATH', '')}")
     try:
         bp = _planted(judge_blueprint(tiny_kit, tmp_path, f"http://127.0.0.1:{server.server_port}/score?token="
-                                      f"{PLANTED['query']}", "myjudge:JudgeStage", *tracked_overrides(tmp_path)))
+                                      f"{PLANTED['query']}", "myjudge:JudgeStage", TRACKED))
         lines: list[str] = []
         results = run_pipeline(bp, "judged", on_line=lines.append)
     finally:
@@ -475,13 +481,11 @@ def _assert_no_planted_secret(bp, folder: Path, results, lines: list[str], env_s
     """The options as params, field by field, secrets redacted; then no planted secret, nor the environment's, in
     the MLflow store, the artifact store (manifests, pointers, TensorBoard's events, the ledger), the Prefect
     artifacts' text of each stage and of the run, or the lines."""
-    from mlflow.tracking import MlflowClient
-
     from verlflow.core.redact import REDACTED
     from verlflow.tasks.report import iteration_row, run_summary
     from verlflow.tasks.stages import summary_markdown
 
-    client = MlflowClient(tracking_uri=bp.tracking.mlflow_uri)
+    client = mlflow_client(bp)
     (run,) = client.search_runs([client.get_experiment_by_name(bp.name).experiment_id])
     options = {k.removeprefix("phases.1.options."): v for k, v in run.data.params.items()
                if k.startswith("phases.1.options.")}
@@ -497,8 +501,8 @@ def _assert_no_planted_secret(bp, folder: Path, results, lines: list[str], env_s
              for name, r in by_name.items()}
     rows = [iteration_row(1, by_name["rollout[1]"], by_name["update[1]"], by_name.get("checkpoint[1]"))]
     texts["run summary"] = run_summary(store, bp, "judged", rows)
-    files = [p for root in (folder / "mlruns", folder / "store") for p in root.rglob("*") if p.is_file()]
-    assert any("tensorboard" in p.parts for p in files) and any(p.name == "manifest.json" for p in files)
+    files = [p for p in (folder / "store").rglob("*") if p.is_file()]  # MLflow's database, TensorBoard's events too
+    assert {"mlflow.db", "manifest.json"} <= {p.name for p in files} and any("tensorboard" in p.parts for p in files)
     for value in [*PLANTED.values(), env_secret]:
         leaks = [str(p) for p in files if value.encode() in p.read_bytes()]
         leaks += [name for name, text in texts.items() if value in text]

@@ -4,7 +4,9 @@ construct objects, and nothing unpickles untrusted bytes.
 - A whole pipeline runs as a Prefect flow on a real S3 endpoint (moto) with AWS_SECRET_ACCESS_KEY in the
   environment; the secret is then searched for in the flow run's logs (the torchrun output, rank by rank), its
   artifacts, its flow/task run records, every object in the bucket (manifests, pointers, index, reports, data),
-  the local download cache and this process's own stdout/stderr.
+  the local download cache and this process's own stdout/stderr. Credentials left in a blueprint (a user stage's
+  options, a URI, a Kubernetes label) are planted in a tracked user-stage run in test_phases.py (the judge) and in
+  every free-form field in test_tracking.py (the params).
 - Run ids, --from steps, stage inputs and file names inside a manifest with `..` or absolute paths are refused
   before anything is written or read.
 - YAML tags that construct objects are refused wherever YAML is read (blueprint files, overrides, the flow's

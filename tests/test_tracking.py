@@ -340,12 +340,16 @@ def test_wandb_offline_run_holds_metrics_and_never_the_key(reference, tmp_path, 
     assert not leaked, leaked
 
 
-@pytest.mark.parametrize("uri, why", [("http://127.0.0.1:{port}", "unreachable"), ("ftp://host/x", "scheme")])
-def test_validate_refuses_an_unusable_mlflow_uri(tiny_kit, tmp_path, capsys, uri, why):
+@pytest.mark.parametrize("uri, why", [("http://127.0.0.1:{port}", "unreachable"), ("ftp://host/x", "scheme"),
+                                      ("file://{tmp}/mlruns", "MLFLOW_ALLOW_FILE_STORE=true")])
+def test_validate_refuses_an_unusable_mlflow_uri(tiny_kit, tmp_path, capsys, monkeypatch, uri, why):
+    """A server nothing answers at, a scheme MLflow has no store for, a folder (MLflow 3.17 refuses its file store
+    unless MLFLOW_ALLOW_FILE_STORE is set; before, the run went on untracked after one warning)."""
     from verlflow.core.orchestrate.cli import main
 
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     store = tmp_path / "store"
-    uri = uri.format(port=_free_port())  # nothing listens there
+    uri = uri.format(port=_free_port(), tmp=tmp_path)  # nothing listens there
     args = tiny_overrides(tiny_kit, store, *ONE_RANK, "tracking.backends=[mlflow]", f"tracking.mlflow_uri={uri}")
     for verb in (["validate-blueprint"], ["run", "--run-id", "t1"]):
         rc = main([*verb, *args])

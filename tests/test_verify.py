@@ -151,7 +151,7 @@ def test_a_rerun_recomputes_a_damaged_stage_and_every_later_one_that_read_it(ref
            "recomputing it" in out
     for stage in ("update", "checkpoint"):
         assert re.search(rf"{stage}\[2\] is committed with the same key, but its inputs? .*committed after it", out)
-    reused = {m[0] for m in re.findall(r"\] (\w+\[\w+\]) is committed with the same key: reusing", out)}
+    reused = set(re.findall(r"\] (\w+\[\w+\]) is committed with the same key: reusing", out))
     assert reused == {"validate[init]", "build[init]", "rollout[1]", "update[1]", "checkpoint[1]"}, out
     assert re.search(r"^\[verlflow\] rollout\[2\] -> ", out, re.M)
     assert file_digest(batch)["sha256"] == reference.results[5].manifest["files"]["batch.safetensors"]["sha256"]
@@ -164,6 +164,8 @@ def test_the_repair_of_a_damaged_stage_works_under_the_runs_retention(reference,
     pruned policy, so neither a plain rerun nor `--from rollout[1]` can repair it. `verify` and the rerun name the
     nearest step whose inputs the store still holds, build[init], and the rerun's own check before anything runs
     accepts it; the rerun stops before starting a job."""
+    from reference import rekey
+
     from verlflow.core.errors import PrunedError
     from verlflow.core.orchestrate.pipeline import checked_plan, check_not_pruned, checkpoint_reads, steps_that_run
     from verlflow.core.orchestrate.runner import open_store
@@ -172,6 +174,7 @@ def test_the_repair_of_a_damaged_stage_works_under_the_runs_retention(reference,
     _, root = reference.copy(tmp_path)
     args = _reference_args(reference, root, "storage.keep_last_checkpoints=1", "storage.keep_best_metric=null")
     bp = _blueprint_of(args)
+    rekey(bp, "eq")  # validate's key holds the storage section: reused, as under the reference's retention
     store = open_store(bp)
     assert retain(store, bp, "eq", head=2, reads=checkpoint_reads(bp, "eq")) == ["runs/eq/1/update",
                                                                                  "runs/eq/init/build"]

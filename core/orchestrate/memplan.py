@@ -588,8 +588,9 @@ def _current(stage: str, bp) -> str:
 
 
 class Watch:
-    """A stage's memory on a CUDA card: what it started with (a warm pool's models), its peak, the plan's peak for
-    it; an out-of-memory error becomes one that names the stage, the work, the peak, the card and the setting."""
+    """A stage's memory: on a CUDA card what it started with (a warm pool's models), its peak and the plan's peak
+    for it (the stage's metrics); on any device, an out-of-memory error becomes one that names the stage, its work,
+    the peak, the card and the setting that lowers it."""
 
     def __init__(self, ctx):
         import torch
@@ -597,6 +598,7 @@ class Watch:
         self.ctx, self.torch = ctx, torch
         self.cuda = ctx.device.type == "cuda" and torch.cuda.is_available()
         self.metrics: dict = {}
+        self.start = 0
 
     def __enter__(self):
         _AT.clear()
@@ -614,27 +616,25 @@ class Watch:
             return None
 
     def __exit__(self, kind, exc, tb):
-        if not self.cuda:
-            return False
-        peak = self.torch.cuda.max_memory_allocated(self.ctx.device)
-        planned = self.planned()
-        if exc is None:
+        peak = self.torch.cuda.max_memory_allocated(self.ctx.device) if self.cuda else None
+        if exc is None and self.cuda:
+            planned = self.planned()
             self.metrics["memory"] = {"start_gib": round(self.start / GiB, 2), "peak_gib": round(peak / GiB, 2),
                                       "planned_gib": None if planned is None else round(planned / GiB, 2)}
-            return False
         if isinstance(exc, self.torch.OutOfMemoryError):
-            raise DeviceOutOfMemory(self.message(peak, planned, exc)) from exc
+            raise DeviceOutOfMemory(self.message(peak, self.planned(), exc)) from exc
         return False
 
-    def message(self, peak: int, planned: float | None, exc) -> str:
+    def message(self, peak: int | None, planned: float | None, exc) -> str:
         ctx = self.ctx
         capacity, name = card(ctx.device)
         stage = ctx.job.stage
         work = ", ".join(f"{k.replace('_', ' ')} {v:,}" if isinstance(v, int) else f"{k} {v}" for k, v in _AT.items())
         current = _current(stage, ctx.bp)
         first = str(exc).splitlines()[0] if str(exc) else ""
-        return (f"out of memory in {ctx.job.name} on rank {ctx.rank}, {name} ({gib(capacity)}): "
-                f"{gib(peak)} was allocated at the peak" + (f" while working on {work}" if work else "")
+        return (f"out of memory in {ctx.job.name} on rank {ctx.rank}, {name} ({gib(capacity)})"
+                + (f": {gib(peak)} was allocated at the peak" if peak is not None else "")
+                + (f" while working on {work}" if work else "")
                 + (f"; the memory plan predicted {gib(planned)} for {stage}" if planned else "")
                 + f". Lower it with {LOWER.get(stage, LOWER_DEFAULT)}" + (f" ({current})" if current else "")
                 + f". torch: {first}")

@@ -4,6 +4,7 @@ so that a run whose tracker cannot work is refused before anything is written.""
 from __future__ import annotations
 
 import importlib.util
+import os
 import urllib.error
 import urllib.request
 
@@ -37,6 +38,10 @@ def mlflow_uri_problems(uri: str) -> list[str]:
                 "leave it empty for the embedded store under the artifact root."]
     if scheme in SERVER_SCHEMES:
         return _server_problems(uri)
+    if scheme == "file" and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1"):
+        return [f"tracking.mlflow_uri: {uri} is a folder, MLflow's file store, which MLflow 3 opens only with "
+                "MLFLOW_ALLOW_FILE_STORE=true in the environment; set it, use a database (sqlite:///path/mlflow.db), "
+                "or leave tracking.mlflow_uri empty for the embedded store under the artifact root."]
     return []
 
 
