@@ -39,7 +39,6 @@ node, NO_SHARD not at all):
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -54,7 +53,7 @@ ACT = {
     "eager": (11.0, 2.0, 4.0),  # HF's decoder layer: norms' fp32 inputs, q/k/v, attention out, gate/up/act/product
     "compiled": (8.0, 2.0, 3.0),  # inductor's partitioner recomputes the norms' and SwiGLU's pointwise work
 }
-FUSED_TORCH_CHUNK = 4096  # tokens per chunk of verl's FusedLinearForPPO (its own default)
+FUSED_TORCH_CHUNK = 512  # tokens per chunk of verl's FusedLinearForPPO (its default, which core/ml/fusedhead.py keeps)
 UNFUSED_HEAD = 3  # fp32 words per token x vocab the plain head keeps: the fp32 logits, log-softmax, its gradient
 FORWARD_ONLY = (4.0, 3.0)  # a forward-only pass's transient work per token (hidden, intermediate elements)
 PREFILL_TOKENS = 32768  # the static engine's prefill chunk (core/ml/fastgen/options.py prefill_tokens)
