@@ -32,8 +32,12 @@ _ASSIGNED_SECRET = re.compile(r"((?:[\w.-]*(?:key|token|secret|passw|pwd|credent
                               r"|(?<![\w.-])sig)=)[^&#;,\s'\"]*", re.I)
 
 
+# A key that names where a secret is (api_key_env: OPENAI_API_KEY, token_file: /run/secrets/t) holds no secret.
+_POINTER_KEY = re.compile(r"_(env|var|variable|file|path)$", re.I)
+
+
 def secret_key(name: str) -> bool:
-    return bool(SECRET_KEY.search(name))
+    return bool(SECRET_KEY.search(name)) and not _POINTER_KEY.search(name)
 
 
 def secret_env_values() -> set[str]:

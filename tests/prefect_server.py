@@ -229,21 +229,27 @@ class Served:
         _stop(self.proc, 20.0)
 
 
-def start_serve(server: PrefectServer, blueprint_file, *args: str, log: Path, **env: str) -> Served:
-    """`verlflow serve BLUEPRINT ARGS` against `server`, polling every second; returns once it polls."""
+def start_polling(cmd: list[str], log: Path, env: dict, ready: str) -> Served:
+    """A long-lived Prefect poller (`verlflow serve`, `prefect worker start`) started in its own session, its
+    output in `log`; returns once `ready` is logged."""
     out = open(log, "w")
-    proc = subprocess.Popen([VERLFLOW, "serve", str(blueprint_file), *args], cwd=ROOT, stdout=out,
-                            stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **server.env, "PREFECT_RUNNER_POLL_FREQUENCY": "1", **env})
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **env})
     out.close()
     served = Served(proc, log)
     deadline = time.monotonic() + 60
-    while "polling for scheduled runs" not in log.read_text():
+    while ready not in log.read_text():
         if proc.poll() is not None or time.monotonic() > deadline:
             served.stop()
-            pytest.fail(f"verlflow serve did not start:\n{log.read_text()[-3000:]}")
+            pytest.fail(f"{' '.join(cmd[:3])} did not start:\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
     return served
+
+
+def start_serve(server: PrefectServer, blueprint_file, *args: str, log: Path, **env: str) -> Served:
+    """`verlflow serve BLUEPRINT ARGS` against `server`, polling every second; returns once it polls."""
+    return start_polling([VERLFLOW, "serve", str(blueprint_file), *args], log,
+                         {**server.env, "PREFECT_RUNNER_POLL_FREQUENCY": "1", **env}, "polling for scheduled runs")
 
 
 @pytest.fixture(scope="session")

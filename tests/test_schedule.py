@@ -12,13 +12,12 @@ shared test server has it off) and `verlflow serve` running the deployment.
 """
 
 import datetime as dt
-import os
-import subprocess
 import time
 
 import pytest
 from tinybp import ONE_RANK, tiny_blueprint
-from prefect_server import PREFECT, ROOT, Served, _stop, api, manifest, start_serve, start_server, write_blueprint
+from prefect_server import (PREFECT, ROOT, Served, _stop, api, manifest, start_polling, start_serve, start_server,
+                           write_blueprint)
 
 from verlflow.flows.common import QUEUED
 
@@ -204,20 +203,9 @@ def test_deploy_gives_a_recurring_deployment_one_slot_that_queues_and_takes_it_b
 
 def start_worker(server, pool: str, log, *args: str) -> Served:
     """`prefect worker start --pool POOL` against `server`, polling every second; returns once it polls."""
-    out = open(log, "w")
-    proc = subprocess.Popen([PREFECT, "worker", "start", "--pool", pool, *args], cwd=ROOT, stdout=out,
-                            stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **server.env, "PREFECT_WORKER_QUERY_SECONDS": "1",
-                                 "PYTHONPATH": str(ROOT / "tests")})  # the flow's module, turnflow
-    out.close()
-    served = Served(proc, log)
-    deadline = time.monotonic() + 60
-    while "started!" not in log.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            served.stop()
-            pytest.fail(f"prefect worker did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.2)
-    return served
+    return start_polling([PREFECT, "worker", "start", "--pool", pool, *args], log,
+                         {**server.env, "PREFECT_WORKER_QUERY_SECONDS": "1",
+                          "PYTHONPATH": str(ROOT / "tests")}, "started!")  # the flow's module, turnflow
 
 
 def states(server, run_id: str) -> list[dict]:

@@ -226,7 +226,8 @@ def test_params_redact_each_credential_a_blueprint_can_hold(tmp_path, monkeypatc
     options = {"url": f"https://judge.example/score?api_key={s['query']}&lang=en", "api_key": s["opt"],
                "apiKey": s["camel"], "auth": {"user": "me", "pass": s["nested"]}, "timeout_s": 10,
                "headers": [{"Authorization": f"Bearer {s['listed']}", "Accept": "json"}],
-               "mirror": f"https://bob:{s['userinfo']}@mirror.example/x", "note": f"plain {s['env']}"}
+               "mirror": f"https://bob:{s['userinfo']}@mirror.example/x", "note": f"plain {s['env']}",
+               "api_key_env": "JUDGE_API_KEY"}  # where the key is, not the key
     k8s = {"image": "img", "labels": {"api-token": s["label"]}, "node_selector": {"secret-pool": s["selector"]},
            "tolerations": [{"key": "gpu", "operator": "Exists"}], "env_from_secret": "my-k8s-secret"}
     bp = load_blueprint(None, [], data={
@@ -242,7 +243,8 @@ def test_params_redact_each_credential_a_blueprint_can_hold(tmp_path, monkeypatc
     opts = {k.removeprefix("phases.1.options."): v for k, v in params.items() if k.startswith("phases.1.options.")}
     assert opts == {"url": f"https://judge.example/score?api_key={REDACTED}&lang=en", "api_key": REDACTED,
                     "apiKey": REDACTED, "auth": REDACTED, "timeout_s": "10", "headers.0.Authorization": REDACTED,
-                    "headers.0.Accept": "json", "mirror": f"https://{REDACTED}@mirror.example/x", "note": REDACTED}
+                    "headers.0.Accept": "json", "mirror": f"https://{REDACTED}@mirror.example/x", "note": REDACTED,
+                    "api_key_env": "JUDGE_API_KEY"}
     assert (params["phases.0.kind"], params["phases.1.kind"]) == ("rl", "verlflow.core.examples.judge:JudgeStage")
     assert params["resources.kubernetes.labels.api-token"] == params["resources.kubernetes.node_selector.secret-pool"] \
         == REDACTED
