@@ -21,8 +21,9 @@ def store(request, tmp_path) -> ArtifactStore:
     return ArtifactStore(f"{request.getfixturevalue('s3_bucket').uri}/prefix")
 
 
-def commit_stages(store: ArtifactStore, tmp_path) -> None:
-    """Committed stages as a worker leaves them (files uploaded, then the manifest), without running one."""
+def commit_stages(store: ArtifactStore, tmp_path, inputs: dict | None = None) -> None:
+    """Committed stages as a worker leaves them (files uploaded, then the manifest), without running one; `inputs`:
+    {stage: {input name: stage key}} for the manifests."""
     for it, stage in STAGES:
         out = tmp_path / f"out-{stage}"
         out.mkdir()
@@ -30,7 +31,8 @@ def commit_stages(store: ArtifactStore, tmp_path) -> None:
         (out / "b.json").write_text('{"ok": true}')
         skey = f"runs/{RUN}/{it}/{stage}"
         names = store.upload_dir(out, skey)
-        store.commit(skey, {"key": f"k-{stage}"}, {rel: file_digest(out / rel) for rel in names})
+        refs = {n: {"stage": k, "key": "k"} for n, k in (inputs or {}).get(stage, {}).items()}
+        store.commit(skey, {"key": f"k-{stage}", "inputs": refs}, {rel: file_digest(out / rel) for rel in names})
 
 
 def cli(capsys, *argv) -> tuple[int, str, str]:
@@ -67,6 +69,25 @@ def test_verify_and_ls_name_damaged_stages_and_the_rerun_that_repairs_them(store
     assert "a.bin does not match its sha256 in the manifest" in out and "b.json is missing" in out
     assert f"2 damaged stage(s) in {store.root_uri}: rollout[1], update[1]" in err
     assert f"Repair with `verlflow rerun {RUN} {uri} --from 'rollout[1]'`" in err
+
+
+def test_verify_says_when_no_rerun_can_repair_a_damaged_stage(store, tmp_path, capsys):
+    """The damaged build warm-started from another run's update, whose checkpoint retention pruned since: no step of
+    this run can be recomputed, and verify says so instead of advising a rerun that would fail."""
+    uri = f"storage.uri={store.root_uri if not store.is_local else store.root}"
+    out = tmp_path / "policy"
+    (out / "policy").mkdir(parents=True)
+    (out / "policy" / "w.bin").write_bytes(b"w" * 64)
+    store.upload_dir(out, "runs/prev/1/update")
+    store.commit("runs/prev/1/update", {"key": "k-prev", "stage": "update"},
+                 {"policy/w.bin": file_digest(out / "policy" / "w.bin")})
+    store.mark_pruned("runs/prev/1/update", ("policy/",))
+    commit_stages(store, tmp_path, inputs={"build": {"warm_start": "runs/prev/1/update"}})
+    store.rm(f"runs/{RUN}/init/build/a.bin")
+    rc, out, err = cli(capsys, "verify", RUN, uri)
+    assert rc == 2 and states(out)["build[init]"] == "DAMAGED"
+    assert ("No rerun of this run can repair build[init]: build[init] reads runs/prev/1/update (policy/w.bin), which "
+            "retention pruned. Start a new run (another run id).") in err, err
 
 
 def test_a_truncated_manifest_shows_as_damaged(store, tmp_path, capsys):

@@ -38,7 +38,8 @@ PLUMBING = frozenset({PACKAGE} | {f"{PACKAGE}.{m}" for m in (
     "orchestrate", "store", "ml", "testing",
     "blueprint", "errors", "job", "store.artifacts", "orchestrate.launcher", "testing.faults", "stages.modelcache",
     "orchestrate.pool", "orchestrate.devices", "stages", "agree", "stages.committer", "stages.pool",
-    "ml.compiletime", "cachedir", "store.retention", "store.digests")})
+    "ml.compiletime", "cachedir", "store.retention", "store.digests",
+    "store.promote", "store.chain")})  # pointers move after a commit: not what a stage computes
 
 
 def stage_code_versions(root: Path | None = None) -> dict[str, str]:

@@ -1,9 +1,10 @@
 """Promotion: the `latest` and `best` pointers of a run and of its blueprint (retention: verlflow.core.store.retention).
 
-The checkpoint stage's after_commit calls `after_export`: the gate, then a recurring chain's cursor. Without promote.metric every export moves both
-`latest` pointers and there is no `best` pointer (retention's storage.keep_best_metric keeps the best export by
-the rollout that sampled from it, known only an iteration later). With promote.metric the exported iteration's
-metric (verlflow.core.metrics.of_iteration) moves a `latest` only when it beats, by more than promote.min_delta,
+The checkpoint stage's after_commit calls `after_export`: the gate (`promote`), then a recurring chain's cursor.
+Without promote.metric every export moves both `latest` pointers and there is no `best` pointer (retention's
+storage.keep_best_metric keeps the best export by the rollout that sampled from it, known only an iteration
+later). With promote.metric the exported iteration's metric (verlflow.core.metrics.of_iteration) moves a `latest`
+only when it beats, by more than promote.min_delta,
 both the run's start policy (its evaluation before training, evaluate[0]: the base model or the warm start; an
 eval/ metric has one, validate sees to it) and that pointer's `best`: the run's `best` for `runs/<run>/latest`,
 the blueprint's (across its runs) for `blueprints/<name>/latest`. So a run that never beats its start promotes
