@@ -697,7 +697,7 @@ def _ls(args: list, tmp_path: Path, columns: int = 80) -> tuple[str, dict]:
     head = next((i for i, line in enumerate(lines) if line.startswith("run ")), None)
     if head is None:
         return p.stdout, {}
-    assert max(map(len, lines)) <= columns, p.stdout  # the table fits the terminal
+    assert max(map(len, lines[head:-1])) <= columns, p.stdout  # the table fits the terminal (the text lines wrap there)
     starts = [m.start() for m in re.finditer(r"(?<!\S)\S", lines[head])]
     rows: list[list[str]] = []
     for line in lines[head + 1:-1]:  # the last line: the hint
@@ -735,6 +735,7 @@ def test_ls_is_a_table_of_the_blueprints_runs(reference, tmp_path):
     rewards = [store.read_manifest(f"runs/eq/{i}/rollout")["metrics"]["reward_mean"] for i in (1, 2)]
     with run_lease(store, "starting", say=lambda line: None):  # a run that holds its lease, nothing committed yet
         out, runs = _ls([*args, "promote.metric=rollout/reward_mean"], tmp_path)
+    assert f"file://{root}" in out, out  # whole, to copy: not broken over lines however long
     assert " ".join(out.split()).startswith(f"3 run(s) of blueprint {bp.name} in file://{root}; best: the highest "
                                             "rollout/reward_mean"), out
     started = dt.datetime.fromisoformat(store.read_manifest("runs/eq/init/validate")["committed_at"]).astimezone()

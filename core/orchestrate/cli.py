@@ -453,10 +453,11 @@ def _list_runs(args, bp, store, sizes: dict) -> int:
     console = _table_console()
     metric = (f"best: the {'highest' if bp.promote.mode == 'max' else 'lowest'} {bp.promote.metric} "
               "(promote.metric)" if bp.promote.metric else "reward: the last rollout's rollout/reward_mean")
-    console.print(f"{len(shown)} run(s){scope} in {store.root_uri}; {metric}", markup=False)
+    # soft_wrap: the terminal wraps these lines; rich would break the store's URI with newlines (no more a path)
+    console.print(f"{len(shown)} run(s){scope} in {store.root_uri}; {metric}", markup=False, soft_wrap=True)
     console.print(_runs_table(bp, shown, every=args.all))
     console.print(f"{'' if args.all else '--all: every blueprint; '}a run's stages: `verlflow ls --run RUN`",
-                  markup=False)
+                  markup=False, soft_wrap=True)
     return 0
 
 
