@@ -490,7 +490,7 @@ def _assert_no_planted_secret(bp, folder: Path, results, lines: list[str], env_s
     options = {k.removeprefix("phases.1.options."): v for k, v in run.data.params.items()
                if k.startswith("phases.1.options.")}
     assert options == {"url": bp.phases[1].options["url"].replace(PLANTED["query"], REDACTED), "timeout_s": "10",
-                       "api_key_env": REDACTED, "api_key": REDACTED, "headers.X-Hf-Token": REDACTED,
+                       "api_key_env": "JUDGE_API_KEY", "api_key": REDACTED, "headers.X-Hf-Token": REDACTED,
                        "headers.Accept": "json"}, options
     assert run.data.params["storage.endpoint_url"] == f"http://{REDACTED}@127.0.0.1:9"
     assert "phases" not in run.data.params and not any(k.startswith("resources.kubernetes.") for k in run.data.params)
