@@ -21,7 +21,7 @@ export HF_HUB_OFFLINE := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: postgres demo test test-all install install-dev clean chromium slurm
+.PHONY: postgres demo test test-unit test-all install install-dev clean chromium slurm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -75,12 +75,17 @@ postgres:
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends postgresql; }; }; } || \
 		echo "PostgreSQL missing and not root with apt-get: tests/test_postgres.py will be skipped"
 
+# The tiers (tests/conftest.py): each test file is `unit`, `stages` or `system`. `make test-unit` is the inner loop:
+# no torchrun job, no server.
+test-unit: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m unit tests
+
 # Two workers, each taking whole files (a file's module fixtures, e.g. the Slurm cluster, are made once): most
-# stage jobs are one rank importing torch on one core, so a second worker fills the other. The 25 slowest last.
+# stage jobs are one rank importing torch on one core, so a second worker fills the other. The 60 slowest last.
 test: $(VENV)/.installed-dev chromium slurm postgres
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=60 -m "not slow" tests
 
-# Everything, the `slow` scenarios too (tests/conftest.py's SLOW: second whole pipelines for stories `make test` covers).
+# Everything, the `@pytest.mark.slow` tests too: second whole pipelines for stories `make test` covers (each names one).
 test-all: $(VENV)/.installed-dev chromium slurm postgres
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 

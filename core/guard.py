@@ -12,6 +12,10 @@ import signal
 import sys
 from typing import Callable
 
+# A rank prints every thread's Python stack on this signal (faulthandler, installed by its worker_guard); the
+# launcher sends it to a job stopped for its timeout, so a hang says where each rank waited.
+STACK_SIGNAL = signal.SIGUSR1
+
 _PR_SET_PDEATHSIG = 1
 # Resolved at import: in a preexec_fn (after fork, before exec) the call itself must stay trivial.
 _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None

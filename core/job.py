@@ -44,6 +44,7 @@ class JobSpec(_Spec):
     output: str  # the stage's store path
     scratch: str  # the job's local folder (a remote store's outputs are written there first)
     blueprint: Blueprint
+    phase: int | None = None  # the index in blueprint.phases of the phase this step runs (None: no phases)
     inputs: dict[str, str]  # input name -> store path
     input_manifests: dict[str, InputRecord]
     manifest: ManifestDraft

@@ -16,11 +16,12 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
+from verlflow.core.stagespec import SPECS, metric_stages
 from verlflow.core.store.artifacts import ArtifactStore, stage_key
 
-PREFIX = {"rollout": "rollout", "update": "update", "evaluate": "eval", "sft": "sft", "dpo": "dpo", "user": "user"}
-RL_STAGES = ("rollout", "update", "evaluate")  # the stages of a numbered iteration
-PHASE_STAGES = ("evaluate", "sft", "dpo", "user")  # the stages of a named one (evaluate[base], sft[sft.1], user[judge])
+PREFIX = {name: s.metric_prefix for name, s in SPECS.items() if s.metric_prefix}
+RL_STAGES = metric_stages("numbered")  # the stages of a numbered iteration
+PHASE_STAGES = metric_stages("named")  # the stages of a named one (evaluate[base], sft[sft.1], user[judge])
 
 
 def flat(stage: str, metrics: dict) -> dict[str, float]:
@@ -32,7 +33,7 @@ def flat(stage: str, metrics: dict) -> dict[str, float]:
 
 def of_iteration(store: ArtifactStore, run_id: str, iteration: int | str) -> dict[str, float]:
     """Every named metric the committed stages of one iteration recorded (iteration 0: the initial evaluation); of a
-    phase's named step its stage's; of a phase's export (checkpoint[dpo]) those of the policy it exported, its last
+    phase's named step its stage's; of a phase's export (export[dpo]) those of the policy it exported, its last
     epoch's (dpo[dpo.2]), which promote.metric judges."""
     numbered = str(iteration).isdigit()
     out: dict[str, float] = {}
@@ -40,7 +41,7 @@ def of_iteration(store: ArtifactStore, run_id: str, iteration: int | str) -> dic
         manifest = store.read_manifest(stage_key(run_id, iteration, stage))
         if manifest is not None:
             out.update(flat(stage, manifest.get("metrics", {})))
-    if not numbered and (export := store.read_manifest(stage_key(run_id, iteration, "checkpoint"))):
+    if not numbered and (export := store.read_manifest(stage_key(run_id, iteration, "export"))):
         source = export.get("inputs", {}).get("update", {}).get("stage", "")
         stage = source.rsplit("/", 1)[-1]
         if stage in PREFIX and (manifest := store.read_manifest(source)) is not None:
@@ -134,16 +135,3 @@ def _eval_names(bp) -> list[str]:
         return []
     keys = EVAL_KEYS + tuple(f"pass@{k}" for k in bp.eval.pass_k)
     return [f"eval/{source}{k}" for source in [""] + [f"{s}/" for s in eval_sources(bp.eval.files)] for k in keys]
-
-
-def unknown_metric_problem(bp) -> str | None:
-    """promote.metric, when it names no metric the configured stages record: the problem, with the names."""
-    import difflib
-
-    metric = bp.promote.metric
-    names = available(bp)
-    if metric is None or metric in names:
-        return None
-    close = difflib.get_close_matches(metric, names, n=1)
-    return (f"promote.metric={metric} is not a metric this blueprint's stages record"
-            f"{f' (did you mean {close[0]}?)' if close else ''}; choose one of: {', '.join(names)}")

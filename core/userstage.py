@@ -21,10 +21,12 @@ import hashlib
 import importlib
 import inspect
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 from verlflow.core.errors import BlueprintError
+from verlflow.core.stagespec import SPECS, StageSpec
 
 SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 NAMED_INPUTS = ("build", "policy", "rollout")  # besides the names of earlier phases
@@ -54,6 +56,11 @@ def load(spec: str, field: str = "kind") -> type[UserStage]:
     if not (isinstance(cls, type) and issubclass(cls, UserStage)):
         raise BlueprintError(f"{field}: {spec} is not a subclass of verlflow.core.userstage.UserStage.")
     return cls
+
+
+def spec_of(cls: type[UserStage]) -> StageSpec:
+    """The stage spec of a user class: the user stage's, reading what the class lists."""
+    return replace(SPECS["user"], inputs=tuple(cls.inputs))
 
 
 def code_version(spec: str) -> str:

@@ -15,7 +15,7 @@ from prefect.utilities.engine import propose_state_sync
 from verlflow.core.blueprint import Blueprint, load_blueprint
 from verlflow.core.errors import StoreError, VerlflowError
 from verlflow.core.orchestrate.pipeline import PipelineHooks, Step
-from verlflow.core.orchestrate.runner import open_store
+from verlflow.core.store.artifacts import open_store
 from verlflow.core.store.artifacts import stage_key
 from verlflow.tasks.stages import pipeline_slots, run_step_as_task
 
@@ -167,7 +167,7 @@ def recomputed_here(bp: Blueprint, run_id: str, step: Step) -> bool:
     """Whether this flow run already recomputed `step` (committed after the flow run was created), so a Retry
     of a run started with from_step does not force the same stages again."""
     try:
-        m = open_store(bp).read_manifest(stage_key(run_id, step.iteration, step.stage))
+        m = open_store(bp.storage).read_manifest(stage_key(run_id, step.iteration, step.stage))
     except StoreError:  # a damaged manifest was not recomputed here: the forced stage replaces it
         return False
     if m is None or not m.get("committed_at"):

@@ -2,7 +2,7 @@
 
     validate -> build -> (rollout -> update [-> checkpoint]) x iterations
 
-(a checkpoint step, the HF export and its promotion, every storage.export_every iterations and at the last)
+(an export step, the HF export and its promotion, every storage.export_every iterations and at the last)
 
 The steps are verlflow.core.orchestrate.pipeline's plan, walked by its one loop (the CLI's too); here each step is
 one stage task (tasks/stages.py, hooks in flows/common.py). A stage whose committed manifest matches its key is reused, so
@@ -17,7 +17,7 @@ from prefect.states import Cancelled
 from verlflow.core.blueprint import Blueprint, OptionalText
 from verlflow.core.errors import BlueprintError, VerlflowError
 from verlflow.core.orchestrate.pipeline import checked_plan, run_pipeline
-from verlflow.core.orchestrate.runner import open_store
+from verlflow.core.store.artifacts import open_store
 from verlflow.core.store.lease import run_lease
 from verlflow.flows.common import TURN_HOOKS, default_run_id, flow_hooks, name_flow_run, take_turn
 from verlflow.flows.validate import checked_blueprint, refused
@@ -57,7 +57,7 @@ def finetune(blueprint: Blueprint = Blueprint(), run_id: OptionalText = None, bl
     log.info("run %s: %d steps, artifact store %s", run_id, len(steps), bp.storage.uri)
     report = RunReport(bp, run_id)
     try:
-        with run_lease(open_store(bp), run_id, str(get_run_context().flow_run.id), log.info):
+        with run_lease(open_store(bp.storage), run_id, str(get_run_context().flow_run.id), log.info):
             run_pipeline(bp, run_id, on_step=report.step_done, force_from=from_step, hooks=flow_hooks(bp, run_id))
         report.finished()  # every background commit has landed: the summary names what the pointer says now
     except BaseException as e:  # a Cancel: the stage task's, or a served/worker run's SIGTERM between stages

@@ -1,5 +1,5 @@
 """Validate-only flow: the `validate` stage (environment, devices, FSDP shard check, store, model, memory, and the
-inputs: model config and weight files, dataset size, prompt lengths, a sample reward call; core/orchestrate/preflight.py).
+inputs: model config and weight files, dataset size, prompt lengths, a sample reward call; core/checks/preflight.py).
 
 Both flows take their blueprint through `checked_blueprint` and end a refused one with `refused`."""
 # No `from __future__ import annotations`: served runs need the real Blueprint annotation for the run form.

@@ -21,9 +21,10 @@ from verlflow.core import metrics
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.orchestrate import figures
 from verlflow.core.orchestrate.pipeline import exports_at
-from verlflow.core.orchestrate.runner import StageResult, open_store
+from verlflow.core.orchestrate.runner import StageResult
+from verlflow.core.store.artifacts import open_store
 from verlflow.core.store.artifacts import ArtifactStore, carries_credentials, stage_key
-from verlflow.core.store.promote import promotion_status
+from verlflow.core.store.promote import export_of, promotion_status
 from verlflow.core.tracking import summary_lines
 
 COLUMNS = ("iteration", "reward_mean", "reward_std", "kl", "entropy", "clipfrac", "grad_norm", "rollout_tok_s",
@@ -48,7 +49,7 @@ def iteration_row(it: int, rollout: StageResult, update: StageResult, checkpoint
             "grad_norm": u.get("grad_norm"), "rollout_tok_s": r.get("tokens_per_s"),
             "update_tok_s": u.get("tokens_per_s"), "rollout_s": _job_s(rollout), "update_s": _job_s(update),
             "checkpoint_s": _job_s(checkpoint) if checkpoint is not None else None,
-            "reused": ",".join(n for n, s in (("rollout", rollout), ("update", update), ("checkpoint", checkpoint))
+            "reused": ",".join(n for n, s in (("rollout", rollout), ("update", update), ("export", checkpoint))
                                if s is not None and s.skipped)}
 
 
@@ -61,8 +62,8 @@ def _policy_line(store: ArtifactStore, bp: Blueprint, run_id: str, done: int) ->
         return f"- No policy exported yet: the first export is at iteration {first} (storage.export_every)"
     line = f"- {promotion_status(store, bp, run_id)}"
     if pointer := store.get_pointer(f"runs/{run_id}/latest"):
-        line += f"; HF folder: {location(store, pointer['checkpoint'] + '/hf')}"
-    if store.read_manifest(stage_key(run_id, exported[-1], "checkpoint")) is None:
+        line += f"; HF folder: {location(store, export_of(pointer) + '/hf')}"
+    if store.read_manifest(stage_key(run_id, exported[-1], "export")) is None:
         line += (f". The export of iteration {exported[-1]} is still committing in the background: the promotion "
                  "gate decides on it when its commit lands")
     return line
@@ -143,7 +144,7 @@ class RunReport:
         self._done[step.stage] = res
         if step.stage == _last_stage(step.bp or self.bp, step.iteration):  # a phased run: its rl phase's
             d = self._done
-            self.iteration_done(iteration_row(step.iteration, d["rollout"], d["update"], d.get("checkpoint")))
+            self.iteration_done(iteration_row(step.iteration, d["rollout"], d["update"], d.get("export")))
 
     def iteration_done(self, row: dict) -> None:
         self.rows.append(row)
@@ -151,7 +152,7 @@ class RunReport:
                       TableArtifact(table=[{c: row.get(c) for c in COLUMNS} for row in self.rows]))
         self._publish("progress", "iterations done",
                       ProgressArtifact(progress=100.0 * len(self.rows) / self.bp.iterations))
-        store = open_store(self.bp)
+        store = open_store(self.bp.storage)
         self._summary(store)
         self._read_history(store, row["iteration"])
         self._eval_artifacts(store)
@@ -161,7 +162,7 @@ class RunReport:
         """After the pipeline returned (every background commit landed, the gate decided on it): the summary again,
         with what the pointers name now."""
         if self.rows:
-            self._summary(open_store(self.bp))
+            self._summary(open_store(self.bp.storage))
 
     def _summary(self, store: ArtifactStore) -> None:
         self._publish("summary", "the promoted policy",
@@ -222,7 +223,7 @@ def _last_stage(bp: Blueprint, iteration) -> str | None:
     if not isinstance(iteration, int) or iteration < 1:
         return None
     if exports_at(bp, iteration):
-        return "checkpoint"
+        return "export"
     return "evaluate" if bp.evaluates_at(iteration) else "update"
 
 

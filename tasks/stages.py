@@ -24,9 +24,10 @@ from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
 from verlflow.core.orchestrate.logsink import LineSink, stage_log_path
 from verlflow.core.orchestrate.pipeline import Step
 from verlflow.core.orchestrate.pool import WarmPools
-from verlflow.core.orchestrate.runner import (SINGLE_PROCESS, RunContext, StageResult, open_store, run_stage,
-                                              stage_status)
+from verlflow.core.orchestrate.runner import RunContext, StageResult, run_stage, stage_status
+from verlflow.core.store.artifacts import open_store
 from verlflow.core.errors import StoreError
+from verlflow.core.stagespec import spec
 from verlflow.core.store.artifacts import ArtifactStore, stage_key
 from verlflow.core.store.promote import export_verdict
 from verlflow.tasks.report import location
@@ -115,16 +116,18 @@ def is_cancel(exc: BaseException, flow_run_id) -> bool:
 @task(name="stage", cache_policy=NO_CACHE, persist_result=False, retries=1, retry_delay_seconds=5,
       retry_condition_fn=retryable)
 def run_stage_task(stage: str, iteration, inputs: dict[str, str], bp: Blueprint, run_id: str,
-                   force: bool = False, pools: WarmPools | None = None) -> "StageResult | State":
-    """`pools`: the flow's warm pools (verlflow.core.orchestrate.pool), for a blueprint with warm workers."""
+                   force: bool = False, pools: WarmPools | None = None,
+                   reads: list | None = None) -> "StageResult | State":
+    """`pools`: the flow's warm pools (verlflow.core.orchestrate.pool), for a blueprint with warm workers;
+    `reads`: the plan's checkpoint reads (RunContext.reads)."""
     log = get_run_logger()
-    ranks = 1 if stage in SINGLE_PROCESS else bp.resources.nproc_per_node
-    store, out = open_store(bp), stage_key(run_id, iteration, stage)
+    ranks = 1 if spec(stage).single_process else bp.resources.nproc_per_node
+    store, out = open_store(bp.storage), stage_key(run_id, iteration, stage)
     # Every line to the stage's log file; a rank's traceback as one ERROR record in the task's logs.
     sink = LineSink(stage_log_path(store, run_id, stage, iteration), log.log)
     try:
         with cancel_requested() as cancel, sink:
-            ctx = RunContext(bp, run_id, on_line=sink, cancel=cancel, pools=pools, store=store)
+            ctx = RunContext(bp, run_id, on_line=sink, cancel=cancel, pools=pools, store=store, reads=reads or [])
             # Slurm and Kubernetes allocate devices themselves; a reused stage needs none; a warm pool's slots are
             # held by its flow (pipeline_slots).
             if bp.resources.backend != "local" or bp.resources.warm_pool or (
@@ -165,7 +168,7 @@ def run_step_as_task(ctx: RunContext, step: Step, force: bool) -> StageResult:
     with its phase's blueprint."""
     ctx = step.context(ctx)
     return stage_task(step.stage, step.iteration, ctx.bp)(step.stage, step.iteration, step.inputs, ctx.bp,
-                                                          ctx.run_id, force, pools=ctx.pools)
+                                                          ctx.run_id, force, pools=ctx.pools, reads=ctx.reads)
 
 
 def stage_task(stage: str, iteration, bp: Blueprint) -> "StageTask":
@@ -207,7 +210,7 @@ def summary_markdown(name: str, res: StageResult, store: ArtifactStore, out: str
     committed = m.get("committed_at") or "in the background (the manifest appears there when the commit lands)"
     out_md += ["", f"- Artifacts: {location(store, out)}, manifest {location(store, out + '/manifest.json')}",
                f"- key `{m.get('key')}`, committed {committed}, world size {m.get('world_size')}"]
-    if m.get("stage") == "checkpoint":
+    if m.get("stage") == "export":
         pointer = location(store, f"pointers/runs/{m['run_id']}/latest.json")
         verdict = ("its commit has not landed yet: the promotion gate decides on it when it lands" if res.pending
                    else export_verdict(store, m["run_id"], m["iteration"]))

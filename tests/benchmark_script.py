@@ -1,10 +1,10 @@
-"""benchmarks/<script> loaded as a module, for the tests that run a benchmark's main() or parser() in-process (each
-benchmark puts the repository and benchmarks/ on sys.path itself)."""
+"""infra/bench/<script> loaded as a module, for the tests that run a benchmark's main() or parser() in-process (each
+benchmark puts the repository and infra/bench/ on sys.path itself)."""
 
 import importlib.util
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "infra" / "bench"
 
 
 def load(script: str):

@@ -19,9 +19,9 @@ def local_bytes(tensors) -> int:
 
 def measure(overrides: list[str]) -> dict:
     bp = load_blueprint(None, overrides)
-    module = M.build_module(bp.model.path, bp, packed=bp.algorithm.use_remove_padding, adapters=True)
-    model, _ = M.wrap_fsdp(module, bp, torch.device("cpu"))
-    opt = make_optimizer(model, bp)
+    module = M.build_module(bp.model.path, bp.model, packed=bp.algorithm.use_remove_padding, adapters=True)
+    model, _ = M.wrap_fsdp(module, bp.fsdp, torch.device("cpu"), bp.algorithm.fused_head)
+    opt = make_optimizer(model, bp.algorithm.optim)
     weights = local_bytes(model.parameters())
     ids = torch.randint(5, 300, (2, 24))
     model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()

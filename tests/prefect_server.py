@@ -156,10 +156,10 @@ def api(server: PrefectServer, path: str, body=None, method: str | None = None):
 
 
 def manifest(bp, run_id: str, iteration, stage: str) -> dict | None:
-    from verlflow.core.orchestrate.runner import open_store
+    from verlflow.core.store.artifacts import open_store
     from verlflow.core.store.artifacts import stage_key
 
-    return open_store(bp).read_manifest(stage_key(run_id, iteration, stage))
+    return open_store(bp.storage).read_manifest(stage_key(run_id, iteration, stage))
 
 
 def wait_state(flow_run_id, done=lambda s: s.is_final(), timeout_s: float = 240.0):

@@ -23,7 +23,7 @@ from kits import built_once
 from tinybp import tiny_blueprint
 
 # The stages whose keys hash storage.uri (validate also the resources): in another store they must be re-keyed.
-STORE_KEYED = ("validate", "checkpoint")
+STORE_KEYED = ("validate", "export")
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,11 @@ def copy_store(bp, dst: Path):
 def rekey(bp, run_id: str) -> None:
     """Re-commit run_id's validate and checkpoint manifests in bp's store under the keys `bp` computes (inputs and
     files unchanged), as if `bp` had run them there: a copied or cloned run is then reused as a rerun reuses it."""
-    from verlflow.core.orchestrate.runner import compute_key, open_store
+    from verlflow.core.orchestrate.runner import compute_key
+    from verlflow.core.store.artifacts import open_store
     from verlflow.core.store.artifacts import MANIFEST
 
-    store = open_store(bp)
+    store = open_store(bp.storage)
     for path in store.ls(f"runs/{run_id}"):
         parts = path.split("/")  # runs/<run>/<iteration>/<stage>/manifest.json
         if len(parts) != 5 or parts[3] not in STORE_KEYED or parts[4] != MANIFEST:
@@ -125,11 +126,11 @@ def promote_clone(bp, run_id: str, iteration: int) -> None:
     """Promote a cloned run's checkpoint as its checkpoint stage would have (the run's and bp.name's `latest`)."""
     from verlflow.core.job import JobSpec
     from verlflow.core.orchestrate.pipeline import plan
-    from verlflow.core.orchestrate.runner import open_store
+    from verlflow.core.store.artifacts import open_store
     from verlflow.core.store.promote import promote
 
-    step = next(s for s in plan(bp, run_id) if s.stage == "checkpoint" and s.iteration == iteration)
-    store = open_store(bp)
-    out = f"runs/{run_id}/{iteration}/checkpoint"
+    step = next(s for s in plan(bp, run_id) if s.stage == "export" and s.iteration == iteration)
+    store = open_store(bp.storage)
+    out = f"runs/{run_id}/{iteration}/export"
     job = JobSpec.model_construct(run_id=run_id, iteration=iteration, output=out, inputs=step.inputs)
     promote(store, bp, job, store.read_manifest(out))

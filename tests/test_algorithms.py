@@ -19,6 +19,8 @@ from verlflow.core.errors import BlueprintError
 from verlflow.core.orchestrate.launcher import LaunchSpec, launch
 from verlflow.core.orchestrate.runner import RunContext, run_stage
 
+pytestmark = pytest.mark.stages
+
 QUIET = dict(on_line=lambda line: None)
 
 
@@ -53,7 +55,7 @@ def test_the_blueprint_lists_every_name_verls_registries_hold():
     assert set(algos.ADV_ESTIMATORS) == estimators and set(ESTIMATORS) == estimators, estimators
     assert set(algos.POLICY_LOSSES) == losses and set(LOSSES) == losses, losses
     assert algos.registry_drift() == []
-    out = subprocess.run([sys.executable, "-m", "verlflow.core.orchestrate.cli", "schema"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "verlflow.flows.cli", "schema"], capture_output=True,
                          text=True, check=True).stdout
     props = json.loads(out)["$defs"]["AlgorithmSpec"]["properties"]
     assert set(props["adv_estimator"]["enum"]) == estimators and set(props["policy_loss"]["enum"]) == losses
@@ -103,6 +105,7 @@ def test_the_update_loss_equals_verls_function_called_directly(loss, fields):
 
     from verlflow.core.ml import ppo
     from verlflow.core.ml.placement import Placement
+    from verlflow.core.stages.update import ppo_spec
 
     bp = Blueprint.model_validate({"algorithm": {"policy_loss": loss, "use_kl_loss": False, **fields},
                                    "resources": {"nproc_per_node": 1}})
@@ -116,7 +119,7 @@ def test_the_update_loss_equals_verls_function_called_directly(loss, fields):
     tensors = {"response_mask": mask, "prompts": torch.zeros(N, 2, dtype=torch.long),
                "responses": torch.zeros(N, R, dtype=torch.long), "prompt_mask": torch.ones(N, 2, dtype=torch.long)}
     data = ppo.PPOBatch(tensors, 1, old, old, adv, adv)
-    upd = ppo._Update(bp, data, Placement(0, 1, "cpu"))
+    upd = ppo._Update(ppo_spec(bp), data, Placement(0, 1, "cpu"))
     info = {"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": N}
     upd.cfg.global_batch_info.update(info)
     torch.manual_seed(1)  # clip_cov draws the tokens it cuts at random (torch's global generator)
@@ -147,14 +150,15 @@ def test_a_critics_training_is_reported_under_verls_names(tiny_kit, tmp_path):
     from verlflow.core.ml import model as M, ppo
     from verlflow.core.ml.optim import make_optimizer
     from verlflow.core.ml.placement import Placement
+    from verlflow.core.stages.update import ppo_spec
 
     bp = tiny_blueprint(tiny_kit, tmp_path, "resources.nproc_per_node=1", "algorithm.adv_estimator=gae",
                         "data.batch_size=2", "rollout.n=4", "algorithm.ppo_mini_batch_size=2",
                         "algorithm.ppo_micro_batch_size_per_gpu=8", "promote.metric=update/vf_explained_var")
     torch.manual_seed(0)
-    policy, critic = (M.build_module(bp.model.path, bp, critic=c) for c in (False, True))
-    models = ppo.Models(ppo.Trainee(policy, make_optimizer(policy, bp)),
-                        ppo.Trainee(critic, make_optimizer(critic, bp, critic=True)))
+    policy, critic = (M.build_module(bp.model.path, bp.model, critic=c) for c in (False, True))
+    models = ppo.Models(ppo.Trainee(policy, make_optimizer(policy, bp.algorithm.optim)),
+                        ppo.Trainee(critic, make_optimizer(critic, bp.algorithm.critic_optim)))
     g = torch.Generator().manual_seed(0)
     N, P, R = 8, 5, 6
     mask = torch.ones(N, R, dtype=torch.long)
@@ -163,10 +167,11 @@ def test_a_critics_training_is_reported_under_verls_names(tiny_kit, tmp_path):
              "responses": torch.randint(3, 60, (N, R), generator=g), "response_mask": mask,
              "scores": torch.rand(N, generator=g), "group": torch.arange(N) // 4}
     at = Placement(0, 1, "cpu")
-    old = ppo.score_all(policy, batch, bp, at)
-    values = ppo.score_all(critic, batch, bp, at, critic=True)
-    data, adv_metrics = ppo.prepare(bp, batch, old, old, values, iteration=1)
-    metrics = {**adv_metrics, **ppo.update_metrics(ppo.train(bp, models, data, at))}
+    spec = ppo_spec(bp)
+    old = ppo.score_all(policy, batch, spec, at)
+    values = ppo.score_all(critic, batch, spec, at, critic=True)
+    data, adv_metrics = ppo.prepare(bp.algorithm, batch, old, old, values, iteration=1)
+    metrics = {**adv_metrics, **ppo.update_metrics(ppo.train(spec, models, data, at))}
 
     m = mask.float()  # one micro-batch: the critic's first forward is `values` again
     info = {"dp_size": 1, "batch_num_tokens": int(m.sum()), "global_batch_size": N}
@@ -205,6 +210,7 @@ def _rollout(bp, run_id: str) -> tuple[dict, dict]:
     return load_batch(__import__("pathlib").Path(folder)), res.manifest["metrics"]
 
 
+@pytest.mark.slow(reason="covered by test_algorithms::test_every_estimator_and_loss_runs_an_update_on_two_ranks")
 def test_dynamic_sampling_keeps_informative_groups_and_fills_the_batch(tiny_kit, tmp_path, half_uniform_reward):
     bp = tiny_blueprint(tiny_kit, tmp_path / "store", "reward.function=" + half_uniform_reward,
                         "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=6",
@@ -230,6 +236,7 @@ def test_dynamic_sampling_keeps_informative_groups_and_fills_the_batch(tiny_kit,
     assert state["data_cursor"] == m["prompts_consumed"]
 
 
+@pytest.mark.slow(reason="covered by test_algorithms::test_every_estimator_and_loss_runs_an_update_on_two_ranks")
 def test_dynamic_sampling_fills_with_uniform_groups_when_rounds_run_out(tiny_kit, tmp_path, half_uniform_reward):
     bp = tiny_blueprint(tiny_kit, tmp_path / "store", "reward.function=" + half_uniform_reward,
                         "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=1",
@@ -240,6 +247,7 @@ def test_dynamic_sampling_fills_with_uniform_groups_when_rounds_run_out(tiny_kit
     assert uniform == m["filter_groups/filled_with_uniform"] == m["filter_groups/uniform_groups"] >= 1, m
 
 
+@pytest.mark.slow(reason="covered by test_algorithms::test_every_estimator_and_loss_runs_an_update_on_two_ranks")
 def test_remax_rollout_samples_a_greedy_baseline_and_the_update_subtracts_it(tiny_kit, tmp_path):
     bp = tiny_blueprint(tiny_kit, tmp_path / "store", "algorithm.adv_estimator=remax")  # 2 ranks share the greedy pass
     batch, m = _rollout(bp, "remax")
@@ -250,7 +258,7 @@ def test_remax_rollout_samples_a_greedy_baseline_and_the_update_subtracts_it(tin
     from verlflow.core.ml import ppo
 
     zeros = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
-    adv, _, _ = ppo.advantages(bp, batch, zeros, zeros)
+    adv, _, _ = ppo.advantages(bp.algorithm, batch, zeros, zeros)
     last = batch["response_mask"].sum(1) - 1
     first = adv[:, 0]  # outcome reward: every token's return is the score
     assert torch.allclose(first, batch["scores"] - base, atol=1e-6), (first, batch["scores"] - base)
@@ -261,6 +269,7 @@ def test_remax_rollout_samples_a_greedy_baseline_and_the_update_subtracts_it(tin
     assert res.manifest["metrics"]["grad_norm"] > 0
 
 
+@pytest.mark.slow(reason="covered by test_algorithms::test_every_estimator_and_loss_runs_an_update_on_two_ranks")
 def test_cosine_schedule_follows_verl_across_a_rerun_at_another_world_size(reference, tmp_path):
     """update[1] at 2 ranks, then update[2] from it at 1 rank: every optimizer step's lr is verl's cosine schedule
     (warm-up 1 step, floor 0.1) at that step of the run, read from the checkpoint's step count."""
@@ -290,6 +299,7 @@ def test_cosine_schedule_follows_verl_across_a_rerun_at_another_world_size(refer
 
 
 @pytest.mark.parametrize("name", ["tiny-dapo", "tiny-gspo"])
+@pytest.mark.slow(reason="covered by test_algorithms::test_every_estimator_and_loss_runs_an_update_on_two_ranks")
 def test_the_recipe_blueprints_run_on_the_tiny_kit(tiny_kit, tmp_path, name):
     """blueprints/tiny-dapo.yaml and tiny-gspo.yaml, one iteration on the kit (no eval: its speed is not the point)."""
     from pathlib import Path
@@ -366,6 +376,7 @@ def reward_parts(tiny_kit, tmp_path, monkeypatch):
     return rm_dir, calls
 
 
+@pytest.mark.slow(reason="covered by test_algorithms::test_every_estimator_and_loss_runs_an_update_on_two_ranks")
 def test_a_reward_model_adds_to_a_batched_rule_reward_deterministically(tiny_kit, tmp_path, reward_parts):
     """reward.model (a random-init sequence classifier) + 0.5 x ... : each sample's score is the batched rule reward
     plus half the model's score of that prompt + response read alone (no padding), and a second run scores the same."""
@@ -404,7 +415,7 @@ def test_bad_reward_model_and_weights_are_refused_naming_the_field(tiny_kit, tmp
     (tmp_path / "notrm").mkdir()
     (tmp_path / "notrm/config.json").write_text('{"architectures": ["Qwen2ForCausalLM"]}')
     bp = tiny_blueprint(tiny_kit, tmp_path / "store", f"reward.model.path={tmp_path / 'notrm'}")
-    from verlflow.core.blueprint import missing_inputs
+    from verlflow.core.checks.inputs import missing_inputs
 
     problems = " ".join(missing_inputs(bp))
     assert "reward.model.path" in problems and "Qwen2ForCausalLM with 2 labels" in problems, problems

@@ -8,13 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+pytestmark = pytest.mark.stages
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow(reason="covered by test_benchmarks::test_e2e_benchmark_smoke")
 def test_update_benchmark_smoke_two_ranks(tmp_path):
     """torchrun, 2 ranks (gloo): the baseline and the packed/deferred-sync paths of verlflow.core.ml.ppo on a ragged batch, and LoRA."""
     out = tmp_path / "u.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "benchmarks/update.py"),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "infra/bench/update.py"),
            "--smoke", "--configs", "baseline,packed_no_ac,best_defer,fused_32k_keep,lora", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -29,15 +32,15 @@ def test_update_benchmark_smoke_two_ranks(tmp_path):
         assert r["samples"] == 8 * 2 * 1, r  # --smoke: 8 samples per GPU, 2 ranks, 1 timed step
 
 
-@pytest.mark.slow  # 5 min on 2 cores; the e2e smoke below runs the same warm-pool path through the pipeline
+@pytest.mark.slow(reason="covered by test_benchmarks::test_e2e_benchmark_smoke (the same warm-pool path)")
 def test_boundaries_benchmark_smoke(tmp_path):
     out = tmp_path / "b.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/boundaries.py"), "--smoke", "--json", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "infra/bench/boundaries.py"), "--smoke", "--json", str(out)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ("| measure | one process (baseline) | warm pool (ours, async commits) | ratio | warm pool, commits inline "
             "| fresh stage jobs |") in proc.stdout
-    assert "| iteration 2: rollout + update + checkpoint |" in proc.stdout
+    assert "| iteration 2: rollout + update + export |" in proc.stdout
     res = json.loads(out.read_text())
     assert res["steady_iteration"] == 2 and res["monolithic_work_s"] > 0
     assert 0 < res["warm_staged_s"] < res["staged_s"]  # no spawn and imports per stage
@@ -45,7 +48,7 @@ def test_boundaries_benchmark_smoke(tmp_path):
     assert res["warm_mode"] == "async" and res["warm_tail_s"] >= 0  # the last background commits, after the stages
     assert res["warm_ratio_vs_work"] == pytest.approx(res["warm_staged_s"] / res["monolithic_work_s"], rel=0.01)
     st, warm = res["stages"], res["warm_stages"]
-    for s in ("rollout", "update", "checkpoint"):
+    for s in ("rollout", "update", "export"):
         assert st[s]["launch_to_worker_s"] > 0 and st[s]["wall_s"] >= st[s]["stage_s"]
         assert warm[s]["launch_to_worker_s"] < st[s]["launch_to_worker_s"]
     assert {"save_s", "export_s", "rollout_s", "update_s"} <= set(st["monolithic"])
@@ -57,7 +60,7 @@ def test_dcp_benchmark_smoke(tmp_path):
     """Today's DCP path and ours, inline and background, saved and loaded in two folders; every load checked."""
     out = tmp_path / "d.json"
     dirs = [tmp_path / "disk", tmp_path / "other"]
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/dcp.py"), "--smoke", "--threads", "3", "--json",
+    proc = subprocess.run([sys.executable, str(ROOT / "infra/bench/dcp.py"), "--smoke", "--threads", "3", "--json",
                            str(out), "--dirs", ",".join(map(str, dirs))], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -80,12 +83,12 @@ def test_dcp_benchmark_smoke(tmp_path):
 
 
 def test_e2e_benchmark_smoke(tmp_path):
-    """benchmarks/e2e.py on CPU: two configs through the real pipeline (warm pool), one report whose numbers agree
+    """infra/bench/e2e.py on CPU: two configs through the real pipeline (warm pool), one report whose numbers agree
     with the committed artifacts and with each other."""
     from safetensors.torch import load_file
 
     out, store = tmp_path / "e.json", tmp_path / "store"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/e2e.py"), "--smoke", "--root", str(tmp_path),
+    proc = subprocess.run([sys.executable, str(ROOT / "infra/bench/e2e.py"), "--smoke", "--root", str(tmp_path),
                            "--store", str(store), "--keep", "--json", str(out)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -104,7 +107,7 @@ def test_e2e_benchmark_smoke(tmp_path):
             assert it["samples"] == c["samples_per_iteration"] == 8
             assert it["tokens"] == it["prompt_tokens"] + it["response_tokens"]
             assert it["tok_per_s_per_gpu"] == pytest.approx(it["tokens"] / it["wall_s"] / c["gpus"], rel=0.01)
-            stage_sum = sum(it["stages"][s]["wall_s"] for s in ("rollout", "update", "checkpoint"))
+            stage_sum = sum(it["stages"][s]["wall_s"] for s in ("rollout", "update", "export"))
             assert stage_sum <= it["wall_s"] + it["pool_start_s"] + 0.05  # the stages run inside the iteration
             assert {"ref_s", "old_logp_s", "train_s", "save_s"} <= set(it["stages"]["update"])
             assert {"generate_s", "engine_setup_s"} <= set(it["stages"]["rollout"])
@@ -130,13 +133,13 @@ def test_e2e_benchmark_smoke(tmp_path):
 
 
 def _gpu_call(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(ROOT / "benchmarks/gpu_call.sh"), *args], capture_output=True, text=True,
+    return subprocess.run(["bash", str(ROOT / "infra/bench/gpu_call.sh"), *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=60)
 
 
 @pytest.mark.parametrize("plan", ["next", "attention", "families", "big", "e2e", "tests"])
 def test_gpu_call_commands_are_accepted_by_their_benchmarks(plan):
-    """Every command a device call of benchmarks/gpu_call.sh would run is one its benchmark's argument parser accepts
+    """Every command a device call of infra/bench/gpu_call.sh would run is one its benchmark's argument parser accepts
     (shapes, variant names, JSON options, config names): a flag renamed here must not cost a GPU call, which cannot
     be rerun in the same session."""
     import contextlib
@@ -188,7 +191,7 @@ def test_gpu_call_tests_plan_runs_every_triton_kernel_test():
     import shlex
 
     every = _collected("tests/test_triton_kernels.py")
-    assert len(every) >= 8
+    assert len(every) >= 7
     selected = []
     for line in _gpu_call("--print", "tests").stdout.splitlines():
         cmd = shlex.split(line)

@@ -12,10 +12,12 @@ from verlflow.core.blueprint import (
     Blueprint,
     json_schema,
     load_blueprint,
-    missing_inputs,
     parse_override,
 )
+from verlflow.core.checks.inputs import missing_inputs
 from verlflow.core.errors import BlueprintError
+
+pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[1]
 GPU = REPO / "blueprints/gpu-qwen2.5-1.5b.yaml"
@@ -46,9 +48,9 @@ def test_gpu_blueprint_passes_schema_validation():
     assert (bp.resources.device, bp.resources.nproc_per_node, bp.resources.world_size) == ("cuda", 8, 8)
     assert bp.resources.dist_backend == "cpu:gloo,cuda:nccl"  # CPU-tensor collectives (metrics) need gloo
     assert bp.fsdp.mixed_precision == "bf16" and bp.fsdp.version == 2
-    # the fast settings benchmarks/RESULTS.md measured: packed micro-batches, fused head, compile, layer weights
+    # the fast settings infra/bench/RESULTS.md measured: packed micro-batches, fused head, compile, layer weights
     # kept from forward to backward; the token budget, activation checkpointing and the rollout's rows are the
-    # memory plan's to choose per card (core/orchestrate/memplan.py)
+    # memory plan's to choose per card (core/checks/memplan.py)
     assert bp.algorithm.use_remove_padding and bp.algorithm.ppo_max_token_len_per_gpu == "auto"
     assert bp.algorithm.use_fused_kernels and bp.algorithm.fused_kernels_backend == "triton"
     assert not bp.fsdp.reshard_after_forward
@@ -125,7 +127,7 @@ def test_a_store_uri_must_name_one_place(tmp_path, capsys, uri, what):
     """A file:// or s3:// storage.uri is the literal prefix of every key: one with '..' (or '.', '//') is refused at
     load, naming storage.uri and the line, and the CLI touches no store (before: validated, then used as
     s3://bucket/team-a/../../team-b/_probe/...)."""
-    from verlflow.core.orchestrate.cli import main
+    from verlflow.flows.cli import main
 
     f = write(tmp_path / "bp.yaml", f"name: x\nstorage:\n  uri: {uri}\n")
     assert f"{f}:3: storage.uri: " in error_of(f) and what in error_of(f)

@@ -9,10 +9,13 @@ import threading
 import time
 
 import psutil
+import pytest
 from prefect_server import api, write_blueprint
 from test_hangs import _pool_ranks, cpu_hog  # noqa: F401 - cpu_hog is a fixture
 from test_ui import OUT, _cdp, _chromium, browser, js  # noqa: F401 - _chromium: autouse fixture
 from tinybp import ONE_RANK, tiny_blueprint
+
+pytestmark = pytest.mark.system
 
 # Loose bounds (the README gives the measured times, 0.6-3 s): they catch a job left to a grace period again and a run
 # left Cancelling until its runner saw the flow process exit (10.5-17 s).

@@ -4,7 +4,7 @@ Every case asserts: exit code != 0; exactly one `verlflow ...: error:` paragraph
 or file and says what is allowed or how to fix it; no Python traceback; nothing on stdout; and nothing written
 to the artifact store (storage.uri points at a folder under tmp_path that must not exist afterwards).
 
-Most cases call `verlflow.core.orchestrate.cli.main()` in-process (fast); the ones marked `sub=True` run the installed console
+Most cases call `verlflow.flows.cli.main()` in-process (fast); the ones marked `sub=True` run the installed console
 script as a subprocess, as a user would.
 """
 
@@ -27,9 +27,11 @@ from safetensors.numpy import save_file
 
 from verlflow.core.blueprint import ADV_ESTIMATORS
 from verlflow.core.ml import rewards
-from verlflow.core.orchestrate.cli import main, parser
+from verlflow.flows.cli import main, parser
 from s3server import FAKE_SECRET
 from tinybp import prompt_rows
+
+pytestmark = pytest.mark.system
 
 REPO = Path(__file__).resolve().parents[1]
 VERLFLOW = str(Path(sys.executable).with_name("verlflow"))
@@ -485,7 +487,7 @@ def test_s3_without_credentials(s3_bucket, case_dir: Path, capsys, monkeypatch):
 
 def test_validate_blueprint_stays_cheap(tiny_kit):
     """Checking files, datasets and the reward imports neither torch nor verl (seconds each)."""
-    code = ("import sys; from verlflow.core.orchestrate.cli import main; "
+    code = ("import sys; from verlflow.flows.cli import main; "
             f"rc = main(['validate-blueprint', {str(REPO / 'blueprints/gpu-qwen2.5-1.5b.yaml')!r}, "
             f"'model.path={tiny_kit['model_dir']}', 'data.train_files=[{tiny_kit['train_file']}]']); "
             "print(rc, sorted(m for m in ('torch', 'verl', 'transformers', 'prefect') if m in sys.modules))")
@@ -494,7 +496,7 @@ def test_validate_blueprint_stays_cheap(tiny_kit):
 
 
 def test_ls_lists_runs_and_stage_states(tmp_path, capsys):
-    from verlflow.core.orchestrate.cli import main
+    from verlflow.flows.cli import main
     from verlflow.core.store.artifacts import ArtifactStore
 
     store = ArtifactStore(tmp_path / "s")
@@ -516,7 +518,7 @@ def test_ls_lists_runs_and_stage_states(tmp_path, capsys):
 def test_a_run_id_of_the_longest_allowed_length_makes_stage_keys():
     from verlflow.core.store.artifacts import RUN_ID_MAX, stage_key
 
-    assert stage_key("r" * RUN_ID_MAX, 1, "checkpoint").startswith("runs/rrr")
+    assert stage_key("r" * RUN_ID_MAX, 1, "export").startswith("runs/rrr")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -719,14 +721,14 @@ def test_ls_is_a_table_of_the_blueprints_runs(reference, tmp_path):
     from reference import clone_stages
     from tinybp import tiny_overrides
     from verlflow.core.orchestrate.pipeline import plan, record_plan
-    from verlflow.core.orchestrate.runner import open_store
+    from verlflow.core.store.artifacts import open_store
     from verlflow.core.store.lease import run_lease
 
     bp, root = reference.copy(tmp_path)
-    store = open_store(bp)
+    store = open_store(bp.storage)
     stopped = "eq-stopped-after-its-first-iteration-by-a-kill"  # longer than its column: folds, whole
     clone_stages(store, "eq", stopped, [("init", "validate"), ("init", "build"), (1, "rollout"), (1, "update"),
-                                        (1, "checkpoint")])
+                                        (1, "export")])
     record_plan(store, bp, stopped, plan(bp, stopped))
     other = bp.model_copy(update={"name": "someone-else"})
     clone_stages(store, "eq", "theirs", [("init", "validate")])

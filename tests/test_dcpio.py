@@ -9,6 +9,8 @@ import torch
 
 from verlflow.core.orchestrate.launcher import LaunchSpec, launch
 
+pytestmark = pytest.mark.stages
+
 QUIET = dict(on_line=lambda line: None)
 
 
@@ -72,6 +74,8 @@ def small_fs(tmp_path):
         yield mnt
 
 
+@pytest.mark.slow(
+    reason="covered by test_pool::test_a_full_store_during_a_background_commit_says_so_and_leaves_no_partial_stage")
 def test_a_writer_thread_that_fails_fails_the_save(tmp_path, small_fs):
     """With 3 writer threads per rank on a filesystem that fills up midway, the save raises (as no space left),
     writes no metadata, and through the committer the background commit says so."""

@@ -4,6 +4,10 @@ when it stays off (that import is ~2 s of every stage rank's start)."""
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 PROBE = """
 import sys, torch
 from verlflow.core.stages.common import _set_deterministic

@@ -7,6 +7,8 @@ import pytest
 
 from verlflow.core.orchestrate.devices import claim
 
+pytestmark = pytest.mark.unit
+
 
 def test_two_jobs_get_disjoint_devices_and_the_second_waits(tmp_path):
     first_in, release, seen = threading.Event(), threading.Event(), {}

@@ -13,9 +13,12 @@ import pytest
 import torch
 
 from verlflow.core.errors import InputError
-from verlflow.core.ml import dpo, ppo
+from verlflow.core.ml import dpo
+from verlflow.core.ml.forward import Rows, forward, sequences
 from verlflow.core.ml.model import load_tokenizer
 from verlflow.core.testing.tinykit import CHAT_TEMPLATE
+
+pytestmark = pytest.mark.unit
 
 FIELD = "phases[0].data.train_files"
 LEN_FIELD = "phases[0].data.max_length"
@@ -76,8 +79,8 @@ def test_batch_layout_chosen_then_rejected(tok, tmp_path):
         assert torch.equal(b["prompts"][i], b["prompts"][M + i])  # the pair's two rows share the prompt
     # widths are the longest prompt / reply: no wasted padding column
     assert b["prompt_mask"][:, 0].any() and b["response_mask"][:, -1].any()
-    # the layout the RL forward reads: ppo.sequences lines the response tokens up after the prompt
-    seq = ppo.sequences(b)
+    # the layout the RL forward reads: sequences lines the response tokens up after the prompt
+    seq = sequences(b)
     assert torch.equal(seq["input_ids"][:, b["prompts"].shape[1]:], b["responses"])
 
 
@@ -212,13 +215,13 @@ def test_tiny_policy_learns_a_preference(tiny_kit, tok, tmp_path):
     batch = dpo.encode_pairs(tok, dpo.load_preferences([path], FIELD), 64, LEN_FIELD)
     policy = AutoModelForCausalLM.from_pretrained(tiny_kit["model_dir"])
     reference = copy.deepcopy(policy).eval().requires_grad_(False)
-    rows, idx = ppo.Rows.of(batch), list(range(len(batch["responses"])))
+    rows, idx = Rows.of(batch), list(range(len(batch["responses"])))
     replies = [tok.decode(real(r, m), skip_special_tokens=True)
                for r, m in zip(batch["responses"], batch["response_mask"])]
     assert replies[:len(digits)] == [str(d) * 2 for d in digits]  # the rows whose log-probs should rise
 
     def logps(model):
-        return dpo.sequence_logps(ppo._forward(model, rows, idx, torch.device("cpu"), 1.0)[0], batch["response_mask"])
+        return dpo.sequence_logps(forward(model, rows, idx, torch.device("cpu"))[0], batch["response_mask"])
 
     with torch.no_grad():
         ref_logps = logps(reference)

@@ -14,8 +14,10 @@ from tinybp import tiny_blueprint, tiny_overrides
 
 from verlflow.core.blueprint import load_blueprint
 from verlflow.core.ml.evaluate import pass_at_k
-from verlflow.core.orchestrate.cli import main
+from verlflow.flows.cli import main
 from verlflow.core.orchestrate.pipeline import run_pipeline
+
+pytestmark = pytest.mark.stages
 
 METRICS = ("reward_mean", "accuracy", "pass@1", "pass@4", "response_len_mean", "samples")
 SOURCES = ("tiny_digits", "other_digits")
@@ -112,7 +114,7 @@ def test_the_held_out_split_improves_and_the_evaluation_shows_it(evaluated):
     # the warm pool's update, still in memory, is what evaluate[3] generated from (no checkpoint read back)
     assert mid["warm_cache_hits"] == ["infer", "policy"]
     # the export of the evaluated iteration names its evaluation among its inputs (promotion may read it)
-    assert res["checkpoint[6]"].manifest["inputs"]["evaluate"]["stage"] == "runs/ev/6/evaluate"
+    assert res["export[6]"].manifest["inputs"]["evaluate"]["stage"] == "runs/ev/6/evaluate"
     report = json.loads((root / "runs/ev/init/validate/report.json").read_text())
     row = next(r for r in report[0] if r["check"] == "eval_inputs")
     assert row["ok"] and "tiny_digits (16), other_digits (16)" in row["detail"], row
@@ -138,14 +140,14 @@ def test_a_rerun_reuses_every_evaluation_and_from_reruns_one(evaluated, tiny_kit
     assert main([*argv, "--from", "evaluate[6]"]) == 0
     out = capsys.readouterr().out
     ran = [line.split()[1] for line in out.splitlines() if line.startswith("[verlflow] ") and " -> " in line]
-    assert ran == ["evaluate[6]", "checkpoint[6]"], out
+    assert ran == ["evaluate[6]", "export[6]"], out
     # the same seeds and weights: the same samples (the policy read back from its checkpoint this time)
     new, old = load_manifest(root, "runs/ev/6/evaluate")["metrics"], res["evaluate[6]"].manifest["metrics"]
     assert "warm_cache_hits" not in new and {k: v for k, v in old.items() if k != "warm_cache_hits"} == new
     assert main(["ls", *argv[2:], "--run", "ev"]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
     assert listed[:4] == ["validate[init]", "build[init]", "evaluate[0]", "rollout[1]"], listed
-    assert listed[-4:] == ["rollout[6]", "update[6]", "evaluate[6]", "checkpoint[6]"], listed
+    assert listed[-4:] == ["rollout[6]", "update[6]", "evaluate[6]", "export[6]"], listed
 
 
 def load_manifest(root, key: str) -> dict:
@@ -155,7 +157,7 @@ def load_manifest(root, key: str) -> dict:
 def test_an_evaluation_keeps_its_key_when_only_the_rollout_sampling_changes(evaluated, tmp_path):
     """evaluate[0] reads the build alone: a changed rollout.temperature reruns training, not that evaluation."""
     from verlflow.core.orchestrate.pipeline import plan, steps_that_run
-    from verlflow.core.orchestrate.runner import open_store
+    from verlflow.core.store.artifacts import open_store
 
     bp, _, _ = evaluated
     bp, _ = copy_store(bp, tmp_path)
@@ -163,13 +165,13 @@ def test_an_evaluation_keeps_its_key_when_only_the_rollout_sampling_changes(eval
     hot = bp.model_copy(deep=True)
     hot.rollout.temperature = 0.7
     steps = plan(hot, "ev")
-    runs = steps_that_run(open_store(hot), hot, "ev", steps, [False] * len(steps))
+    runs = steps_that_run(open_store(hot.storage), hot, "ev", steps, [False] * len(steps))
     assert {s.name: r for s, r in zip(steps, runs)}["evaluate[0]"] is False
     assert {s.name: r for s, r in zip(steps, runs)}["rollout[1]"] is True
     later = bp.model_copy(deep=True)
     later.eval.every = 2  # another cadence: the evaluations that exist again keep their keys
     steps = plan(later, "ev")
-    runs = steps_that_run(open_store(later), later, "ev", steps, [False] * len(steps))
+    runs = steps_that_run(open_store(later.storage), later, "ev", steps, [False] * len(steps))
     assert {s.name: r for s, r in zip(steps, runs) if s.stage == "evaluate"} == {
         "evaluate[0]": False, "evaluate[2]": True, "evaluate[4]": True, "evaluate[6]": False}
 

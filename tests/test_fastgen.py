@@ -1,10 +1,13 @@
 """verlflow.core.ml.fastgen (rollout.engine=static) on CPU, fp32: greedy decoding identical to HF generate, sampling
 that matches HF's warpers (directly and in distribution), EOS, top_k, the rollout dispatch, and the
-benchmark's smoke run (so benchmarks/rollout.py cannot rot)."""
+benchmark's smoke run (so infra/bench/rollout.py cannot rot)."""
 
 import io
 import os
 from contextlib import redirect_stdout
+import pytest
+
+pytestmark = pytest.mark.stages
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -221,7 +224,7 @@ def test_compiled_advance_updates_the_decode_state_as_eager_does():
     """The step's bookkeeping (emit the tokens and log-probs of the live rows, advance their column, position and
     slot, finish rows at an EOS or their budget) runs compiled on CUDA; it mutates the engine's state in place.
     Compiled by inductor (here for the CPU), every state tensor equals eager's after every step."""
-    from verlflow.core.ml.fastgen.engine import _advance_rows
+    from verlflow.core.ml.fastgen.state import _advance_rows
 
     compiled = torch.compile(_advance_rows, fullgraph=True)
     B, N = 6, 5
@@ -292,7 +295,7 @@ def test_inductor_options_from_the_environment_reach_the_compiled_functions(mode
 
 ENGINE_ENV = ("VERLFLOW_FASTGEN_GRAPHS", "VERLFLOW_FASTGEN_COMPILE", "VERLFLOW_FASTGEN_NUCLEUS",
               "VERLFLOW_FASTGEN_BUCKET_COMPILE", "VERLFLOW_FASTGEN_INDUCTOR", "VERLFLOW_FASTGEN_FP8_GEMM",
-              "VERLFLOW_FASTGEN_FP8_FAST_ACCUM", "VERLFLOW_FASTGEN_FP8_ACT", "TRITON_INTERPRET")
+              "VERLFLOW_FASTGEN_FP8_FAST_ACCUM", "TRITON_INTERPRET")
 
 
 def test_engine_options_decide_every_switch_for_the_device(monkeypatch):
@@ -331,7 +334,7 @@ def test_engine_options_decide_every_switch_for_the_device(monkeypatch):
                          (dict(sampler="numpy"), "sampler must be one of"), (dict(nucleus="3"), "nucleus must be"),
                          (dict(prefill_tokens=0), "prefill_tokens must be at least 1"),
                          (dict(attn="triton", have_triton=False), "'triton' needs Triton"),
-                         (dict(fp8=Fp8Choices(act="cuda")), "fp8 act must be")):
+                         (dict(fp8=Fp8Choices(gemm="cutlass")), "fp8 gemm must be")):
         with pytest.raises(ValueError, match=field):
             on(False, **asked)
     with pytest.raises(ValueError, match="attn='sdpa' cannot apply attn_logit_softcapping=50.0"):
@@ -342,7 +345,7 @@ def test_engine_options_decide_every_switch_for_the_device(monkeypatch):
 
 
 def test_static_bucket_compile_compiles_the_decode_step_once_per_bucket(models):
-    """bucket_compile="static" (the A/B against one dynamic compile: benchmarks/rollout.py --ab-static-buckets)
+    """bucket_compile="static" (the A/B against one dynamic compile: infra/bench/rollout.py --ab-static-buckets)
     gives every cache bucket a graph of its own, with its length a constant, and the same tokens as eager. The
     engine has two rows: the set-up's refill compile indexed a third row before."""
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
@@ -368,7 +371,7 @@ def test_static_bucket_compile_compiles_the_decode_step_once_per_bucket(models):
 
 
 def test_set_up_with_grad_enabled_compiles_what_generation_runs(models):
-    """prepare() called by a caller with grad on (benchmarks/ragged.py did) compiles the graphs generation uses:
+    """prepare() called by a caller with grad on (infra/bench/ragged.py did) compiles the graphs generation uses:
     dynamo guards on grad mode, and generation runs without grad, so a set-up with grad compiled every prefill,
     sampler and logits function a second time in the first generation (3 compiles, 3 s on the H200)."""
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
@@ -548,20 +551,14 @@ def test_generate_share_dispatches_on_engine(monkeypatch):
     monkeypatch.setattr(verlflow.core.ml.rollout, "encode_prompts", lambda *a, **k: [])
     monkeypatch.setattr(verlflow.core.ml.rollout, "_scores", lambda *a, **k: [])
 
-    class BP:
-        class rollout:
-            n, engine = 1, "static"
+    class rollout:
+        n, engine, micro_batch_size = 1, "static", 1
 
-        class data:
-            max_prompt_length = 8
+    class reward:
+        function, module = "x", None
 
-        class reward:
-            function, module = "x", None
-
-            class overlong_buffer:
-                enable = False
-
-        seed = 0
+        class overlong_buffer:
+            enable = False
 
     class Prompts:
         messages = []
@@ -571,14 +568,14 @@ def test_generate_share_dispatches_on_engine(monkeypatch):
             return 0
 
     at = Placement(0, 1, None)
-    verlflow.core.ml.rollout.generate_share(None, None, BP, Prompts(), 0, at)
-    BP.rollout.engine = "hf"
-    verlflow.core.ml.rollout.generate_share(None, None, BP, Prompts(), 0, at)
+    verlflow.core.ml.rollout.generate_share(None, None, rollout, reward, Prompts(), 0, at, max_prompt_len=8, seed=0)
+    rollout.engine = "hf"
+    verlflow.core.ml.rollout.generate_share(None, None, rollout, reward, Prompts(), 0, at, max_prompt_len=8, seed=0)
     assert called == ["static", "hf"]
 
 
 def smoke(script: str, *extra: str) -> tuple[dict, str]:
-    """benchmarks/<script> --smoke [extra]: (its result, what it printed)."""
+    """infra/bench/<script> --smoke [extra]: (its result, what it printed)."""
     mod = benchmark_script.load(script)
     buf = io.StringIO()
     with redirect_stdout(buf):
@@ -663,7 +660,7 @@ def test_benchmark_smoke_prints_the_table():
 
 
 def test_ragged_benchmark_smoke_same_tokens_fewer_steps():
-    """benchmarks/ragged.py on CPU: both modes honour the same budgets (same tokens); continuous batching needs
+    """infra/bench/ragged.py on CPU: both modes honour the same budgets (same tokens); continuous batching needs
     fewer decode steps for them (rows refilled instead of idling until a micro-batch's longest row ends)."""
     res, out = smoke("ragged.py")
     assert ("| mode | tokens | seconds | tok/s | steps | row occupancy | GPU busy % | compiles (s) | "
@@ -685,29 +682,31 @@ def test_rollout_logprobs_equal_the_updates_recomputed_ones(tiny_kit, tmp_path, 
     from verlflow.core.ml import model as M, ppo
     from verlflow.core.ml.data import load_prompts
     from verlflow.core.ml.rollout import generate_share, load_batch, save_batch
+    from verlflow.core.stages.update import ppo_spec
 
     bp = tiny_blueprint(tiny_kit, tmp_path, rollout__engine=engine, rollout__temperature=0.7, rollout__n=2,
                         rollout__max_new_tokens=24, rollout__micro_batch_size=3, resources__nproc_per_node=1)
     tok = AutoTokenizer.from_pretrained(tiny_kit["model_dir"])
-    model = M.build_module(tiny_kit["model_dir"], bp).eval()
+    model = M.build_module(tiny_kit["model_dir"], bp.model).eval()
     with torch.no_grad():  # a random model rarely says EOS: make it likelier, so responses are ragged
         model.lm_head.weight[tok.eos_token_id] *= 6
     # A model's own sampling settings (Qwen2.5-Instruct ships some) do not apply: the rollout section says it all.
     model.generation_config.repetition_penalty, model.generation_config.top_k = 1.3, 5
     data = load_prompts(bp.data.train_files, bp.data.prompt_key)
     at = Placement(0, 1, torch.device("cpu"))
-    samples = generate_share(model, tok, bp, data.take(list(range(bp.data.batch_size))), 1, at)
+    samples = generate_share(model, tok, bp.rollout, bp.reward, data.take(list(range(bp.data.batch_size))), 1, at,
+                             max_prompt_len=bp.data.max_prompt_length, seed=bp.seed)
     save_batch(samples, tmp_path, tok.pad_token_id, bp.rollout.max_new_tokens)
     batch = load_batch(tmp_path)
     mask = batch["response_mask"].bool()
     assert 0 < mask.sum(1).min() < mask.shape[1]  # ragged: some responses ended at EOS
-    want = ppo.score_all(model, batch, bp, at)
+    want = ppo.score_all(model, batch, ppo_spec(bp), at)
     got = batch["rollout_logp"]
     assert got.dtype == torch.float32 and (got[~mask] == 0).all()
     torch.testing.assert_close(got[mask], want[mask], atol=2e-5, rtol=1e-5)
     rollout_bp = tiny_blueprint(tiny_kit, tmp_path, algorithm__old_logprobs="rollout", resources__nproc_per_node=1)
-    assert torch.equal(ppo.old_logprobs(model, batch, rollout_bp, at), got)
-    assert torch.equal(ppo.old_logprobs(model, batch, bp, at), want)  # recompute, the default
+    assert torch.equal(ppo.old_logprobs(model, batch, ppo_spec(rollout_bp), at), got)
+    assert torch.equal(ppo.old_logprobs(model, batch, ppo_spec(bp), at), want)  # recompute, the default
 
 
 @pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()),

@@ -58,7 +58,7 @@ FAMILY_OF = {case: case.split("-")[0] for case in CASES}
 _MODELS: dict = {}
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
 
 def build(case: str, **fields):
@@ -307,13 +307,13 @@ def test_cuda_continuous_batching_refills_rows_inside_the_captured_step(attn):
 
 
 def test_every_benchmark_shape_is_served_at_its_real_size():
-    """benchmarks/rollout.py's shapes are the public models' configs (Llama-3.2-1B, Mistral-7B, Phi-3-mini,
+    """infra/bench/rollout.py's shapes are the public models' configs (Llama-3.2-1B, Mistral-7B, Phi-3-mini,
     Gemma-2-2B, Gemma-3-1B, OLMo-2-1B, Qwen2.5, Qwen3): each builds on the meta device with its parameter count, and
     the engine's adapter serves it (no refusal) with the family's features read (soft-caps, windows, rotary tables)."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "rollout.py"
+    path = Path(__file__).resolve().parents[1] / "infra" / "bench" / "rollout.py"
     spec = importlib.util.spec_from_file_location("bench_rollout_shapes", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

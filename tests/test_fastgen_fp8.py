@@ -135,7 +135,7 @@ def assert_recorded_logprobs_are(eng, want, live):
     torch.testing.assert_close(eng.last_logprobs[live], want[live], rtol=1e-4, atol=2e-5)
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.stages, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.mark.parametrize("case,gemm", [("qwen3", "unit"), ("phi3", "unit"), ("gemma2", "unit"), ("olmo2", "unit"),
@@ -323,9 +323,6 @@ def test_fast_accumulation_is_an_fp8_switch(monkeypatch):
     assert not FastGen(model, 2, 8, 4).w.spec.fp8_unit  # no fp8 projections to scale
     with pytest.raises(ValueError, match="fp8 gemm must be"):
         FastGen(model, 2, 8, 4, EngineOptions(weights="fp8", fp8=Fp8Choices(gemm="cutlass")))
-    monkeypatch.setenv("VERLFLOW_FASTGEN_FP8_ACT", "cuda")
-    with pytest.raises(ValueError, match="fp8 act must be"):
-        FastGen(model, 2, 8, 4, EngineOptions(weights="fp8"))
 
 
 # ------------------------------------------------------------------------------------ the rollout correction
@@ -352,10 +349,11 @@ def _loss(bp, batch, old, logp):
     """The update's policy loss of the whole batch (one micro-batch, one rank) under ``bp``, and its PPOBatch."""
     from verlflow.core.ml import ppo
     from verlflow.core.ml.placement import Placement
+    from verlflow.core.stages.update import ppo_spec
 
-    data, _ = ppo.prepare(bp, batch, old, old, iteration=1)
+    data, _ = ppo.prepare(bp.algorithm, batch, old, old, iteration=1)
     info = {"dp_size": 1, "batch_num_tokens": int(batch["response_mask"].sum()), "global_batch_size": len(old)}
-    upd = ppo._Update(bp, data, Placement(0, 1, "cpu"))
+    upd = ppo._Update(ppo_spec(bp), data, Placement(0, 1, "cpu"))
     upd.cfg.global_batch_info.update(info)
     loss, _ = upd._policy_loss(logp, torch.zeros_like(old), list(range(len(old))), info)
     return loss, data, info
@@ -371,7 +369,7 @@ def test_rollout_correction_weighs_the_loss_by_verls_truncated_weights(level):
     bp, off = _bp(**fields, rollout_correction=True), _bp(**fields)
     batch, old = _batch()
     mask = batch["response_mask"]
-    data, metrics = ppo.prepare(bp, batch, old, old, iteration=1)
+    data, metrics = ppo.prepare(bp.algorithm, batch, old, old, iteration=1)
     log_ratio = (old - batch["rollout_logp"]) * mask
     raw = torch.exp(log_ratio) if level == "token" else torch.exp(log_ratio.sum(1, keepdim=True)).expand_as(old)
     torch.testing.assert_close(data.is_weights, raw.clamp(max=1.5) * mask)
@@ -384,7 +382,7 @@ def test_rollout_correction_weighs_the_loss_by_verls_truncated_weights(level):
     logp = old + torch.randn(old.shape, generator=g) * 0.3
     on, _, info = _loss(bp, batch, old, logp)
     unweighted, _, _ = _loss(off, batch, old, logp)
-    cfg = ppo.actor_config(off)
+    cfg = ppo.actor_config(off.algorithm, off.rollout.n)
     cfg.global_batch_info.update(info)
     want, _ = core_algos.get_policy_loss_fn("vanilla")(
         old_log_prob=old, log_prob=logp, advantages=data.adv, response_mask=mask,
@@ -401,7 +399,7 @@ def test_rollout_correction_names_a_batch_without_rollout_logprobs():
     batch, old = _batch()
     del batch["rollout_logp"]
     with pytest.raises(ValueError, match="no rollout_logp.*rollout_correction=false"):
-        ppo.prepare(bp, batch, old, old, iteration=1)
+        ppo.prepare(bp.algorithm, batch, old, old, iteration=1)
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -448,9 +446,9 @@ def test_fp8_rollout_with_the_correction_through_the_pipeline(tiny_kit, tmp_path
         assert 0.5 < corr["rollout_is_mean"] < 1.5, corr
     # promotion, the trackers and the figure read the gap under its name; the figure plots it, a point an iteration
     from verlflow.core.orchestrate import figures
-    from verlflow.core.orchestrate.runner import open_store
+    from verlflow.core.store.artifacts import open_store
 
-    store = open_store(bp)
+    store = open_store(bp.storage)
     assert [metrics.of_iteration(store, "fp8", i)["update/rollout_corr/k3_kl"] for i in (1, 2)] == \
         [m["metrics"]["rollout_corr/k3_kl"] for m in updates]
     fig = figures.run_figure(figures.history(store, "fp8"), "fp8")
@@ -536,4 +534,5 @@ def test_evaluation_samples_the_policy_not_its_fp8_copy():
     from verlflow.core.ml.evaluate import sampling
 
     bp = load_blueprint(None, ["rollout.engine=static", "rollout.weights=fp8", "algorithm.rollout_correction=true"])
-    assert bp.rollout.weights == "fp8" and sampling(bp).weights == "model" and sampling(bp).engine == "static"
+    cfg = sampling(bp.eval, bp.rollout)
+    assert bp.rollout.weights == "fp8" and cfg.weights == "model" and cfg.engine == "static"

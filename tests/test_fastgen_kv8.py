@@ -19,7 +19,7 @@ from test_fastgen_fp8 import (assert_recorded_logprobs_are, fp8_reference, live_
 from verlflow.core.ml.fastgen import EngineOptions, FastGen, SamplingConfig  # noqa: E402
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.mark.parametrize("case,attn", [("qwen3", "bmm"), ("qwen3", "sdpa"), ("gemma2", "bmm"), ("gemma3_text", "sdpa"),
@@ -127,7 +127,7 @@ def test_evaluation_reads_the_models_own_cache():
 
     bp = load_blueprint(None, ["rollout.kv_cache=fp8", "rollout.weights=fp8", "rollout.engine=static",
                                "algorithm.rollout_correction=true"])
-    assert (sampling(bp).kv_cache, sampling(bp).weights) == ("model", "model")
+    assert (sampling(bp.eval, bp.rollout).kv_cache, sampling(bp.eval, bp.rollout).weights) == ("model", "model")
     assert (bp.rollout.kv_cache, bp.rollout.weights) == ("fp8", "fp8")
 
 

@@ -7,6 +7,8 @@ import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.text import Text
 
+pytestmark = pytest.mark.stages
+
 SOURCES = ("openai/gsm8k", "tiny/held")
 
 
@@ -52,10 +54,10 @@ def store(reference, tmp_path):
     and update manifests with rewards +0.5 and evaluations shifted by 0.2."""
     from reference import copy_store
 
-    from verlflow.core.orchestrate.runner import open_store
+    from verlflow.core.store.artifacts import open_store
 
     bp, _ = copy_store(reference.bp, tmp_path)
-    s = open_store(bp)
+    s = open_store(bp.storage)
     for it in (0, 1, 2):
         commit_eval(s, "eq", it)
     clone_run(s, "eq2", 0.5, 0.2)
@@ -101,7 +103,7 @@ def test_run_figure_has_a_labelled_panel_per_metric_and_a_line_per_eval_source(s
 
 def test_compare_prints_the_manifests_numbers_and_draws_a_line_per_run(store, tmp_path, capsys):
     from verlflow.core.orchestrate import figures
-    from verlflow.core.orchestrate.cli import main
+    from verlflow.flows.cli import main
 
     out, names = tmp_path / "cmp" / "ab.png", ["rollout/reward_mean", "eval/openai/gsm8k/accuracy"]
     rc = main(["compare", "eq", "eq2", "--store", store.root_uri, "--metrics", ",".join(names), "--out", str(out)])
@@ -134,7 +136,7 @@ def test_four_runs_fit_the_terminal_and_nothing_in_the_figure_is_clipped_or_cove
     """`verlflow compare` of 4 runs with the scheduler's long ids: the table is as wide as the terminal (by letter
     with a key when the ids do not fit); in the figure every text is inside it and the one legend covers no panel."""
     from verlflow.core.orchestrate import figures
-    from verlflow.core.orchestrate.cli import main
+    from verlflow.flows.cli import main
 
     for k, run in enumerate(LONG):
         clone_run(store, run, 0.1 * k, 0.05 * k)
@@ -173,7 +175,7 @@ def test_compare_shows_the_promotion_metric_by_default(store, tmp_path, capsys):
     """The default panels are reward, KL and eval accuracy, and the metric that decides promotion: the one a run's
     pointer was moved by, and the blueprint's promote.metric."""
     from verlflow.core.orchestrate import figures
-    from verlflow.core.orchestrate.cli import main
+    from verlflow.flows.cli import main
 
     pointer = store.get_pointer("runs/eq/latest")
     store.set_pointer("runs/eq/latest", {**pointer, "metric": "eval/tiny/held/accuracy", "value": 0.25})
@@ -192,7 +194,7 @@ def test_a_chain_of_recurring_runs_is_laid_end_to_end(store, tmp_path, capsys):
     chain, in the chain's order whatever the order given; --axis run restarts each at 1; a chain of other runs is
     refused naming the fix."""
     from verlflow.core.orchestrate import figures
-    from verlflow.core.orchestrate.cli import main
+    from verlflow.flows.cli import main
 
     for k, run in enumerate(("night-a", "night-b", "night-c")):
         clone_run(store, run, 0.1 * k, 0.05 * k, build={"blueprint_name": "nightly", "metrics": {"chain_position": k}})
@@ -219,7 +221,7 @@ def test_a_chain_of_recurring_runs_is_laid_end_to_end(store, tmp_path, capsys):
 
 
 def test_compare_refuses_an_unknown_run_or_metric_naming_what_there_is(store, tmp_path, capsys):
-    from verlflow.core.orchestrate.cli import main
+    from verlflow.flows.cli import main
 
     out = tmp_path / "x.png"
     assert main(["compare", "eq", "nope", "--store", store.root_uri, "--out", str(out)]) != 0

@@ -15,6 +15,8 @@ from prefect_server import api, manifest, wait_state, write_blueprint
 
 from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
 
+pytestmark = pytest.mark.system
+
 CRON = "0 */12 * * *"  # two occurrences a day: each test run backfills one past occurrence at a time
 
 
@@ -87,7 +89,7 @@ def test_pipeline_flow_run_with_artifacts(prefect_server, tiny_flow_run):
     assert run.state.is_completed(), run.state.message
     names = task_runs(prefect_server, run.flow_run_id)
     assert set(names) == {"validate[init]", "build[init]", "evaluate[0]", "rollout[1]", "update[1]", "evaluate[1]",
-                          "checkpoint[1]"}
+                          "export[1]"}
     assert all(r["state_type"] == "COMPLETED" for r in names.values())
     arts = api(prefect_server, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [str(run.flow_run_id)]}}})
     by_key = {a["key"]: a for a in arts if a["key"]}
@@ -122,7 +124,7 @@ def test_warm_workers_flow_holds_the_slots_and_runs_the_stages_in_one_job(prefec
     msgs = logs(prefect_server, state.state_details.flow_run_id, "warm pool")
     assert any("warm workers: the flow holds 1 slot(s)" in m for m in msgs)  # ONE_RANK: 1 rank
     assert not any("needs 1 slot(s)" in m for m in msgs)  # no per-task slot requests
-    waits = [manifest(bp, "warm1", 1, st)["timings"]["launch_to_worker_s"] for st in ("rollout", "update", "checkpoint")]
+    waits = [manifest(bp, "warm1", 1, st)["timings"]["launch_to_worker_s"] for st in ("rollout", "update", "export")]
     assert max(waits) < 0.5, waits
     assert api(prefect_server, f"/v2/concurrency_limits/{limit_name('cpu')}")["active_slots"] == 0
     left = [p for p in psutil.Process().children(recursive=True) if "verlflow.core.stages" in " ".join(p.cmdline())]
@@ -131,18 +133,18 @@ def test_warm_workers_flow_holds_the_slots_and_runs_the_stages_in_one_job(prefec
 
 def test_changed_field_reruns_its_stage_and_later_ones(prefect_server, tiny_flow_run, tmp_path, capsys):
     """`verlflow rerun RUN --prefect` with rollout.temperature changed: build is reused, rollout on rerun."""
-    from verlflow.core.orchestrate.cli import main
+    from verlflow.flows.cli import main
 
     bp, _ = copy_store(tiny_flow_run.bp, tmp_path)  # the shared run stays as it was
     before = {s: committed_at(bp, "flow1", it, s)
-              for it, s in (("init", "build"), (1, "rollout"), (1, "update"), (1, "checkpoint"))}
+              for it, s in (("init", "build"), (1, "rollout"), (1, "update"), (1, "export"))}
     f = write_blueprint(bp, tmp_path / "bp.yaml")
     assert main(["rerun", "flow1", str(f), "rollout.temperature=0.7", "--prefect"]) == 0
     out = capsys.readouterr().out
     assert "reused=-" in out  # nothing of iteration 1 was reused
-    assert "latest policy (HF folder): " in out and "runs/flow1/1/checkpoint/hf" in out
+    assert "latest policy (HF folder): " in out and "runs/flow1/1/export/hf" in out
     assert committed_at(bp, "flow1", "init", "build") == before["build"]
-    for s in ("rollout", "update", "checkpoint"):
+    for s in ("rollout", "update", "export"):
         assert committed_at(bp, "flow1", 1, s) != before[s], s
 
 
@@ -150,11 +152,11 @@ def test_from_step_forces_a_restart_there(prefect_server, tiny_flow_run, tmp_pat
     from verlflow.flows.finetune import finetune
 
     bp, _ = copy_store(tiny_flow_run.bp, tmp_path)  # the shared run stays as it was
-    before = {s: committed_at(bp, "flow1", 1, s) for s in ("rollout", "update", "checkpoint")}
-    out = finetune(blueprint=bp, run_id="flow1", from_step="checkpoint[1]")
+    before = {s: committed_at(bp, "flow1", 1, s) for s in ("rollout", "update", "export")}
+    out = finetune(blueprint=bp, run_id="flow1", from_step="export[1]")
     assert out["iterations"][0]["reused"] == "rollout,update"
     assert committed_at(bp, "flow1", 1, "update") == before["update"]
-    assert committed_at(bp, "flow1", 1, "checkpoint") != before["checkpoint"]
+    assert committed_at(bp, "flow1", 1, "export") != before["export"]
 
 
 def test_in_process_validate_flow_is_cancelled_through_the_api(prefect_server, tiny_kit, tmp_path):
@@ -195,7 +197,7 @@ def test_lr_change_keeps_validate_build_and_rollout_keys(tiny_kit, tmp_path):
 
     a = tiny_blueprint(tiny_kit, tmp_path, *ONE_RANK)
     b = tiny_blueprint(tiny_kit, tmp_path, *ONE_RANK, "algorithm.lr=0.01")
-    for stage, it in (("validate", "init"), ("build", "init"), ("rollout", 1), ("checkpoint", 1)):
+    for stage, it in (("validate", "init"), ("build", "init"), ("rollout", 1), ("export", 1)):
         assert compute_key(stage, a, it, {}) == compute_key(stage, b, it, {}), stage
     assert compute_key("update", a, 1, {}) != compute_key("update", b, 1, {})
     c = tiny_blueprint(tiny_kit, tmp_path, *ONE_RANK, "algorithm.adv_estimator=gae")  # a critic: build changes
@@ -203,7 +205,7 @@ def test_lr_change_keeps_validate_build_and_rollout_keys(tiny_kit, tmp_path):
 
 
 def test_deploy_creates_a_work_pool_deployment_with_the_blueprint(prefect_server, tiny_kit, tmp_path):
-    from verlflow.core.orchestrate.cli import main
+    from verlflow.flows.cli import main
 
     bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "name=nightly", "algorithm.lr=0.004")
     assert main(["deploy", str(write_blueprint(bp, tmp_path / "bp.yaml")), "--cron", "0 4 * * *"]) == 0
@@ -238,6 +240,7 @@ def sched(prefect_server, tiny_kit, tmp_path_factory):
     return {"bp": bp, "file": write_blueprint(bp, d / "sched.yaml"), "now": dt.datetime.now(dt.timezone.utc)}
 
 
+@pytest.mark.slow(reason="covered by test_flows::test_next_scheduled_run_warm_starts_and_cancel_kills_its_job")
 def test_scheduled_run_fails_in_update_and_the_ui_retry_resumes(prefect_server, serve, tiny_kit, tmp_path):
     """A deployment of its own (blueprint `sched-retry`): no other test's server may pick up its runs."""
     from prefect.client.orchestration import get_client
@@ -267,7 +270,7 @@ def test_scheduled_run_fails_in_update_and_the_ui_retry_resumes(prefect_server, 
     assert state.is_completed(), state.message
     assert api(prefect_server, f"/flow_runs/{run['id']}")["name"] == run_id  # the Retry kept its run id
     assert committed_at(bp, run_id, 1, "rollout") == rollout_at  # rollout was not run again
-    assert manifest(bp, run_id, 1, "checkpoint") is not None
+    assert manifest(bp, run_id, 1, "export") is not None
     assert any("rollout[1] is committed with the same key: reusing" in m
                for m in logs(prefect_server, run["id"], "reusing"))
     fixed.stop()
@@ -284,12 +287,12 @@ def sched_previous(sched, reference) -> str:
     the reference run's first iteration cloned into sched's store and promoted (whichever tests ran before)."""
     from reference import clone_stages, promote_clone
 
-    from verlflow.core.orchestrate.runner import open_store
+    from verlflow.core.store.artifacts import open_store
     from verlflow.core.store.artifacts import ArtifactStore
 
-    steps = [("init", "build"), (1, "rollout"), (1, "update"), (1, "checkpoint")]
+    steps = [("init", "build"), (1, "rollout"), (1, "update"), (1, "export")]
     clone_stages(ArtifactStore(reference.root), reference.run_id, "sched-previous", steps,
-                 dst_store=open_store(sched["bp"]))
+                 dst_store=open_store(sched["bp"].storage))
     promote_clone(sched["bp"], "sched-previous", 1)
     return "sched-previous"
 
@@ -452,9 +455,9 @@ def test_summaries_link_final_locations_and_the_policy_and_a_rerun_shows_cached(
         stage, it = name.rstrip("]").split("[")
         path = f"{root}/runs/links1/{it}/{stage}"
         assert f"`{path}`" in md and f"`{path}/manifest.json`" in md, (name, md)
-    hf = f"{root}/runs/links1/1/checkpoint/hf"
+    hf = f"{root}/runs/links1/1/export/hf"
     pointer = f"`{root}/pointers/runs/links1/latest.json`"
-    assert f"`{hf}`" in stage_md["checkpoint[1]"] and pointer in stage_md["checkpoint[1]"]
+    assert f"`{hf}`" in stage_md["export[1]"] and pointer in stage_md["export[1]"]
     # the last version, written once the background commits landed, says what the pointer names then
     summary = max((a for a in arts if a["key"] == "links1-summary"), key=lambda a: a["created"])["data"]
     assert "- Promoted policy: iteration 1; HF folder:" in summary, summary
@@ -463,16 +466,16 @@ def test_summaries_link_final_locations_and_the_policy_and_a_rerun_shows_cached(
 
     again = finetune(blueprint=bp, run_id="links1", return_state=True)
     assert again.is_completed(), again.message
-    assert again.result()["iterations"][0]["reused"] == "rollout,update,checkpoint"
+    assert again.result()["iterations"][0]["reused"] == "rollout,update,export"
     names = task_runs(prefect_server, again.state_details.flow_run_id)
     assert {n: r["state_name"] for n, r in names.items()} == {n: "Cached" for n in names}, names
     assert {r["state_type"] for r in names.values()} == {"COMPLETED"}
 
 
 def open_store_pointer(bp, run_id: str) -> dict:
-    from verlflow.core.orchestrate.runner import open_store
+    from verlflow.core.store.artifacts import open_store
 
-    return open_store(bp).get_pointer(f"runs/{run_id}/latest")
+    return open_store(bp.storage).get_pointer(f"runs/{run_id}/latest")
 
 
 def test_every_flow_parameter_of_the_run_form_has_a_description():
@@ -490,6 +493,7 @@ def test_every_flow_parameter_of_the_run_form_has_a_description():
 
 
 @pytest.mark.parametrize("pooled", [True, False])
+@pytest.mark.slow(reason="covered by test_flows::test_warm_workers_flow_holds_the_slots_and_runs_the_stages_in_one_job")
 def test_one_warm_pool_rule_drives_the_runner_and_the_flow_slots(prefect_server, tiny_kit, tmp_path, monkeypatch,
                                                                  pooled):
     """ResourcesSpec.warm_pool alone decides whether a stage runs in the warm pool (the runner) and who holds the

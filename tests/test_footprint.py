@@ -1,5 +1,5 @@
 """The space preflight (issue 15, item 2): validate estimates what a run keeps in its store at its peak
-(core/orchestrate/footprint.py) and refuses a file:// store whose filesystem cannot hold it; for s3:// it prints
+(core/checks/footprint.py) and refuses a file:// store whose filesystem cannot hold it; for s3:// it prints
 the estimate.
 
 The filesystems are real: a tmpfs of a chosen size mounted for the test (this machine and CI run as root). Only
@@ -18,8 +18,10 @@ from types import SimpleNamespace
 import pytest
 from tinybp import ONE_RANK, tiny_blueprint, tiny_overrides
 
-from verlflow.core.orchestrate.cli import main
-from verlflow.core.orchestrate.footprint import estimate, human
+from verlflow.flows.cli import main
+from verlflow.core.checks.footprint import estimate, human
+
+pytestmark = pytest.mark.system
 
 PAGE = 4096
 AS_ROOT = os.geteuid() == 0
@@ -181,7 +183,7 @@ def test_an_object_store_gets_the_estimate(s3_bucket, tiny_kit, capsys):
 
 def _written(root: Path) -> Counter:
     """The bytes the reference run's stages wrote, by the estimate's terms."""
-    term = {"update": "training checkpoints", "checkpoint": "HF exports", "rollout": "rollout batches",
+    term = {"update": "training checkpoints", "export": "HF exports", "rollout": "rollout batches",
             "validate": "validate report"}
     out = Counter()
     for p in _files(root):

@@ -30,6 +30,8 @@ import psutil
 import pytest
 from tinybp import tiny_blueprint
 
+pytestmark = pytest.mark.system
+
 pytest.importorskip("kubernetes")
 
 from verlflow.core.blueprint import KubernetesSpec  # noqa: E402
@@ -393,6 +395,7 @@ class Lines(list):
         return "\n".join(self)
 
 
+@pytest.mark.slow(reason="covered by test_k8s::test_manifests_match_the_kubernetes_schemas and test_slurm's jobs")
 def test_stage_runs_as_two_pods_through_the_api(fake_k8s, tiny_kit, tmp_path):
     """run_stage('validate') with backend kubernetes: 2 pods x 1 process, the real client, logs streamed."""
     from verlflow.core.orchestrate.runner import RunContext, run_stage
@@ -421,6 +424,7 @@ def test_stage_runs_as_two_pods_through_the_api(fake_k8s, tiny_kit, tmp_path):
     assert delete[2].get("propagationPolicy") == "Foreground"
 
 
+@pytest.mark.slow(reason="covered by test_slurm::test_failing_rank_names_its_node_and_rank")
 def test_failing_rank_names_its_pod_node_and_rank(fake_k8s):
     lines = Lines()
     spec = LaunchSpec("verlflow.core.testing.probe", ["--mode", "raise"], nproc_per_node=1, nnodes=2, timeout_s=120)
@@ -438,6 +442,7 @@ def test_failing_rank_names_its_pod_node_and_rank(fake_k8s):
     assert ("DELETE" in {m for m, *_ in fake_k8s.requests}) and not any(fake_k8s.pods.values())
 
 
+@pytest.mark.slow(reason="covered by test_slurm::test_cancel_and_timeout_leave_no_job")
 def test_cancel_deletes_the_job_and_its_pods(fake_k8s):
     lines = Lines()
     cancel = threading.Event()

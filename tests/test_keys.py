@@ -3,6 +3,7 @@ store computes the same keys for every stage of a run (the run resumes); an edit
 update's key and those of every stage after it; a comment or docstring edit changes nothing."""
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,10 @@ from tinybp import tiny_blueprint
 
 from verlflow.core.orchestrate.pipeline import plan
 import verlflow.core.orchestrate.runner as runner
-from verlflow.core.store.keys import STAGE_VERSION, stage_code_versions
+from verlflow.core.stagespec import SPECS
+from verlflow.core.store.keys import stage_code_versions
+
+pytestmark = pytest.mark.unit
 
 CORE = Path(runner.__file__).parents[1]
 
@@ -48,9 +52,9 @@ def bp(tiny_kit, tmp_path):
     return tiny_blueprint(tiny_kit, tmp_path / "store", iterations=2)
 
 
-def test_editing_the_cli_backends_runner_and_store_keeps_every_key(pkg, bp):
+def test_editing_the_plan_backends_runner_and_store_keeps_every_key(pkg, bp):
     before = plan_keys(bp, stage_code_versions(pkg))
-    edit(pkg / "orchestrate/cli.py", "\nimport ", "\n# a typo fixed in a comment\nimport ")
+    edit(pkg / "orchestrate/pipeline.py", "\nimport ", "\n# a typo fixed in a comment\nimport ")
     edit(pkg / "orchestrate/backends/slurm.py", "\nimport ", "\nSBATCH_POLL_S = 2.5  # a behaviour change of the backend\nimport ")
     edit(pkg / "orchestrate/runner.py", "\nimport ", "\nRUNNER_NOTE = 'changed'\nimport ")
     edit(pkg / "store/artifacts.py", "\nimport ", "\nSTORE_NOTE = 'changed'\nimport ")
@@ -79,6 +83,18 @@ def test_editing_the_update_maths_changes_the_update_key_and_every_later_one(pkg
     assert same == {"validate[init]", "build[init]", "rollout[1]"}, same  # update[1] and all after it changed
 
 
+def test_the_stage_runtime_is_plumbing_and_the_loads_it_calls_are_maths(pkg):
+    """Every module under core/stages/runtime/ keeps every key (the models it takes from memory equal a load); how a
+    model is loaded from its checkpoint (core/stages/loads.py, which the runtime calls) is the stages' maths."""
+    before = stage_code_versions(pkg)
+    for module in sorted((pkg / "stages/runtime").glob("*.py")):
+        edit(module, '"""\n', '"""\nRUNTIME_NOTE = "changed"\n')
+    assert stage_code_versions(pkg) == before
+    edit(pkg / "stages/loads.py", "\nimport ", "\nLOAD_NOTE = 'changed'\nimport ")
+    after = stage_code_versions(pkg)
+    assert all(before[s] != after[s] for s in ("rollout", "update", "evaluate", "export")), after
+
+
 def test_editing_fastgen_changes_the_rollout_key(pkg, bp):
     before = stage_code_versions(pkg)
     edit(pkg / "ml/fastgen/sampling.py", "\nimport ", "\nEXTRA = 1\nimport ")  # reached through a function-level import
@@ -88,10 +104,10 @@ def test_editing_fastgen_changes_the_rollout_key(pkg, bp):
 
 def test_a_stage_version_bump_reruns_that_stage_and_the_later_ones(pkg, bp, monkeypatch):
     before = plan_keys(bp, stage_code_versions(pkg))
-    monkeypatch.setitem(STAGE_VERSION, "checkpoint", STAGE_VERSION["checkpoint"] + 1)
+    monkeypatch.setitem(SPECS, "export", replace(SPECS["export"], version=SPECS["export"].version + 1))
     after = plan_keys(bp, stage_code_versions(pkg))
     changed = sorted(name for name in before if before[name] != after[name])
-    assert changed == ["checkpoint[1]", "checkpoint[2]"], changed  # nothing reads a checkpoint stage
+    assert changed == ["export[1]", "export[2]"], changed  # nothing reads a checkpoint stage
 
 
 def test_the_static_engines_batching_reruns_what_samples_and_nothing_before(bp):

@@ -15,6 +15,8 @@ import pytest
 from verlflow.core.orchestrate.diagnose import classify
 from verlflow.core.orchestrate.launcher import FailureKind, LaunchSpec, StageFailure, build_command, launch
 
+pytestmark = pytest.mark.stages
+
 PROBE = "verlflow.core.testing.probe"
 
 
@@ -199,7 +201,7 @@ def test_a_stage_worker_loads_models_without_sklearn_and_can_still_import_it(tin
     for those imports only; the model loads, saves, and a reward function may still import both."""
     code = ("import sys\n"
             "import verlflow.core.stages.common\n"
-            "from verlflow.core.orchestrate.launcher import worker_guard\n"
+            "from verlflow.core.stages.runtime.entry import worker_guard\n"
             "worker_guard()\n"
             "from transformers import AutoModelForCausalLM\n"
             "import transformers.generation.utils\n"

@@ -16,6 +16,8 @@ import pytest
 from verlflow.core.store.artifacts import ArtifactStore
 from verlflow.core.store.lease import Lease, RunBusyError, run_lease
 
+pytestmark = pytest.mark.system
+
 VERLFLOW = str(Path(sys.executable).with_name("verlflow"))
 
 

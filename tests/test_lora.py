@@ -12,6 +12,8 @@ from verlflow.core.blueprint import load_blueprint
 from verlflow.core.orchestrate.pipeline import run_pipeline
 from verlflow.core.orchestrate.runner import RunContext, run_stage
 
+pytestmark = pytest.mark.stages
+
 QUIET = dict(on_line=lambda line: None)
 REPO = Path(__file__).resolve().parent.parent
 # The kit's 2-layer model learns the task mostly through its output layer: adapters on every linear layer and the
@@ -24,7 +26,7 @@ def _adapted(kit, bp):
     """The kit's model with adapters whose B is not zero (PEFT starts B at 0: a merge would change nothing)."""
     from verlflow.core.ml import model as M
 
-    model = M.build_module(kit["model_dir"], bp, adapters=True)
+    model = M.build_module(kit["model_dir"], bp.model, adapters=True)
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -54,17 +56,17 @@ def test_the_merge_and_the_adapter_folder_match_peft(tiny_kit, tmp_path):
     assert all(torch.allclose(theirs[k], merged[k], atol=1e-6) for k in merged)
     assert any(not torch.equal(merged[k], base[k]) for k in merged)
 
-    plain = M.build_module(tiny_kit["model_dir"], bp)
+    plain = M.build_module(tiny_kit["model_dir"], bp.model)
     plain.load_state_dict(merged)
     ids = torch.randint(0, tiny_kit["vocab_size"], (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(plain(ids).logits, adapted(ids).logits, atol=1e-5, rtol=1e-5)
         with lora.disabled(adapted):  # the reference: the base model's forward
-            torch.testing.assert_close(adapted(ids).logits, M.build_module(tiny_kit["model_dir"], bp)(ids).logits)
+            torch.testing.assert_close(adapted(ids).logits, M.build_module(tiny_kit["model_dir"], bp.model)(ids).logits)
 
 
 def test_target_modules_that_name_no_layer_are_refused_with_the_layers(tiny_kit, tmp_path):
-    from verlflow.core.blueprint import missing_inputs
+    from verlflow.core.checks.inputs import missing_inputs
 
     bp = tiny_blueprint(tiny_kit, tmp_path, 'model.lora.target_modules=["q_proj","qkv_proj"]')
     problems = missing_inputs(bp)
@@ -81,6 +83,7 @@ def _tensor_bytes(dcp_dir: Path, prefix: str) -> int:
                if k.startswith(prefix) and hasattr(v, "size"))
 
 
+@pytest.mark.slow(reason="covered by test_lora::test_the_merge_and_the_adapter_folder_match_peft")
 def test_adapter_checkpoints_merged_and_adapter_exports_and_a_world_size_change(tiny_kit, tmp_path):
     """blueprints/tiny-lora.yaml (smaller): two iterations on 2 ranks in a warm pool (rollout and export from memory
     and from files), then a third at 1 rank from the 2-rank adapter checkpoint, exporting PEFT adapter folders."""
@@ -88,7 +91,7 @@ def test_adapter_checkpoints_merged_and_adapter_exports_and_a_world_size_change(
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from verlflow.core.orchestrate.footprint import estimate
+    from verlflow.core.checks.footprint import estimate
 
     store = tmp_path / "store"
     example = [f"model.path={tiny_kit['model_dir']}", f"data.train_files=[{tiny_kit['train_file']}]",
@@ -111,25 +114,26 @@ def test_adapter_checkpoints_merged_and_adapter_exports_and_a_world_size_change(
     assert json.loads((policy / "state.json").read_text())["lora"]["rank"] == 4
     on_disk = sum(f.stat().st_size for f in policy.rglob("*") if f.is_file())
     assert on_disk <= estimate(bp).term("training checkpoints").each <= 1.5 * on_disk
-    merged = load_file(str(store / "runs/r/2/checkpoint/hf/model.safetensors"))
-    assert AutoModelForCausalLM.from_pretrained(store / "runs/r/2/checkpoint/hf").config.vocab_size == tiny_kit["vocab_size"]
+    merged = load_file(str(store / "runs/r/2/export/hf/model.safetensors"))
+    assert AutoModelForCausalLM.from_pretrained(store / "runs/r/2/export/hf").config.vocab_size == tiny_kit["vocab_size"]
 
     again = load_blueprint(REPO / "blueprints/tiny-lora.yaml", example + [
         "iterations=3", "resources.nproc_per_node=1", "storage.export_lora=adapter"])
     results = run_pipeline(again, "r", **QUIET)
     ran = [r.manifest["stage"] + str(r.manifest["iteration"]) for r in results if not r.skipped]
-    assert ran == ["validate" + "init", "checkpoint1", "checkpoint2", "rollout3", "update3", "checkpoint3"]
+    assert ran == ["validate" + "init", "export1", "export2", "rollout3", "update3", "export3"]
     third = results[-2].manifest
     assert third["world_size"] == 1 and third["metrics"]["step"] == 3 * 2  # the optimizer steps go on
 
-    adapter = store / "runs/r/2/checkpoint/hf"  # export_lora is in the export's key: re-exported as adapters
+    adapter = store / "runs/r/2/export/hf"  # export_lora is in the export's key: re-exported as adapters
     assert not (adapter / "model.safetensors").exists() and (adapter / "adapter_config.json").is_file()
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_kit["model_dir"]), adapter)
     theirs = peft.merge_and_unload().state_dict()
     assert all(torch.allclose(theirs[k], merged[k], atol=1e-6) for k in merged)
-    assert (store / "runs/r/3/checkpoint/hf/adapter_model.safetensors").is_file()  # from the pool's memory
+    assert (store / "runs/r/3/export/hf/adapter_model.safetensors").is_file()  # from the pool's memory
 
 
+@pytest.mark.slow(reason="covered by test_lora::test_the_merge_and_the_adapter_folder_match_peft")
 def test_a_lora_run_learns_the_tiny_task(tiny_kit, tmp_path):
     """The learning bar of the full fine-tune (tests/test_stages.py: the last two iterations' mean reward beats
     the first two by > 0.1, > 6 standard errors) with adapters only. Measured: 0.08 -> 0.39 at lr 2e-2; with the

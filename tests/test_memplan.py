@@ -1,4 +1,4 @@
-"""The memory plan (core/orchestrate/memplan.py): its per-term arithmetic against what a real tiny model allocates on
+"""The memory plan (core/checks/memplan.py): its per-term arithmetic against what a real tiny model allocates on
 CPU, and how `auto` chooses (or refuses) on the cards people have, from a model folder holding only its config."""
 
 import json
@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 
 from verlflow.core.blueprint import load_blueprint
-from verlflow.core.orchestrate import memplan
+from verlflow.core.checks import memplan
+
+pytestmark = pytest.mark.stages
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_BLUEPRINT = ROOT / "blueprints/gpu-qwen2.5-1.5b.yaml"
 H100, H200 = int(79.19 * 2**30), int(139.7 * 2**30)  # torch.cuda.get_device_properties().total_memory
-QWEN = {  # Qwen2.5's shapes (benchmarks/rollout.py SHAPES)
+QWEN = {  # Qwen2.5's shapes (infra/bench/rollout.py SHAPES)
     "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
     "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
@@ -130,9 +132,10 @@ def test_auto_fits_the_shipped_blueprint_on_each_card(tmp_path):
         assert plan.choice.token_budget >= memplan.seq_len(bp)  # a packed micro-batch holds a whole sample
         assert plan.choice.rows <= memplan.samples_per_rank(bp)
         seen[name] = plan.choice
-    # the H200 trains without recomputation at the full budget; one H100 cannot keep both (its update would hold
-    # ~100 GiB) and recomputes; on 8 H100s the sharded state leaves room to train without it
-    assert seen["h200"] == memplan.Choice(False, 32768, 256)
+    # the H200 samples in 2 waves and trains without recomputation at 28k tokens; one H100 cannot keep both (its
+    # update would hold ~100 GiB) and recomputes; on 8 H100s the sharded state leaves room to train without it
+    assert seen["h200"] == memplan.Choice(False, 28672, 640)
+    assert seen["h100"].rows == 640
     assert seen["h100"].activation_checkpointing and not seen["8xh100"].activation_checkpointing
     assert seen["8xh100"].rows == 160  # the rank's whole share of the 1,280 samples
 

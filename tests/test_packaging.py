@@ -16,6 +16,8 @@ import pytest
 import yaml
 from tinybp import tiny_blueprint
 
+pytestmark = pytest.mark.system
+
 REPO = Path(__file__).resolve().parents[1]
 VERLFLOW = str(Path(sys.executable).parent / "verlflow")
 
@@ -88,7 +90,7 @@ def _blueprint_file(kit, tmp_path, **overrides) -> Path:
 def _committed(tmp_path, run_id: str) -> bool:
     from verlflow.core.store.artifacts import ArtifactStore, stage_key
 
-    return ArtifactStore(str(tmp_path / "store")).read_manifest(stage_key(run_id, 1, "checkpoint")) is not None
+    return ArtifactStore(str(tmp_path / "store")).read_manifest(stage_key(run_id, 1, "export")) is not None
 
 
 def test_a_project_with_its_own_core_flows_and_tasks_runs_the_cli(tiny_kit, tmp_path, shadowing_dir):
@@ -98,9 +100,10 @@ def test_a_project_with_its_own_core_flows_and_tasks_runs_the_cli(tiny_kit, tmp_
     p = subprocess.run([VERLFLOW, "run", str(bp), "--run-id", "shadow"], cwd=shadowing_dir, capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    assert "checkpoint[1]" in p.stdout + p.stderr and _committed(tmp_path, "shadow")
+    assert "export[1]" in p.stdout + p.stderr and _committed(tmp_path, "shadow")
 
 
+@pytest.mark.slow(reason="covered by test_packaging::test_a_project_with_its_own_core_flows_and_tasks_runs_the_cli")
 def test_a_project_with_its_own_core_flows_and_tasks_runs_the_flow(tiny_kit, tmp_path, shadowing_dir,
                                                                     prefect_server):
     """The Prefect flow run, against a real server, from the same folder."""
@@ -130,7 +133,7 @@ def _is_module(name: str) -> bool:
 
 def test_every_module_path_named_in_code_infra_and_docs_exists():
     files = [*REPO.glob("core/**/*.py"), *REPO.glob("tasks/**/*.py"), *REPO.glob("flows/**/*.py"),
-             *REPO.glob("infra/**/*"), REPO / "README.md", REPO / "pyproject.toml", *REPO.glob("benchmarks/*.py"),
+             *REPO.glob("infra/**/*"), REPO / "README.md", REPO / "pyproject.toml",
              *REPO.glob("blueprints/*.yaml")]
     named = {}
     for f in files:
@@ -143,12 +146,11 @@ def test_every_module_path_named_in_code_infra_and_docs_exists():
 
 
 def test_each_stage_s_module_is_the_one_torchrun_runs():
-    from verlflow.core.orchestrate.runner import SECTIONS, STAGES
-    from verlflow.core.stages import module_of
+    from verlflow.core.stagespec import POOL, SPECS
 
-    for stage in {*STAGES, *SECTIONS, "pool"}:
-        module = importlib.import_module(module_of(stage))
-        assert module.__name__ == f"verlflow.core.stages.{stage}" and callable(module.main), stage
+    for name in [*(s.module for s in SPECS.values()), POOL]:
+        module = importlib.import_module(name)
+        assert module.__name__ == name and callable(module.main), name
 
 
 def test_every_third_party_import_is_a_declared_dependency():

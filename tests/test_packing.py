@@ -9,7 +9,17 @@ from tinybp import tiny_blueprint
 
 from verlflow.core.errors import BlueprintError
 from verlflow.core.ml import fusedhead, model as M, packing, ppo
+from verlflow.core.ml.forward import Rows, _fused, forward
 from verlflow.core.ml.placement import Placement
+from verlflow.core.stages.update import ppo_spec
+
+pytestmark = pytest.mark.unit
+
+
+def fwd(model, rows, idx, bp, **kw):
+    """The update's forward of rows `idx` with bp's temperature and packing."""
+    return forward(model, rows, idx, "cpu", temperature=bp.rollout.temperature,
+                   packed=bp.algorithm.use_remove_padding, **kw)
 
 
 def ragged_batch(vocab: int, n: int = 6, P: int = 7, R: int = 9, seed: int = 0) -> dict:
@@ -66,7 +76,7 @@ def models(tiny_kit, tmp_path_factory):
     for packed in (False, True):
         bp = tiny_blueprint(tiny_kit, store, algorithm__use_remove_padding=packed, rollout__temperature=0.7, algorithm__lr=1e-3,
                             resources__nproc_per_node=1)
-        out[packed] = (bp, M.build_module(tiny_kit["model_dir"], bp, packed=packed).eval())
+        out[packed] = (bp, M.build_module(tiny_kit["model_dir"], bp.model, packed=packed).eval())
     return out
 
 
@@ -74,21 +84,21 @@ def test_packed_forward_equals_padded(models, tiny_kit):
     (bp, padded), (bpp, packed) = models[False], models[True]
     b = ragged_batch(padded.config.vocab_size)
     mask = b["response_mask"].bool()
-    rows = ppo.Rows.of(b)
+    rows = Rows.of(b)
     idx = list(range(len(mask)))
     with torch.no_grad():
-        want = ppo._micro_forward(padded, rows, idx, bp, "cpu")
-        got = ppo._micro_forward(packed, rows, idx, bpp, "cpu")
+        want = fwd(padded, rows, idx, bp)
+        got = fwd(packed, rows, idx, bpp)
     for w, g in zip(want, got):
         torch.testing.assert_close(g[mask], w[mask], atol=2e-5, rtol=1e-5)
         assert (g[~mask] == 0).all()
     crit_bp = tiny_blueprint(tiny_kit, bp.storage.uri, algorithm__use_remove_padding=True)
-    critic = M.build_module(tiny_kit["model_dir"], crit_bp, critic=True, packed=True).eval()
-    critic_padded = M.build_module(tiny_kit["model_dir"], bp, critic=True).eval()
+    critic = M.build_module(tiny_kit["model_dir"], crit_bp.model, critic=True, packed=True).eval()
+    critic_padded = M.build_module(tiny_kit["model_dir"], bp.model, critic=True).eval()
     critic_padded.load_state_dict(critic.state_dict())
     with torch.no_grad():
-        v_want = ppo._micro_forward(critic_padded, rows, idx, bp, "cpu", critic=True)[0]
-        v_got = ppo._micro_forward(critic, rows, idx, crit_bp, "cpu", critic=True)[0]
+        v_want = fwd(critic_padded, rows, idx, bp, critic=True)[0]
+        v_got = fwd(critic, rows, idx, crit_bp, critic=True)[0]
     torch.testing.assert_close(v_got[mask], v_want[mask], atol=2e-5, rtol=1e-5)
 
 
@@ -101,11 +111,11 @@ def test_packed_ppo_steps_equal_padded(models):
         b["group"] = torch.arange(16) // bp.rollout.n
         opt = torch.optim.AdamW(m.parameters(), lr=bp.algorithm.lr)  # the update sets it each step
         at = Placement(0, 1, "cpu")
-        old = ppo.score_all(m, b, bp, at)
+        old = ppo.score_all(m, b, ppo_spec(bp), at)
         ref = old + 0.01 * b["response_mask"]
-        data, _ = ppo.prepare(bp, b, old, ref, iteration=1)
+        data, _ = ppo.prepare(bp.algorithm, b, old, ref, iteration=1)
         trained = ppo.Models(ppo.Trainee(m, opt), step=0)
-        hist = ppo.train(bp, trained, data, at)
+        hist = ppo.train(ppo_spec(bp), trained, data, at)
         results[packed] = (hist, trained.step, m.state_dict())
     (h0, s0, w0), (h1, s1, w1) = results[False], results[True]
     assert s0 == s1 == 2
@@ -132,14 +142,14 @@ def test_fused_head_equals_plain_logits(models, packed, tied):
         plain.config.tie_word_embeddings = True
         plain.lm_head.weight = plain.model.embed_tokens.weight
     fused = fusedhead.install(copy.deepcopy(plain))
-    assert ppo._fused(fused) and not ppo._fused(plain)
+    assert _fused(fused) and not _fused(plain)
     b = ragged_batch(plain.config.vocab_size, n=8, seed=3)
     mask = b["response_mask"].bool()
-    rows = ppo.Rows.of(b)
+    rows = Rows.of(b)
     idx = [5, 0, 2, 7, 1]
     out = {}
     for name, m in (("plain", plain), ("fused", fused)):
-        logp, ent = ppo._micro_forward(m, rows, idx, bp, "cpu")
+        logp, ent = fwd(m, rows, idx, bp)
         ((logp * 1.3 + ent * 0.7) * mask[idx]).sum().backward()  # both outputs feed the loss, as with entropy_coeff
         out[name] = (logp, ent, {n: p.grad.clone() for n, p in m.named_parameters()})
     (lw, ew, gw), (lg, eg, gg) = out["plain"], out["fused"]
@@ -157,8 +167,8 @@ def test_fused_head_equals_plain_logits(models, packed, tied):
 
 def test_fused_head_leaves_the_critic_alone(models, tiny_kit):
     bp, _ = models[True]
-    critic = M.build_module(tiny_kit["model_dir"], bp, critic=True, packed=True)
-    assert not ppo._fused(fusedhead.install(critic))
+    critic = M.build_module(tiny_kit["model_dir"], bp.model, critic=True, packed=True)
+    assert not _fused(fusedhead.install(critic))
 
 
 def test_triton_backend_is_refused_where_it_cannot_run(tiny_kit, tmp_path):
@@ -215,13 +225,13 @@ def test_compiled_layers_trace_once_for_every_micro_batch_length(models, packed)
     try:
         for n in (3, 4, 5, 6):
             b = ragged_batch(model.config.vocab_size, n=n, P=n + 4, R=2 * n, seed=n)  # rows, widths, tokens vary
-            rows, idx = ppo.Rows.of(b), list(range(n))
+            rows, idx = Rows.of(b), list(range(n))
             meter = Meter()
             with torch.no_grad():
-                got = ppo._micro_forward(model, rows, idx, bp, "cpu")[0]
+                got = fwd(model, rows, idx, bp)[0]
             compiles.append(meter.read()[0])
             with torch.no_grad():
-                want = ppo._micro_forward(eager, rows, idx, bp, "cpu")[0]
+                want = fwd(eager, rows, idx, bp)[0]
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert len(_debug_get_cache_entry_list(code)) == 1
         # nor anything after the layer's own graph (the CPU packed path's per-sample attention is not traced: a

@@ -20,7 +20,9 @@ from verlflow.core.blueprint import Blueprint, load_blueprint
 from verlflow.core.errors import BlueprintError
 from verlflow.core.orchestrate.launcher import StageFailure
 from verlflow.core.orchestrate.pipeline import checked_plan, plan, run_pipeline, steps_that_run
-from verlflow.core.orchestrate.runner import open_store
+from verlflow.core.store.artifacts import open_store
+
+pytestmark = pytest.mark.stages
 
 RUN = "ph"
 REPO = Path(__file__).resolve().parents[1]
@@ -34,7 +36,7 @@ def mlflow_client(bp):
 
     from verlflow.core.tracking.places import embedded_mlflow_uri
 
-    return MlflowClient(tracking_uri=embedded_mlflow_uri(open_store(bp)))
+    return MlflowClient(tracking_uri=embedded_mlflow_uri(open_store(bp.storage)))
 
 
 def phased_blueprint(kit: dict, folder: Path, *more: str):
@@ -60,14 +62,14 @@ def phased(tiny_kit, tmp_path_factory):
     lines: list[str] = []
     results = run_pipeline(bp, RUN, on_line=lines.append)
     by_name = {f"{r.manifest['stage']}[{r.manifest['iteration']}]": r for r in results}
-    assert "checkpoint[1]" in by_name, "\n".join(lines[-40:])
+    assert "export[1]" in by_name, "\n".join(lines[-40:])
     return bp, store, by_name, killed
 
 
 def test_the_plan_runs_each_phase_from_the_previous_ones_policy(phased):
     bp, _, res, _ = phased
     assert list(res) == ["validate[init]", "build[init]", "evaluate[base]", "sft[sft.1]", "dpo[dpo.1]", "dpo[dpo.2]",
-                         "evaluate[tuned]", "build[rl]", "rollout[1]", "update[1]", "evaluate[1]", "checkpoint[1]"]
+                         "evaluate[tuned]", "build[rl]", "rollout[1]", "update[1]", "evaluate[1]", "export[1]"]
     inputs = {n: {k: v["stage"] for k, v in r.manifest["inputs"].items()} for n, r in res.items()}
     assert inputs["evaluate[base]"]["policy"] == f"runs/{RUN}/init/build"
     assert inputs["sft[sft.1]"]["policy"] == f"runs/{RUN}/init/build"
@@ -86,7 +88,7 @@ def test_lineage_records_the_phase_that_made_each_policy(phased, tmp_path):
     sft, dpo = ("sft", f"runs/{RUN}/sft.1/sft"), ("dpo", f"runs/{RUN}/dpo.2/dpo")
     assert made_by["sft[sft.1]"] == [] and made_by["evaluate[base]"] == []  # the base model
     assert made_by["dpo[dpo.1]"] == made_by["dpo[dpo.2]"] == [sft]  # dpo's second epoch continues its own phase
-    assert made_by["build[rl]"] == made_by["update[1]"] == made_by["checkpoint[1]"] == [sft, dpo]
+    assert made_by["build[rl]"] == made_by["update[1]"] == made_by["export[1]"] == [sft, dpo]
     pointer = json.loads((store / "pointers/runs" / RUN / "latest.json").read_text())
     assert [e.get("phase") for e in pointer["lineage"]] == ["sft", "dpo"]  # what the promoted policy came from
 
@@ -184,13 +186,13 @@ def test_compare_and_the_curves_show_a_phased_run_step_by_step(phased, tmp_path,
     """`verlflow compare` and the curves read a phased run at the trackers' step numbers, named: the base and tuned
     evaluations, sft's and dpo's epochs, the rl iteration. Before: its named steps were left out (iteration 1 only)."""
     from verlflow.core.orchestrate import figures
-    from verlflow.core.orchestrate.cli import main
+    from verlflow.flows.cli import main
 
     bp, store, res, _ = phased
-    hist = figures.history(open_store(bp), RUN)
+    hist = figures.history(open_store(bp.storage), RUN)
     want = _expected_points(res)
     assert {name: sorted((n, m[name]) for n, m in hist.items() if name in m) for name in want} == want
-    labels = figures.step_labels(open_store(bp), RUN)
+    labels = figures.step_labels(open_store(bp.storage), RUN)
     assert labels == {0: "base", 1: "sft.1", 2: "dpo.1", 3: "dpo.2", 4: "tuned", 5: "1"}
     fig = figures.run_figure(hist, RUN, labels)
     loss = next(ax for ax in fig.axes if ax.get_title() == "SFT / DPO loss (phases)")
@@ -210,7 +212,7 @@ def test_compare_and_the_curves_show_a_phased_run_step_by_step(phased, tmp_path,
 def test_a_run_ending_in_dpo_promotes_its_export_by_a_dpo_metric(phased, tmp_path):
     """The phases up to dpo alone (their steps reused from a copy of the phased run's store) export dpo's last epoch
     and the gate promotes it by promote.metric=dpo/rewards/accuracies, that epoch's. Before: validate refused the
-    name, and the gate found no metric at checkpoint[dpo]."""
+    name, and the gate found no metric at export[dpo]."""
     bp, store, res, _ = phased
     shutil.copytree(store, tmp_path / "store")
     data = bp.model_dump(mode="json")
@@ -220,7 +222,7 @@ def test_a_run_ending_in_dpo_promotes_its_export_by_a_dpo_metric(phased, tmp_pat
     lines: list[str] = []
     results = run_pipeline(Blueprint.model_validate(data), RUN, on_line=lines.append)
     done = {f"{r.manifest['stage']}[{r.manifest['iteration']}]": r for r in results}
-    assert not done["checkpoint[dpo]"].skipped, "\n".join(lines[-30:])
+    assert not done["export[dpo]"].skipped, "\n".join(lines[-30:])
     assert all(done[n].skipped for n in ("evaluate[base]", "sft[sft.1]", "dpo[dpo.1]", "dpo[dpo.2]"))
     pointer = json.loads((tmp_path / "store/pointers/runs" / RUN / "latest.json").read_text())
     assert (pointer["iteration"], pointer["metric"]) == ("dpo", "dpo/rewards/accuracies")
@@ -252,7 +254,7 @@ def test_a_changed_phase_reruns_that_phase_and_later_ones_only(phased, tiny_kit,
     else:
         changed = bp.model_copy(update={"algorithm": bp.algorithm.model_copy(update={"lr": 0.004})})
     steps, _ = checked_plan(changed, RUN, None)
-    runs = steps_that_run(open_store(changed), changed, RUN, steps, [False] * len(steps))
+    runs = steps_that_run(open_store(changed.storage), changed, RUN, steps, [False] * len(steps))
     names = [s.name for s in steps]
     first = names.index(first_rerun)
     assert not any(runs[:first]), [n for n, r in zip(names, runs) if r]
@@ -260,7 +262,7 @@ def test_a_changed_phase_reruns_that_phase_and_later_ones_only(phased, tiny_kit,
 
 
 BAD = [
-    ("  - kind: distill\n", "phases[1].kind", "is none of sft, dpo, rl, evaluate, nor a user stage"),
+    ("  - kind: distill\n", "phases[1].kind", "is none of evaluate, sft, dpo, rl, nor a user stage"),
     ("  - kind: no_such_pkg.mod:Judge\n", "phases[1].kind: cannot import no_such_pkg.mod", "fix the dotted path"),
     ("  - kind: evaluate\n    init_from: nope\n", "phases[1].init_from: 'nope' names no phase", "use 'model' or one of"),
     ("  - kind: evaluate\n    init_from: later\n  - kind: rl\n    name: later\n",
@@ -312,8 +314,33 @@ def test_a_phase_runs_on_its_own_backend_and_ranks(tiny_kit, tmp_path):
         Blueprint.model_validate(agents)
 
 
+def test_a_phase_step_carries_its_phase_and_the_top_level_sections_as_written(tiny_kit, tmp_path):
+    """An sft/dpo step's blueprint is the top-level one (no optimizer copied into `algorithm`, no temperature
+    forced): the step carries the phase's index, and its key hashes that phase's own optimizer."""
+    from verlflow.core.orchestrate.runner import compute_key
+
+    bp = phased_blueprint(tiny_kit, tmp_path)
+    steps = {s.name: s for s in plan(bp, RUN)}
+    sft = steps["sft[sft.1]"]
+    assert sft.phase == 1 and steps["dpo[dpo.2]"].phase == 2 and steps["validate[init]"].phase is None
+    assert sft.bp.algorithm == bp.algorithm and sft.bp.rollout == bp.rollout
+    assert bp.phases[1].algorithm.optim.lr == 0.01 != bp.algorithm.optim.lr
+
+    def key(b):
+        return compute_key("sft", b, "sft.1", {}, phase=sft.phase)
+
+    phase_lr, rl_lr = bp.model_copy(deep=True), bp.model_copy(deep=True)
+    phase_lr.phases[1].algorithm.lr = 0.02
+    rl_lr.algorithm.lr = 0.02
+    assert key(phase_lr) != key(bp) == key(rl_lr)
+    with pytest.raises(ValueError, match="no phase was given"):
+        compute_key("sft", bp, "sft.1", {})
+    with pytest.raises(ValueError, match="active_phase"):  # not a blueprint field: the plan carries the phase
+        Blueprint.model_validate({**bp.model_dump(), "active_phase": 1})
+
+
 def test_a_missing_or_short_phase_dataset_is_named_before_anything_runs(tiny_kit, tmp_path):
-    from verlflow.core.blueprint import missing_inputs
+    from verlflow.core.checks.inputs import missing_inputs
 
     bp = phased_blueprint(tiny_kit, tmp_path)
     assert missing_inputs(bp) == []
@@ -346,7 +373,7 @@ def test_a_phase_dataset_with_a_bad_column_is_refused_before_anything_is_committ
     """The phase's own reader (core/ml/phasedata.py) runs in the CLI's preflight: a dpo file without `rejected`, an
     sft row without its response, are refused by validate-blueprint and run, naming the phase, file and column,
     with nothing written to the store (before: validate passed and the run reached build)."""
-    from verlflow.core.orchestrate.cli import main
+    from verlflow.flows.cli import main
 
     phased_blueprint(tiny_kit, tmp_path)
     yaml_file = _with_phase_file(tmp_path, kind, write)
@@ -359,10 +386,10 @@ def test_a_phase_dataset_with_a_bad_column_is_refused_before_anything_is_committ
 
 
 def test_phase_rows_over_their_max_length_are_named_by_validate(tiny_kit, tmp_path):
-    """What only the tokenizer tells (the validate stage's tier, core/orchestrate/preflight.py): a phase row
+    """What only the tokenizer tells (the validate stage's tier, core/checks/preflight.py): a phase row
     longer than its algorithm.max_length, named before build rather than in the phase's own stage."""
     from verlflow.core.ml.model import load_tokenizer
-    from verlflow.core.orchestrate.preflight import phase_problems
+    from verlflow.core.checks.preflight import phase_problems
 
     bp = phased_blueprint(tiny_kit, tmp_path)
     tok = load_tokenizer(bp.model.path)
@@ -471,7 +498,7 @@ def test_a_user_stage_scores_the_rollout_with_an_external_judge_and_keeps_its_ke
     _assert_no_planted_secret(bp, tmp_path, results, lines, secret)
     # the user's code is part of the key: unchanged, the stage is reused; edited, it (alone) reruns
     steps, _ = checked_plan(bp, "judged", None)
-    runs = lambda: steps_that_run(open_store(bp), bp, "judged", steps, [False] * len(steps))  # noqa: E731
+    runs = lambda: steps_that_run(open_store(bp.storage), bp, "judged", steps, [False] * len(steps))  # noqa: E731
     assert not any(runs())
     (mine / "myjudge.py").write_text((mine / "myjudge.py").read_text() + "\n# threshold changed\nCUT = 0.4\n")
     assert runs() == [s.name == "user[judge]" for s in steps]
@@ -495,11 +522,11 @@ def _assert_no_planted_secret(bp, folder: Path, results, lines: list[str], env_s
     assert run.data.params["storage.endpoint_url"] == f"http://{REDACTED}@127.0.0.1:9"
     assert "phases" not in run.data.params and not any(k.startswith("resources.kubernetes.") for k in run.data.params)
 
-    store = open_store(bp)
+    store = open_store(bp.storage)
     by_name = {f"{r.manifest['stage']}[{r.manifest['iteration']}]": r for r in results}
     texts = {name: summary_markdown(name, r, store, f"runs/judged/{r.manifest['iteration']}/{r.manifest['stage']}")
              for name, r in by_name.items()}
-    rows = [iteration_row(1, by_name["rollout[1]"], by_name["update[1]"], by_name.get("checkpoint[1]"))]
+    rows = [iteration_row(1, by_name["rollout[1]"], by_name["update[1]"], by_name.get("export[1]"))]
     texts["run summary"] = run_summary(store, bp, "judged", rows)
     files = [p for p in (folder / "store").rglob("*") if p.is_file()]  # MLflow's database, TensorBoard's events too
     assert {"mlflow.db", "manifest.json"} <= {p.name for p in files} and any("tensorboard" in p.parts for p in files)
@@ -519,7 +546,7 @@ def test_a_user_stage_reading_a_rollout_before_any_rl_phase_is_refused(tmp_path)
 
 
 def test_ls_lists_a_phased_run_in_plan_order(phased, capsys):
-    from verlflow.core.orchestrate.cli import main
+    from verlflow.flows.cli import main
 
     bp, store, res, _ = phased
     assert main(["ls", f"storage.uri={store}", "--run", RUN]) == 0
@@ -530,7 +557,7 @@ def test_ls_lists_a_phased_run_in_plan_order(phased, capsys):
 def test_ls_orders_stages_committed_in_one_second_by_their_inputs(phased, tmp_path, capsys):
     """Manifests of older versions have whole-second commit times: a stage and the one reading it (dpo[dpo.2],
     evaluate[tuned] in CI) could share one, and the reader must still come second."""
-    from verlflow.core.orchestrate.cli import main
+    from verlflow.flows.cli import main
 
     _, store, res, _ = phased
     copy = tmp_path / "store"
@@ -552,10 +579,10 @@ def test_ls_orders_stages_committed_in_one_second_by_their_inputs(phased, tmp_pa
 
 
 def test_the_space_estimate_covers_what_a_phased_run_keeps(phased):
-    """validate's space estimate (core/orchestrate/footprint.py) counts the phases' checkpoints: each sft/dpo
+    """validate's space estimate (core/checks/footprint.py) counts the phases' checkpoints: each sft/dpo
     phase's last epochs, the start policies retention keeps, the rl phase's own build. Without them it was below
     what this run's store holds at its end."""
-    from verlflow.core.orchestrate.footprint import estimate
+    from verlflow.core.checks.footprint import estimate
 
     bp, store, _, _ = phased
     held = sum(p.stat().st_size for p in (store / "runs" / RUN).rglob("*") if p.is_file())

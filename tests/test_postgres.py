@@ -26,6 +26,8 @@ from tinybp import ONE_RANK, tiny_blueprint
 from prefect_server import PREFECT, QUIET, ROOT, VERLFLOW, _free_port, _stop, manifest, \
     write_blueprint
 
+pytestmark = pytest.mark.system
+
 DB, USER, PW = "prefect", "verlflow", "pg-test-pw"
 
 
@@ -151,6 +153,7 @@ def _api(stack: PgStack, path: str, body: dict | None = None):
     return r.json() if r.content else None
 
 
+@pytest.mark.slow(reason="the same flow on SQLite: covered by test_flows::test_pipeline_flow_run_with_artifacts")
 def test_scheduled_run_executes_through_a_process_worker_on_postgres(pg_prefect, tiny_kit, tmp_path):
     stack = pg_prefect
     # a daily cron whose occurrence today was a minute ago: the backfill below makes exactly that run
@@ -204,8 +207,8 @@ def test_scheduled_run_executes_through_a_process_worker_on_postgres(pg_prefect,
     from verlflow.flows.common import run_id_for
 
     run_id = run_id_for("pg-nightly", FlowRun.model_validate(_api(stack, f"/flow_runs/{fr['id']}")))
-    assert (store / "runs" / run_id / "1" / "checkpoint" / "manifest.json").exists(), sorted(store.rglob("*"))[:50]
-    assert manifest(bp, run_id, 1, "checkpoint") is not None
+    assert (store / "runs" / run_id / "1" / "export" / "manifest.json").exists(), sorted(store.rglob("*"))[:50]
+    assert manifest(bp, run_id, 1, "export") is not None
 
     # the server really used postgres: the flow run, its deployment and its state history are rows there
     rows = _sql(stack.pg_port, "SELECT f.id, f.state_type, f.name, d.name AS dep FROM flow_run f "

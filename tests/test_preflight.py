@@ -1,7 +1,7 @@
 """Bad inputs that used to fail only in a later stage, after validate (and build) had committed (issue 13, item 6
 and part of 7), now refused before anything is committed.
 
-The driver-side checks (model config and weight files, dataset size) run in-process through `verlflow.core.orchestrate.cli.main`, for
+The driver-side checks (model config and weight files, dataset size) run in-process through `verlflow.flows.cli.main`, for
 both `validate-blueprint` and `run` (no torchrun: `run` stops before its first stage job). The checks that need
 the rollout's tokenizer and reward (prompt lengths, a reward that returns text) run in the validate stage: one
 1-rank torchrun job per case, and one case through the Prefect flow. Every case asserts: exit code != 0, one
@@ -19,8 +19,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from verlflow.core.ml.fastgen import SUPPORTED_MODEL_TYPES
-from verlflow.core.orchestrate.cli import main
+from verlflow.flows.cli import main
 from tinybp import prompt_rows
+
+pytestmark = pytest.mark.system
 
 SMALL = ["resources.nproc_per_node=1", "data.batch_size=4", "algorithm.ppo_mini_batch_size=2",
          "algorithm.ppo_micro_batch_size_per_gpu=4", "rollout.n=4"]
@@ -112,7 +114,8 @@ def test_static_engine_with_an_unsupported_model_type(verb, tiny_kit, tmp_path, 
 
 
 def test_static_engine_accepts_its_model_types_and_hf_any(model, tiny_kit, tmp_path):
-    from verlflow.core.blueprint import load_blueprint, missing_inputs
+    from verlflow.core.blueprint import load_blueprint
+    from verlflow.core.checks.inputs import missing_inputs
 
     def problems(*overrides):
         base = [f"model.path={model}", f"data.train_files=[{tiny_kit['train_file']}]", f"storage.uri={tmp_path}"]
@@ -144,7 +147,8 @@ def test_corrupt_weight_header_is_named(model, tiny_kit, tmp_path, capsys):
 
 
 def test_sharded_checkpoint_names_the_bad_shard(model, tiny_kit, tmp_path, capsys):
-    from verlflow.core.blueprint import load_blueprint, missing_inputs
+    from verlflow.core.blueprint import load_blueprint
+    from verlflow.core.checks.inputs import missing_inputs
 
     shards = _shard(model)
     bp = load_blueprint(None, [f"model.path={model}", f"data.train_files=[{tiny_kit['train_file']}]"])

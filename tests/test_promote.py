@@ -3,6 +3,8 @@ retention: tests/test_retention.py)."""
 
 import json
 
+import pytest
+
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.job import JobSpec
 from verlflow.core.store.artifacts import ArtifactStore
@@ -10,9 +12,11 @@ from verlflow.core.store.digests import file_digest
 from verlflow.core.store.promote import promote
 from verlflow.core.store.retention import retain as prune
 
+pytestmark = pytest.mark.system
+
 
 def _fake_checkpoint(store: ArtifactStore, tmp_path, run_id: str, it: int, reward: float) -> dict:
-    key = f"runs/{run_id}/{it}/checkpoint"
+    key = f"runs/{run_id}/{it}/export"
     local = tmp_path / f"hf{it}"
     local.mkdir()
     (local / "model.safetensors").write_bytes(b"w" * (10 + it))
@@ -21,7 +25,7 @@ def _fake_checkpoint(store: ArtifactStore, tmp_path, run_id: str, it: int, rewar
     # The policy of iteration `it` is ranked by the rollout that sampled from it, the next one.
     store.commit(f"runs/{run_id}/{it + 1}/rollout", {"key": f"r{it + 1}", "stage": "rollout",
                                                      "metrics": {"reward_mean": reward}}, {})
-    return store.commit(key, {"key": f"k{it}", "stage": "checkpoint", "metrics": {"reward_mean": reward}}, files)
+    return store.commit(key, {"key": f"k{it}", "stage": "export", "metrics": {"reward_mean": reward}}, files)
 
 
 def test_retention_keeps_last_k_and_best(tmp_path):
@@ -30,14 +34,14 @@ def test_retention_keeps_last_k_and_best(tmp_path):
     rewards = {1: 0.1, 2: 0.9, 3: 0.2, 4: 0.3, 5: 0.4}
     for it, r in rewards.items():
         _fake_checkpoint(store, tmp_path, "r", it, r)
-    pruned = prune(store, bp, "r")
-    assert pruned == ["runs/r/1/checkpoint", "runs/r/3/checkpoint"]
+    pruned = prune(store, bp.storage, "r")
+    assert pruned == ["runs/r/1/export", "runs/r/3/export"]
     for it in rewards:
-        m = store.read_manifest(f"runs/r/{it}/checkpoint")
+        m = store.read_manifest(f"runs/r/{it}/export")
         assert m is not None  # still committed: a rerun skips it
-        exists = (tmp_path / f"store/runs/r/{it}/checkpoint/hf/model.safetensors").exists()
+        exists = (tmp_path / f"store/runs/r/{it}/export/hf/model.safetensors").exists()
         assert exists == (it in (2, 4, 5)) and bool(m.get("pruned")) == (it in (1, 3))
-    assert prune(store, bp, "r") == []  # idempotent
+    assert prune(store, bp.storage, "r") == []  # idempotent
 
 
 def test_promote_moves_latest_pointers(tmp_path):
@@ -45,7 +49,7 @@ def test_promote_moves_latest_pointers(tmp_path):
     bp = Blueprint(name="nm", storage={"uri": str(tmp_path / "store")})
     for it in (1, 2):
         m = _fake_checkpoint(store, tmp_path, "r", it, 0.1 * it)
-        job = JobSpec.model_construct(run_id="r", iteration=it, output=f"runs/r/{it}/checkpoint",
+        job = JobSpec.model_construct(run_id="r", iteration=it, output=f"runs/r/{it}/export",
                                       inputs={"update": f"runs/r/{it}/update", "build": "runs/r/init/build"})
         promote(store, bp, job, m)
         for name in ("runs/r/latest", "blueprints/nm/latest"):
@@ -63,8 +67,8 @@ def _evaluated(store: ArtifactStore, run_id: str, it: int, reward: float) -> Non
 def _exported(store: ArtifactStore, bp: Blueprint, run_id: str, it: int, reward: float) -> dict | None:
     """Iteration `it` evaluated at `reward`, its checkpoint stage committed, then the gate: what promote returns."""
     _evaluated(store, run_id, it, reward)
-    out = f"runs/{run_id}/{it}/checkpoint"
-    store.commit(out, {"key": f"c{it}", "stage": "checkpoint", "metrics": {}}, {})
+    out = f"runs/{run_id}/{it}/export"
+    store.commit(out, {"key": f"c{it}", "stage": "export", "metrics": {}}, {})
     job = JobSpec.model_construct(run_id=run_id, iteration=it, output=out,
                                   inputs={"update": f"runs/{run_id}/{it}/update", "build": f"runs/{run_id}/init/build"})
     return promote(store, bp, job, {"metrics": {}})
@@ -135,8 +139,8 @@ def test_the_run_summary_names_the_policy_the_pointer_names_never_the_last_expor
     _evaluated(store, "r", 0, 0.1)
     _exported(store, bp, "r", 1, 0.3)
     _exported(store, bp, "r", 2, 0.5)
-    hf2 = store.uri("runs/r/2/checkpoint/hf").removeprefix("file://")
-    pending = run_summary(store, bp, "r", rows)  # checkpoint[3] not committed yet
+    hf2 = store.uri("runs/r/2/export/hf").removeprefix("file://")
+    pending = run_summary(store, bp, "r", rows)  # export[3] not committed yet
     assert f"- Promoted policy: iteration 2 (eval/reward_mean=0.5); HF folder: `{hf2}`" in pending, pending
     assert ("The export of iteration 3 is still committing in the background: the promotion gate decides on it "
             "when its commit lands") in pending
@@ -154,7 +158,7 @@ def _inputs(run_id: str, it: int) -> dict:
 
 
 def _gate(store, bp, run_id: str, it: int, manifest: dict) -> None:
-    promote(store, bp, JobSpec.model_construct(run_id=run_id, iteration=it, output=f"runs/{run_id}/{it}/checkpoint",
+    promote(store, bp, JobSpec.model_construct(run_id=run_id, iteration=it, output=f"runs/{run_id}/{it}/export",
                                                inputs=_inputs(run_id, it)), manifest)
 
 
@@ -163,7 +167,7 @@ def _moves(store, name: str) -> list:
 
 
 def test_a_reused_export_whose_gate_never_ran_is_gated_once(tmp_path):
-    """Without promote.metric: checkpoint[2] committed, then the run stopped before its gate. The rerun that reuses
+    """Without promote.metric: export[2] committed, then the run stopped before its gate. The rerun that reuses
     it runs the gate; a second rerun moves nothing. Stopped between the gate's two moves, the rerun makes only the
     one missing. A blueprint pointer that a newer export moved since is left to it; a person's move since wins."""
     from verlflow.core.store.promote import after_export, move, policy_of
@@ -217,8 +221,8 @@ def test_a_reused_export_is_gated_by_its_metric_and_a_half_done_gate_is_finished
     _evaluated(store, "r", 0, 0.2)
     for it, reward in ((1, 0.1), (2, 0.5)):
         _evaluated(store, "r", it, reward)
-        store.commit(f"runs/r/{it}/checkpoint", {"key": f"c{it}", "stage": "checkpoint", "metrics": {}}, {})
-    m1, m2 = (store.read_manifest(f"runs/r/{it}/checkpoint") for it in (1, 2))
+        store.commit(f"runs/r/{it}/export", {"key": f"c{it}", "stage": "export", "metrics": {}}, {})
+    m1, m2 = (store.read_manifest(f"runs/r/{it}/export") for it in (1, 2))
 
     for _ in range(2):  # worse than the start: gated, nothing moves, and nothing marks it
         assert after_export(store, bp, "r", 1, _inputs("r", 1), m1, reused=True) == (True, None)
@@ -232,12 +236,12 @@ def test_a_reused_export_is_gated_by_its_metric_and_a_half_done_gate_is_finished
 
 
 def test_a_rerun_completes_the_promotion_the_run_stopped_before(reference, tmp_path, capsys, monkeypatch, request):
-    """The reference run as if it stopped after checkpoint[2] committed, before its promotion (both `latest`
+    """The reference run as if it stopped after export[2] committed, before its promotion (both `latest`
     pointers back at iteration 1). `verlflow rerun` reuses every stage, promotes iteration 2 and says so; a second
     rerun moves nothing. So does the flow (`verlflow rerun --prefect`), which shares the pipeline loop."""
     from tinybp import tiny_overrides
 
-    from verlflow.core.orchestrate.cli import main
+    from verlflow.flows.cli import main
     from verlflow.core.store.promote import policy_of
 
     monkeypatch.setenv("VERLFLOW_CACHE_DIR", str(tmp_path / "cache"))
@@ -247,7 +251,7 @@ def test_a_rerun_completes_the_promotion_the_run_stopped_before(reference, tmp_p
     args = tiny_overrides(reference.kit, root, iterations=2, storage__keep_last_checkpoints=3)
 
     def stop_before_the_gate() -> None:
-        first = policy_of(store, store.read_manifest("runs/eq/1/checkpoint"))
+        first = policy_of(store, store.read_manifest("runs/eq/1/export"))
         for name in names:
             moves = store.get_pointer(name)["history"]
             assert [(e["run_id"], e["iteration"]) for e in moves[-2:]] == [("eq", 1), ("eq", 2)]
@@ -265,7 +269,7 @@ def test_a_rerun_completes_the_promotion_the_run_stopped_before(reference, tmp_p
     stop_before_the_gate()
     out = rerun()
     assert out.count("is committed with the same key: reusing") == 8, out
-    assert "checkpoint[2]: its promotion never happened" in out and "promoted it -> " in out, out
+    assert "export[2]: its promotion never happened" in out and "promoted it -> " in out, out
     moves = [store.get_pointer(name)["history"] for name in names]
     assert "promotion never happened" not in rerun() and [store.get_pointer(n)["history"] for n in names] == moves
 
@@ -273,3 +277,32 @@ def test_a_rerun_completes_the_promotion_the_run_stopped_before(reference, tmp_p
     stop_before_the_gate()
     rerun("--prefect")
     assert [len(store.get_pointer(n)["history"]) for n in names] == [len(m) for m in moves]
+
+
+def test_a_store_from_before_the_export_rename_is_promoted_rolled_back_and_pruned(tmp_path):
+    """Exports committed as `runs/<run>/<i>/checkpoint` with pointers whose field is `checkpoint` (the release
+    before the stage's rename): `verlflow promote` and `rollback` find them, retention counts them as exports."""
+    from verlflow.core.store.promote import export_of, move, promotable, promote_by_hand, rollback
+
+    store = ArtifactStore(tmp_path / "store")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf/model.safetensors").write_bytes(b"w" * 10)
+    for it in (1, 2, 3):
+        store.upload_dir(tmp_path / "hf", f"runs/old/{it}/checkpoint/hf")
+        store.commit(f"runs/old/{it}/checkpoint", {"key": f"c{it}", "stage": "checkpoint", "run_id": "old",
+                                                   "iteration": it, "blueprint_name": "bp", "metrics": {},
+                                                   "inputs": {"update": {"stage": f"runs/old/{it}/update"},
+                                                              "build": {"stage": "runs/old/init/build"}}},
+                     {"hf/model.safetensors": file_digest(tmp_path / "hf/model.safetensors")})
+    assert promotable(store, "old") == [1, 2, 3]
+    for it in (1, 2):
+        promote_by_hand(store, "old", it)
+    latest = store.get_pointer("blueprints/bp/latest")
+    assert export_of(latest) == "runs/old/2/checkpoint" and latest["hf_uri"].endswith("runs/old/2/checkpoint/hf")
+    before, after = rollback(store, "bp")
+    assert (before["iteration"], after["iteration"], export_of(after)) == (2, 1, "runs/old/1/checkpoint")
+    legacy = {k: v for k, v in after.items() if k != "export"} | {"checkpoint": "runs/old/1/checkpoint"}
+    assert export_of(legacy) == "runs/old/1/checkpoint"  # a pointer written by the earlier release
+    move(store, "runs/old/latest", legacy, "promote")
+    assert prune(store, Blueprint(storage={"uri": str(tmp_path / "store"), "keep_last": 1,
+                                           "keep_best_metric": None}).storage, "old") == ["runs/old/2/checkpoint"]

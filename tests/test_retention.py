@@ -8,12 +8,14 @@ from tinybp import ONE_RANK, tiny_blueprint
 
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.errors import PrunedError
-from verlflow.core.orchestrate.pipeline import checkpoint_reads, run_pipeline
+from verlflow.core.orchestrate.pipeline import checkpoint_reads, plan, run_pipeline
 from verlflow.core.orchestrate.launcher import StageFailure
-from verlflow.core.orchestrate.runner import open_store
+from verlflow.core.store.artifacts import open_store
 from verlflow.core.store.artifacts import ArtifactStore
 from verlflow.core.store.digests import bytes_digest
 from verlflow.core.store.retention import retain
+
+pytestmark = pytest.mark.system
 
 pytest_plugins = ["s3server"]
 
@@ -52,7 +54,7 @@ def test_keep_set_last_n_best_pointers_and_the_builds_reference(tmp_path):
     _fake_run(store, {1: 0.1, 2: 0.2, 3: 0.3, 4: 0.9, 5: 0.4, 6: 0.5})
     store.set_pointer("custom/pins", {"deep": [{"stage": "runs/r/1/update"}], "other": "runs/zz/1/update"})
     store.set_pointer("runs/r/latest", {"build": "runs/r/init/build", "update": "runs/r/6/update"})
-    pruned = retain(store, _bp(tmp_path, keep_last_checkpoints=2), "r")
+    pruned = retain(store, _bp(tmp_path, keep_last_checkpoints=2).storage, "r")
     assert pruned == ["runs/r/2/update", "runs/r/4/update", "runs/r/init/build"]
     for it in range(1, 7):
         key = f"runs/r/{it}/update"
@@ -68,7 +70,7 @@ def test_keep_set_last_n_best_pointers_and_the_builds_reference(tmp_path):
         store.read_verified("runs/r/init/build", "policy/w")
     with pytest.raises(PrunedError, match="runs/r/2/update"):
         store.materialize("runs/r/2/update", tmp_path / "dl")
-    assert retain(store, _bp(tmp_path, keep_last_checkpoints=2), "r") == []  # idempotent
+    assert retain(store, _bp(tmp_path, keep_last_checkpoints=2).storage, "r") == []  # idempotent
 
 
 def test_a_rerun_forced_from_an_earlier_step_keeps_its_new_checkpoints(tmp_path):
@@ -77,8 +79,8 @@ def test_a_rerun_forced_from_an_earlier_step_keeps_its_new_checkpoints(tmp_path)
     store = ArtifactStore(tmp_path)
     _fake_run(store, {it: 0.1 for it in range(1, 7)})
     bp = _bp(tmp_path, keep_last_checkpoints=2, keep_best_metric=None)
-    assert retain(store, bp, "r", head=3) == ["runs/r/1/update", "runs/r/init/build"]
-    assert retain(store, bp, "r") == ["runs/r/2/update", "runs/r/3/update", "runs/r/4/update"]  # head: the last
+    assert retain(store, bp.storage, "r", head=3) == ["runs/r/1/update", "runs/r/init/build"]
+    assert retain(store, bp.storage, "r") == ["runs/r/2/update", "runs/r/3/update", "runs/r/4/update"]  # head: the last
 
 
 def test_what_the_plan_still_reads_and_each_phases_start_stay(tmp_path):
@@ -88,18 +90,18 @@ def test_what_the_plan_still_reads_and_each_phases_start_stay(tmp_path):
     store = ArtifactStore(tmp_path)
     _fake_run(store, {1: 0.1, 2: 0.2})
     for it in (1, 2):
-        _commit(store, f"runs/r/{it}/checkpoint", "checkpoint", {"hf/w": b"h" * 8})
+        _commit(store, f"runs/r/{it}/export", "export", {"hf/w": b"h" * 8})
     bp = Blueprint(storage={"uri": str(tmp_path), "keep_last_checkpoints": 1, "keep_best_metric": None},
                    phases=[{"kind": "rl", "iterations": 2},
                            {"kind": "sft", "init_from": "model", "data": {"train_files": ["sft.parquet"]}}])
-    reads = checkpoint_reads(bp, "r")
-    assert retain(store, bp, "r", head=2, reads=reads) == ["runs/r/1/update"]
+    reads = checkpoint_reads(plan(bp, "r"), "r")
+    assert retain(store, bp.storage, "r", head=2, reads=reads) == ["runs/r/1/update"]
     assert _holds_checkpoint(store, "runs/r/init/build")
     _commit(store, "runs/r/sft.1/sft", "sft", {"policy/w": b"s" * 8})
-    assert retain(store, bp, "r", reads=reads) == []
+    assert retain(store, bp.storage, "r", reads=reads) == []
     assert _holds_checkpoint(store, "runs/r/init/build") and _holds_checkpoint(store, "runs/r/2/update")
     # Without the plan (what a pass knew before), the build goes although sft still starts from it.
-    assert retain(store, bp, "r", head=2) == ["runs/r/init/build"]
+    assert retain(store, bp.storage, "r", head=2) == ["runs/r/init/build"]
 
 
 def test_the_models_build_ranks_before_the_rl_phases_build(tmp_path):
@@ -110,7 +112,7 @@ def test_the_models_build_ranks_before_the_rl_phases_build(tmp_path):
     files = {"ref/w": b"r" * 8, "policy/w": b"p" * 8}
     _commit(store, "runs/r/init/build", "build", files)
     _commit(store, "runs/r/grpo/build", "build", files)
-    assert retain(store, _bp(tmp_path, keep_last_checkpoints=1, keep_best_metric=None), "r") == ["runs/r/init/build"]
+    assert retain(store, _bp(tmp_path, keep_last_checkpoints=1, keep_best_metric=None).storage, "r") == ["runs/r/init/build"]
 
     store = ArtifactStore(tmp_path / "ranked")
     _commit(store, "runs/r/init/build", "build", files)
@@ -119,14 +121,14 @@ def test_the_models_build_ranks_before_the_rl_phases_build(tmp_path):
             inputs={"build": "runs/r/grpo/build", "policy": "runs/r/grpo/build"})
     _commit(store, "runs/r/1/update", "update", {"policy/w": b"u" * 8})
     bp = _bp(tmp_path / "ranked", keep_last_checkpoints=1, keep_best_metric="reward_mean")
-    assert retain(store, bp, "r") == ["runs/r/init/build"]  # update[1]: the last; the rl build: the best
+    assert retain(store, bp.storage, "r") == ["runs/r/init/build"]  # update[1]: the last; the rl build: the best
 
 
 def test_an_unreadable_pointer_prunes_nothing(tmp_path):
     store = ArtifactStore(tmp_path)
     _fake_run(store, {1: 0.1, 2: 0.2, 3: 0.3})
     store.put_bytes("pointers/runs/r/latest.json", b'{"update": "runs/r/1/upd')  # cut short
-    assert retain(store, _bp(tmp_path, keep_last_checkpoints=1), "r") == []
+    assert retain(store, _bp(tmp_path, keep_last_checkpoints=1).storage, "r") == []
     assert all(_holds_checkpoint(store, f"runs/r/{it}/update") for it in (1, 2, 3))
 
 
@@ -140,10 +142,10 @@ def test_an_interrupted_prune_is_finished_by_the_next_pass(tmp_path):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        retain(store, _bp(tmp_path, keep_last_checkpoints=1, keep_best_metric=None), "r", between=crash)
+        retain(store, _bp(tmp_path, keep_last_checkpoints=1, keep_best_metric=None).storage, "r", between=crash)
     first = store.read_manifest("runs/r/init/build")  # the first unit pruned: marked, files still there
     assert first["pruned"] and _holds_checkpoint(store, "runs/r/init/build")
-    assert retain(store, _bp(tmp_path, keep_last_checkpoints=1, keep_best_metric=None), "r") == [
+    assert retain(store, _bp(tmp_path, keep_last_checkpoints=1, keep_best_metric=None).storage, "r") == [
         "runs/r/1/update", "runs/r/2/update"]
     assert [k for k in ("runs/r/init/build", "runs/r/1/update", "runs/r/2/update", "runs/r/3/update")
             if _holds_checkpoint(store, k)] == ["runs/r/3/update"]
@@ -172,7 +174,7 @@ def _assert_retained(root, run: str, keep_last: int, pins: tuple[str, ...] = (),
     extra = on_disk - set(order[-keep_last:]) - pinned
     assert not extra, f"checkpoints kept beyond the last {keep_last} and the pinned ones: {sorted(extra)}"
     assert len(on_disk) <= keep_last + len(pinned)
-    for key in pinned | ({pointer["checkpoint"]} if pointer else set()):
+    for key in pinned | ({pointer["export"]} if pointer else set()):
         m = store.read_manifest(key)
         assert m is not None and not m.get("pruned") and not store.damage(key, checksums=False), key
     if pointer:
@@ -181,7 +183,7 @@ def _assert_retained(root, run: str, keep_last: int, pins: tuple[str, ...] = (),
         assert {f.split("/")[0] for f in build["files"]} >= {"ref", "hf_meta"}
     for key in set(order) - on_disk:
         assert store.read_manifest(key)["pruned"], key  # still committed: reruns skip it
-    exports = {p.parent.parent.name for p in (root / "runs" / run).glob("*/checkpoint/hf")
+    exports = {p.parent.parent.name for p in (root / "runs" / run).glob("*/export/hf")
                if not isinstance(head, int) or int(p.parent.parent.name) <= head}
     assert len(exports - {str(pointer.get("iteration"))}) <= 2, exports
 
@@ -208,7 +210,7 @@ def test_eight_iterations_keep_two_checkpoints_after_every_stage(tiny_kit, tmp_p
     def after(step, result):
         seen.append(step.name)
         if step.name == "update[4]":  # a pointer of someone else's: it pins update[4] from now on
-            open_store(bp).set_pointer("pins/kept", {"policy": "runs/t/4/update"})
+            open_store(bp.storage).set_pointer("pins/kept", {"policy": "runs/t/4/update"})
         _assert_retained(root, "t", 2, pins=("runs/t/4/update",) if "update[4]" in seen else ())
 
     run_pipeline(bp, "t", on_line=lambda line: None, on_step=after)
@@ -252,7 +254,7 @@ def _cli_bp(bp) -> list[str]:
 
 
 def test_a_kill_during_pruning_loses_nothing_a_pointer_names(tiny_kit, tmp_path, monkeypatch):
-    """Rank 0 is SIGKILLed in the last stage's retention pass (checkpoint[2], once promoted, prunes update[1]),
+    """Rank 0 is SIGKILLed in the last stage's retention pass (export[2], once promoted, prunes update[1]),
     after the pruned manifest is committed and before its files go: the pointers' stages are whole, and the rerun,
     which reuses every stage, finishes the deletion. (Commits inline, so the kill fails the stage; on a committer
     thread the commit has landed, the pool's loss is no stage's failure and the pipeline's closing pass finishes
@@ -271,7 +273,7 @@ def test_a_kill_during_pruning_loses_nothing_a_pointer_names(tiny_kit, tmp_path,
     store = ArtifactStore(root)
     pointer = store.get_pointer("runs/k/latest")
     assert pointer["iteration"] == 2
-    for key in (pointer["update"], pointer["checkpoint"], pointer["build"]):
+    for key in (pointer["update"], pointer["export"], pointer["build"]):
         m = store.read_manifest(key)
         assert m is not None and not store.damage(key, checksums=True), key
     assert store.read_manifest("runs/k/1/update")["pruned"]  # marked, then the kill: its files are still there
@@ -295,11 +297,11 @@ def test_retention_on_s3(tiny_kit, s3_bucket, tmp_path):
         Bucket=s3_bucket.name, Prefix="vf/runs/s/") for o in page.get("Contents", [])}
     heavy = {k.split("/")[3] + "/" + k.split("/")[4] for k in objects
              if k.split("/")[5] in ("policy", "critic", "hf")}
-    assert heavy == {"3/update", "3/checkpoint"}, heavy
+    assert heavy == {"3/update", "3/export"}, heavy
     assert any(k.startswith("vf/runs/s/init/build/ref/") for k in objects)  # the build keeps its reference
-    store = open_store(bp)
-    for key in ("runs/s/init/build", "runs/s/1/update", "runs/s/2/update", "runs/s/1/checkpoint",
-                "runs/s/2/checkpoint"):
+    store = open_store(bp.storage)
+    for key in ("runs/s/init/build", "runs/s/1/update", "runs/s/2/update", "runs/s/1/export",
+                "runs/s/2/export"):
         assert store.read_manifest(key)["pruned"] and f"vf/{key}/manifest.json" in objects
     with pytest.raises(PrunedError):
         store.materialize("runs/s/2/update", tmp_path / "dl")

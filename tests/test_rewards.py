@@ -6,6 +6,9 @@ import subprocess
 import sys
 import textwrap
 import uuid
+import pytest
+
+pytestmark = pytest.mark.unit
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 

@@ -7,6 +7,8 @@ import pytest
 import torch
 from tinybp import tiny_blueprint
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("engine", ["static", "hf"])
 def test_tokens_per_s_excludes_the_engine_set_up(tiny_kit, tmp_path, engine):
@@ -22,7 +24,9 @@ def test_tokens_per_s_excludes_the_engine_set_up(tiny_kit, tmp_path, engine):
     data = load_prompts(bp.data.train_files, bp.data.prompt_key)
     rows = list(range(bp.data.batch_size))
     t0 = time.perf_counter()
-    samples = generate_share(model, tok, bp, data.take(rows), 1, Placement(0, 1, torch.device("cpu")))
+    samples = generate_share(model, tok, bp.rollout, bp.reward, data.take(rows), 1,
+                             Placement(0, 1, torch.device("cpu")), max_prompt_len=bp.data.max_prompt_length,
+                             seed=bp.seed)
     wall = time.perf_counter() - t0
     stats = save_batch(samples, tmp_path, tok.pad_token_id, bp.rollout.max_new_tokens)
     if engine == "static":

@@ -3,7 +3,7 @@ shared test server has it off) and `verlflow serve` running the deployment.
 
 - The scheduler creates a deployment's upcoming runs in one batch, and Prefect's flow-run ids are time-ordered, so
   those runs share any prefix of their ids: each must still get its own run id, train, and (init_from: previous)
-  warm-start from the previous run's promoted policy, in the order they were scheduled.
+  warm-start from the last promoted policy (nights 2 and 3 fail the gate), in the order they were scheduled.
 - Runs created through the API within one second, for the same start, get distinct run ids too (the start time
   alone does not make a run id: these ids are random, the random part of the id does).
 - A schedule added in the UI survives a restart of `verlflow serve`.
@@ -12,14 +12,20 @@ shared test server has it off) and `verlflow serve` running the deployment.
 """
 
 import datetime as dt
+import json
 import time
 
+import pyarrow.parquet as pq
 import pytest
 from tinybp import ONE_RANK, tiny_blueprint
 from prefect_server import (PREFECT, ROOT, Served, _stop, api, manifest, start_polling, start_serve, start_server,
                            write_blueprint)
 
+from verlflow.core.orchestrate.pipeline import run_pipeline
+from verlflow.core.store.artifacts import open_store
 from verlflow.flows.common import QUEUED
+
+pytestmark = pytest.mark.system
 
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
 
@@ -51,8 +57,15 @@ def wait_final(server, run_ids: list[str], timeout_s: float) -> dict[str, dict]:
 
 
 def test_a_scheduled_batch_gets_three_run_ids_that_train_and_warm_start_in_order(sched_server, tiny_kit, tmp_path):
+    """Three nights the scheduler made in one batch, started out of order, each under its own run id, in order. The
+    chain has a gate (promote.metric=update/step, mode min): nights 2 and 3 take as many steps as night 1, fail it
+    and start from night 1's policy; the prompts run on across the epochs of an 8-row train file, each night has its
+    own seed, and a rerun of a night reuses every stage."""
+    train_file = tmp_path / "train8.parquet"
+    pq.write_table(pq.read_table(tiny_kit["train_file"]).slice(0, 8), train_file)
     bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "name=nightly", "schedule.cron='0 3 * * *'",
-                        "schedule.init_from=previous", "resources.warm_workers=true")
+                        "schedule.init_from=previous", "resources.warm_workers=true", "promote.metric=update/step",
+                        "promote.mode=min", f"data.train_files={json.dumps([str(train_file)])}")
     served = start_serve(sched_server, write_blueprint(bp, tmp_path / "nightly.yaml"), log=tmp_path / "serve.log")
     try:
         dep = api(sched_server, "/deployments/name/finetune/nightly")
@@ -82,15 +95,26 @@ def test_a_scheduled_batch_gets_three_run_ids_that_train_and_warm_start_in_order
     for run_id, r in zip(run_ids, runs):
         start = dt.datetime.fromisoformat(r["expected_start_time"]).astimezone(dt.timezone.utc)
         assert run_id == f"nightly-{start:%Y%m%dT%H%M%SZ}-{r['id'].replace('-', '')[-8:]}"
-        assert manifest(bp, run_id, 1, "checkpoint") is not None  # each trained under its own run id
+        assert manifest(bp, run_id, 1, "export") is not None  # each trained under its own run id
     builds = [manifest(bp, run_id, "init", "build") for run_id in run_ids]
     assert "warm_start" not in builds[0]["inputs"]  # nothing promoted before the first: the base model
-    for prev, build in zip(run_ids, builds[1:]):
-        assert build["inputs"]["warm_start"]["stage"] == f"runs/{prev}/1/update"
-    assert [e["run_id"] for e in builds[2]["lineage"]] == run_ids[:2]  # base -> night 1 -> night 2 -> night 3
-    # the chain's prompts run on from night to night (4 an iteration), each night with its own seed
+    assert [b["inputs"]["warm_start"]["stage"] for b in builds[1:]] == [f"runs/{run_ids[0]}/1/update"] * 2
+    assert [e["run_id"] for e in builds[2]["lineage"]] == run_ids[:1]  # base -> night 1 -> night 3
+    assert all(f"the policy of run {run_ids[0]} iteration 1" in b["metrics"]["start"] for b in builds[1:])
+    latest = open_store(bp.storage).get_pointer("blueprints/nightly/latest")
+    assert [e["run_id"] for e in latest["history"]] == run_ids[:1]  # nights 2 and 3 failed the gate
+    # the chain's prompts run on from night to night (4 an iteration; every row once an epoch), each its own seed
     assert [(b["metrics"]["chain_position"], b["metrics"]["data_cursor"]) for b in builds] == [(0, 0), (1, 4), (2, 8)]
+    stream = [row for run_id in run_ids for row in trained_rows(bp, run_id)]
+    assert sorted(stream[:8]) == list(range(8)) and len(set(stream[8:])) == 4, stream
     assert len({b["metrics"]["seed"] for b in builds}) == 3
+    assert all(r.skipped for r in run_pipeline(bp, run_ids[1], on_line=lambda line: None))  # seed and place kept
+
+
+def trained_rows(bp, run_id: str) -> list[int]:
+    """The train file's rows a run's first rollout sampled, in its batch's order."""
+    samples = pq.read_table(f"{bp.storage.uri}/runs/{run_id}/1/rollout/samples.parquet").to_pylist()
+    return [row for _, row in sorted({s["group"]: s["row"] for s in samples}.items())]
 
 
 def test_runs_created_in_the_same_second_through_the_api_get_distinct_run_ids(sched_server, tiny_kit, tmp_path):
@@ -110,6 +134,8 @@ def test_runs_created_in_the_same_second_through_the_api_get_distinct_run_ids(sc
     assert len(run_ids) == 3 and len({i.rsplit("-", 1)[0] for i in run_ids}) == 1, run_ids  # same second
 
 
+@pytest.mark.slow(
+    reason="covered by test_schedule::test_a_scheduled_batch_gets_three_run_ids_that_train_and_warm_start_in_order")
 def test_serve_restart_keeps_schedules_added_in_the_ui(sched_server, tiny_kit, tmp_path):
     bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "name=keep", "schedule.cron='0 3 * * *'")
     f = write_blueprint(bp, tmp_path / "keep.yaml")

@@ -36,6 +36,8 @@ from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
 from verlflow.core.store.artifacts import ArtifactStore
 from verlflow.core.store.digests import file_digest
 
+pytestmark = pytest.mark.system
+
 REPO = Path(__file__).resolve().parents[1]
 QUIET = dict(on_line=lambda line: None)
 
@@ -131,7 +133,7 @@ def test_from_steps_that_escape_are_refused(tiny_kit, tmp_path, step):
 
 
 def test_stage_inputs_and_cli_options_that_escape_are_refused(tiny_kit, tmp_path, capsys):
-    from verlflow.core.orchestrate.cli import main
+    from verlflow.flows.cli import main
     from verlflow.core.orchestrate.runner import RunContext, run_stage
 
     store = tmp_path / "store"
@@ -245,7 +247,7 @@ def _laughs(levels: int = 9) -> list[str]:
 BOUNDED_CHILD = """
 import contextlib, io, json, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
-from verlflow.core.orchestrate.cli import main
+from verlflow.flows.cli import main
 imported_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
 out = []
 for argv in json.loads(sys.argv[1]):
@@ -399,7 +401,7 @@ def _fabricated_build(kit: dict, store: ArtifactStore, bp) -> str:
     key = "runs/sec/init/build"
     out = store.local_path(key)
     copy_meta(Path(kit["model_dir"]), out / "hf_meta")
-    model = M.build_module(kit["model_dir"], bp)
+    model = M.build_module(kit["model_dir"], bp.model)
     for role in ("policy", "ref"):
         dcp.save({"model": model.state_dict()}, checkpoint_id=str(out / role / "dcp"), no_dist=True)
         (out / role / "state.json").write_text(json.dumps({"step": 0, "data_cursor": 0, "role": role,

@@ -10,8 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from verlflow.core.errors import InputError
-from verlflow.core.ml import ppo, sft
+from verlflow.core.ml import sft
+from verlflow.core.ml.forward import Rows, forward
 from verlflow.core.testing.tinykit import tiny_task
+
+pytestmark = pytest.mark.unit
 
 EOS = "<|end|>"
 
@@ -72,9 +75,9 @@ def spans(ids: list[int], mask: list[int]) -> list[list[int]]:
 
 
 def logp_of(model, batch: dict, idx=None) -> torch.Tensor:
-    rows = ppo.Rows.of(batch)
+    rows = Rows.of(batch)
     idx = list(range(len(batch["prompts"]))) if idx is None else idx
-    return ppo._forward(model, rows, idx, torch.device("cpu"), temperature=1.0)[0]
+    return forward(model, rows, idx, torch.device("cpu"))[0]
 
 
 # -- data -----------------------------------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ from verlflow.core.blueprint import SlurmSpec
 from verlflow.core.orchestrate.backends.slurm import SlurmBackend, job_info, render_sbatch, squeue_ids
 from verlflow.core.orchestrate.launcher import FailureKind, LaunchSpec, StageFailure
 
+pytestmark = pytest.mark.system
+
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 TIMINGS = {}  # name -> seconds; printed at the end (pytest -s) and written to test-outputs/slurm-timings.json
 
@@ -197,6 +199,7 @@ def test_blueprint_slurm_section_validates():
         load_blueprint(None, ["resources.backend=slurm", "resources.nnodes=2", "resources.node_rank=1"])
 
 
+@pytest.mark.slow(reason="covered by test_slurm::test_failing_rank_names_its_node_and_rank (2 nodes x 1 rank)")
 def test_stage_runs_across_two_nodes(slurm_cluster, tiny_kit, tmp_path, shared):
     """validate (all-reduce + FSDP shard check at world size 2) and build as 2 nodes x 1 process."""
     from verlflow.core.orchestrate.runner import RunContext, run_stage
@@ -224,7 +227,7 @@ def test_stage_runs_across_two_nodes(slurm_cluster, tiny_kit, tmp_path, shared):
     assert not list((shared / "scratch").iterdir())
 
 
-@pytest.mark.slow  # 6 min; a stage across two Slurm nodes, cancel and timeout stay in `make test`
+@pytest.mark.slow(reason="covered by test_slurm's failing-rank, cancel and timeout jobs and test_stages' pipelines")
 def test_whole_pipeline_with_backend_slurm(slurm_cluster, tiny_kit, tmp_path, shared):
     """The tiny pipeline end to end on Slurm (2 nodes x 1), then the same on local (1 node x 2): the same
     world size, so the difference per stage is Slurm's overhead. Checkpoint is a 1-node job."""
@@ -235,10 +238,10 @@ def test_whole_pipeline_with_backend_slurm(slurm_cluster, tiny_kit, tmp_path, sh
     t0 = time.monotonic()
     results = run_pipeline(bp, "slp", on_line=lines)
     slurm_total = time.monotonic() - t0
-    assert [r.manifest["stage"] for r in results] == ["validate", "build", "rollout", "update", "checkpoint"]
+    assert [r.manifest["stage"] for r in results] == ["validate", "build", "rollout", "update", "export"]
     assert all(not r.skipped for r in results)
     assert [r.manifest["world_size"] for r in results] == [2, 2, 2, 2, 1]
-    assert (tmp_path / "store/runs/slp/1/checkpoint/hf/config.json").is_file()
+    assert (tmp_path / "store/runs/slp/1/export/hf/config.json").is_file()
     assert lines.text().count("[slurm] submitted") == 5
 
     local = tiny_blueprint(tiny_kit, tmp_path / "store-local", resources__nproc_per_node=2)

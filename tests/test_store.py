@@ -12,6 +12,8 @@ import pytest
 from verlflow.core.errors import ChecksumError, StoreError, UnsafeKeyError
 from verlflow.core.store.artifacts import ArtifactStore, safe_key, stage_key
 from verlflow.core.store.digests import digest_files, file_digest
+
+pytestmark = pytest.mark.system
 # Fixtures s3_endpoint / s3_bucket. The helper is a top-level module: pytest puts tests/ on sys.path (there is
 # no tests/__init__.py), and the name `tests` is taken by a package that verl installs into site-packages.
 

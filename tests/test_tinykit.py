@@ -5,6 +5,9 @@ import json
 import os
 import re
 import statistics
+import pytest
+
+pytestmark = pytest.mark.unit
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -24,6 +24,8 @@ from tinybp import ONE_RANK, tiny_overrides
 from verlflow.core.metrics import flat
 from verlflow.core.store.artifacts import stage_key
 
+pytestmark = pytest.mark.system
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -69,15 +71,17 @@ def _tracked_copy(reference, tmp_path, **tracking):
 
 
 def _metrics(root_bp, run_id: str, stage: str, it: int) -> dict[str, float]:
-    from verlflow.core.orchestrate.runner import open_store
+    from verlflow.core.store.artifacts import open_store
 
-    return flat(stage, open_store(root_bp).read_manifest(stage_key(run_id, it, stage))["metrics"])
+    return flat(stage, open_store(root_bp.storage).read_manifest(stage_key(run_id, it, stage))["metrics"])
 
 
 def _history(client, run_uuid: str, name: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run_uuid, name))
 
 
+@pytest.mark.slow(
+    reason="covered by test_tracking::test_a_flow_run_is_tagged_and_the_linked_mlflow_page_opens_on_model_training")
 def test_mlflow_server_one_run_per_verlflow_run(reference, tmp_path, mlflow_server, caplog):
     """Params, metrics per iteration and the promoted model's tag on a real server; a rerun and a forced
     `--from update[2]` resume the same MLflow run and log only what they recomputed; a server gone mid-run
@@ -85,7 +89,7 @@ def test_mlflow_server_one_run_per_verlflow_run(reference, tmp_path, mlflow_serv
     from mlflow.tracking import MlflowClient
 
     from verlflow.core.orchestrate.pipeline import run_pipeline
-    from verlflow.core.orchestrate.runner import open_store
+    from verlflow.core.store.artifacts import open_store
     from verlflow.core.tracking import mlflow_run_url
 
     url, stop_server = mlflow_server
@@ -117,9 +121,9 @@ def test_mlflow_server_one_run_per_verlflow_run(reference, tmp_path, mlflow_serv
     for name in expected[1]:
         assert _history(client, uuid, name) == [(1, pytest.approx(expected[1][name])),
                                                 (2, pytest.approx(expected[2][name]))], name
-    pointer = open_store(bp).get_pointer(f"runs/{run_id}/latest")
+    pointer = open_store(bp.storage).get_pointer(f"runs/{run_id}/latest")
     assert run.data.tags["verlflow.promoted_model"] == pointer["hf_uri"]
-    assert mlflow_run_url(open_store(bp), run_id) == \
+    assert mlflow_run_url(open_store(bp.storage), run_id) == \
         f"{url}/#/experiments/{exp.experiment_id}/runs/{uuid}?workflowType=machine_learning"
 
     run_pipeline(bp, run_id, on_line=lines.append)  # everything reused: nothing logged again
@@ -132,7 +136,7 @@ def test_mlflow_server_one_run_per_verlflow_run(reference, tmp_path, mlflow_serv
     for name in expected[1]:
         steps = [s for s, _ in _history(client, uuid, name)]
         assert steps == ([1, 2, 2] if name.startswith("update/") else [1, 2]), name
-    assert the_run().data.tags["verlflow.promoted_model"] == open_store(bp).get_pointer(
+    assert the_run().data.tags["verlflow.promoted_model"] == open_store(bp.storage).get_pointer(
         f"runs/{run_id}/latest")["hf_uri"]
 
     caplog.set_level("WARNING", logger="verlflow.tracking")
@@ -142,7 +146,7 @@ def test_mlflow_server_one_run_per_verlflow_run(reference, tmp_path, mlflow_serv
             stop_server()
 
     results = run_pipeline(bp, run_id, on_line=lines.append, on_step=server_gone, force_from="update[2]")
-    assert results[-1].manifest["stage"] == "checkpoint" and not results[-1].skipped  # the run went on to the end
+    assert results[-1].manifest["stage"] == "export" and not results[-1].skipped  # the run went on to the end
     warned = [r.getMessage() for r in caplog.records if r.name == "verlflow.tracking"]
     assert len(warned) == 1 and "mlflow failed to log update[2]" in warned[0], warned
 
@@ -169,7 +173,7 @@ def test_a_flow_run_is_tagged_and_the_linked_mlflow_page_opens_on_model_training
     from prefect.context import get_run_context
 
     from verlflow.core.orchestrate.pipeline import run_pipeline
-    from verlflow.core.orchestrate.runner import open_store
+    from verlflow.core.store.artifacts import open_store
     from verlflow.core.tracking import mlflow_run_url, summary_lines
 
     if CHROMIUM is None:
@@ -188,8 +192,8 @@ def test_a_flow_run_is_tagged_and_the_linked_mlflow_page_opens_on_model_training
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
     (run,) = client.search_runs([exp.experiment_id])
     assert run.data.tags["verlflow.prefect_flow_run"] == f"{prefect_server.ui}/runs/flow-run/{flow_run_id}"
-    page = mlflow_run_url(open_store(bp), reference.run_id)
-    assert summary_lines(open_store(bp), reference.run_id) == [f"- MLflow run: [{page}]({page})"]
+    page = mlflow_run_url(open_store(bp.storage), reference.run_id)
+    assert summary_lines(open_store(bp.storage), reference.run_id) == [f"- MLflow run: [{page}]({page})"]
     text = _page_text(page, tmp_path / "chromium")
     assert reference.run_id in text and "algorithm.lr" in text, text[:2000]  # the run's page, with its params
     assert "Model registry" in text and "Observability" not in text, text[:2000]  # Model training's menu, not GenAI's
@@ -347,7 +351,7 @@ def test_wandb_offline_run_holds_metrics_and_never_the_key(reference, tmp_path, 
 def test_validate_refuses_an_unusable_mlflow_uri(tiny_kit, tmp_path, capsys, monkeypatch, uri, why):
     """A server nothing answers at, a scheme MLflow has no store for, a folder (MLflow 3.17 refuses its file store
     unless MLFLOW_ALLOW_FILE_STORE is set; before, the run went on untracked after one warning)."""
-    from verlflow.core.orchestrate.cli import main
+    from verlflow.flows.cli import main
 
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     store = tmp_path / "store"

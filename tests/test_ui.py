@@ -16,6 +16,8 @@ from prefect_server import EVAL_SOURCES, api, wait_state, write_blueprint
 from sysdeps import unavailable
 from tinybp import ONE_RANK, tiny_blueprint
 
+pytestmark = pytest.mark.system
+
 OUT = Path(__file__).resolve().parents[1] / "test-outputs"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -279,6 +281,6 @@ def test_a_reused_stage_shows_as_cached_in_the_task_list(prefect_server, tiny_fl
     fr = str(state.state_details.flow_run_id)
     dom = page(f"{prefect_server.ui}/v2/runs/flow-run/{fr}?tab=TaskRuns", "flow-run-task-runs-cached.png")
     assert "Finished in state" not in dom  # the task list, not the logs
-    for name in ("validate[init]", "build[init]", "rollout[1]", "update[1]", "checkpoint[1]"):
+    for name in ("validate[init]", "build[init]", "rollout[1]", "update[1]", "export[1]"):
         assert name in dom, name
     assert dom.count("Cached") >= 5, dom.count("Cached")

@@ -13,6 +13,8 @@ import pytest
 from prefect_server import api
 from sysdeps import unavailable
 
+pytestmark = pytest.mark.system
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CARDS = ("progress", "metrics", "summary", "eval", "plot")
 
@@ -42,12 +44,12 @@ def test_a_run_leaves_five_cards_updated_in_place_with_locations_to_copy(prefect
     from prefect import flow
 
     from verlflow.core.orchestrate.pipeline import run_pipeline
-    from verlflow.core.orchestrate.runner import open_store
+    from verlflow.core.store.artifacts import open_store
     from verlflow.tasks.report import RunReport
 
     bp, root = reference.copy(tmp_path)
     run_id = reference.run_id
-    _commit_evals(open_store(bp), run_id)
+    _commit_evals(open_store(bp.storage), run_id)
 
     @flow
     def reported() -> list[dict]:
@@ -66,7 +68,7 @@ def test_a_run_leaves_five_cards_updated_in_place_with_locations_to_copy(prefect
     ev = card["eval"]["data"]
     assert "| iteration | data_source | accuracy |" in ev and "| 2 | tiny/held | 0.2 |" in ev and "answer 2" in ev
     assert f"`{root}/reports/{run_id}/curves.png`" in card["plot"]["data"]
-    assert f"`{root}/runs/{run_id}/2/checkpoint/hf`" in card["summary"]["data"]
+    assert f"`{root}/runs/{run_id}/2/export/hf`" in card["summary"]["data"]
     for a in arts:
         assert "file://" not in json.dumps(a["data"]), a["key"]
         assert a["description"].startswith(f"{run_id}: "), a  # the run id as written (a key is lowercased)
@@ -77,7 +79,7 @@ def test_a_run_leaves_five_cards_updated_in_place_with_locations_to_copy(prefect
     if CHROMIUM is None:
         unavailable("chromium is not installed (`make test` installs it)")
     dom = _page(f"{prefect_server.ui}/v2/artifacts/artifact/{card['summary']['id']}", tmp_path / "chromium")
-    assert re.search(rf"<code[^>]*>{re.escape(str(root))}/runs/{run_id}/2/checkpoint/hf</code>", dom), dom[-3000:]
+    assert re.search(rf"<code[^>]*>{re.escape(str(root))}/runs/{run_id}/2/export/hf</code>", dom), dom[-3000:]
     assert 'href="file:' not in dom
 
 

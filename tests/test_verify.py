@@ -6,9 +6,11 @@ import shlex
 
 import pytest
 
-from verlflow.core.orchestrate.cli import main
+from verlflow.flows.cli import main
 from verlflow.core.store.artifacts import ArtifactStore
 from verlflow.core.store.digests import file_digest
+
+pytestmark = pytest.mark.system
 
 RUN = "r1"
 STAGES = (("init", "build"), ("1", "rollout"), ("1", "update"))
@@ -102,6 +104,8 @@ def test_a_truncated_manifest_shows_as_damaged(store, tmp_path, capsys):
     assert rc == 2 and "--from 'update[1]'`" in err
 
 
+@pytest.mark.slow(
+    reason="covered by test_verify::test_a_rerun_recomputes_a_damaged_stage_and_every_later_one_that_read_it")
 def test_the_advised_reruns_repair_a_truncated_manifest_and_a_deleted_file(tiny_kit, tmp_path, capsys, monkeypatch):
     """The tiny pipeline (1 iteration, 1 rank, warm workers); then its checkpoint's manifest is truncated, later a file
     of its export deleted. Each message's advised command is run as printed (with the blueprint) and works. (The
@@ -114,7 +118,7 @@ def test_the_advised_reruns_repair_a_truncated_manifest_and_a_deleted_file(tiny_
     rc, out, err = cli(capsys, "run", *bp, "--run-id", RUN)
     assert rc == 0, out + err
 
-    manifest = store / "runs" / RUN / "1" / "checkpoint" / "manifest.json"
+    manifest = store / "runs" / RUN / "1" / "export" / "manifest.json"
     manifest.write_bytes(manifest.read_bytes()[:100])
     rc, out, err = cli(capsys, "rerun", RUN, *bp)  # reuses everything up to the damaged manifest
     assert rc == 2
@@ -123,10 +127,10 @@ def test_the_advised_reruns_repair_a_truncated_manifest_and_a_deleted_file(tiny_
     rc, out, err = cli(capsys, "rerun", RUN, *bp, *shlex.split(advised[1]))
     assert rc == 0, out + err
 
-    victim = store / "runs" / RUN / "1" / "checkpoint" / "hf" / "config.json"
+    victim = store / "runs" / RUN / "1" / "export" / "hf" / "config.json"
     victim.unlink()
     rc, out, err = cli(capsys, "verify", RUN, *bp)
-    assert rc == 2 and "checkpoint[1]" in out and "hf/config.json is missing" in out
+    assert rc == 2 and "export[1]" in out and "hf/config.json is missing" in out
     fix = shlex.split(re.search(r"Repair with `verlflow (rerun .*?)`", err)[1])
     rc, out, err = cli(capsys, *fix)
     assert rc == 0, out + err
@@ -159,7 +163,7 @@ def _reference_args(reference, root, *more: str) -> list[str]:
 
 def test_a_rerun_recomputes_a_damaged_stage_and_every_later_one_that_read_it(reference, tmp_path, capsys, monkeypatch):
     """The reference run with rollout[2]'s batch deleted: `verlflow rerun` reuses what is intact, recomputes
-    rollout[2] (its listing shows the file missing), then update[2] and checkpoint[2], whose input committed after
+    rollout[2] (its listing shows the file missing), then update[2] and export[2], whose input committed after
     them; the seeded batch comes back byte for byte and the run verifies."""
     monkeypatch.setenv("VERLFLOW_CACHE_DIR", str(tmp_path / "cache"))  # the stages' log files
     _, root = reference.copy(tmp_path)
@@ -170,10 +174,10 @@ def test_a_rerun_recomputes_a_damaged_stage_and_every_later_one_that_read_it(ref
     assert rc == 0, out[-3000:] + err
     assert "rollout[2] is committed with the same key, but its files are damaged (batch.safetensors is missing): " \
            "recomputing it" in out
-    for stage in ("update", "checkpoint"):
+    for stage in ("update", "export"):
         assert re.search(rf"{stage}\[2\] is committed with the same key, but its inputs? .*committed after it", out)
     reused = set(re.findall(r"\] (\w+\[\w+\]) is committed with the same key: reusing", out))
-    assert reused == {"validate[init]", "build[init]", "rollout[1]", "update[1]", "checkpoint[1]"}, out
+    assert reused == {"validate[init]", "build[init]", "rollout[1]", "update[1]", "export[1]"}, out
     assert re.search(r"^\[verlflow\] rollout\[2\] -> ", out, re.M)
     assert file_digest(batch)["sha256"] == reference.results[5].manifest["files"]["batch.safetensors"]["sha256"]
     rc, out, err = cli(capsys, "verify", "eq", *args)
@@ -188,16 +192,16 @@ def test_the_repair_of_a_damaged_stage_works_under_the_runs_retention(reference,
     from reference import rekey
 
     from verlflow.core.errors import PrunedError
-    from verlflow.core.orchestrate.pipeline import checked_plan, check_not_pruned, checkpoint_reads, steps_that_run
-    from verlflow.core.orchestrate.runner import open_store
+    from verlflow.core.orchestrate.pipeline import checked_plan, check_not_pruned, checkpoint_reads, plan, steps_that_run
+    from verlflow.core.store.artifacts import open_store
     from verlflow.core.store.retention import retain
 
     _, root = reference.copy(tmp_path)
     args = _reference_args(reference, root, "storage.keep_last_checkpoints=1", "storage.keep_best_metric=null")
     bp = _blueprint_of(args)
     rekey(bp, "eq")  # validate's key holds the storage section: reused, as under the reference's retention
-    store = open_store(bp)
-    assert retain(store, bp, "eq", head=2, reads=checkpoint_reads(bp, "eq")) == ["runs/eq/1/update",
+    store = open_store(bp.storage)
+    assert retain(store, bp.storage, "eq", head=2, reads=checkpoint_reads(plan(bp, "eq"), "eq")) == ["runs/eq/1/update",
                                                                                  "runs/eq/init/build"]
     (root / "runs" / "eq" / "1" / "rollout" / "batch.safetensors").unlink()
 

@@ -6,6 +6,8 @@ import pytest
 
 from verlflow.core.wait import wait_until
 
+pytestmark = pytest.mark.unit
+
 
 def test_returns_the_first_truthy_answer():
     answers = iter([None, [], "ready", "later"])

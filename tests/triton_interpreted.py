@@ -57,7 +57,7 @@ _scalar_index_shim()
 _rounding_shim()
 
 from verlflow.core.ml.fastgen import EngineOptions, FastGen, Fp8Choices, SamplingConfig  # noqa: E402
-from verlflow.core.ml.fastgen import engine as engine_mod  # noqa: E402
+from verlflow.core.ml.fastgen import checks  # noqa: E402
 from verlflow.core.ml.fastgen.kernels import (combine_splits, decode_attention_triton, first_mass_triton,  # noqa: E402
                                               reference_decode_attention, sample_logits_triton)
 from verlflow.core.ml.fastgen.sampling import sample_logits  # noqa: E402
@@ -189,13 +189,13 @@ def engine() -> dict:
                            for a, b in zip(ra, rb))
     eng._self_check()
     res["self_check_keeps"] = [eng.attn, eng.sampler]
-    real = engine_mod.first_mass_triton
-    engine_mod.first_mass_triton = lambda *a, **k: real(*a, **k) * 1.01  # a first pass 1 % off
+    real = checks.first_mass_triton
+    checks.first_mass_triton = lambda *a, **k: real(*a, **k) * 1.01  # a first pass 1 % off
     eng._self_check()
-    engine_mod.first_mass_triton = real
+    checks.first_mass_triton = real
     res["self_check_after_breaking_the_sampler"] = [eng.attn, eng.sampler]
-    real_attn = engine_mod.decode_attention_triton
-    engine_mod.decode_attention_triton = lambda *a, **k: tuple(t[:, :, :1] for t in real_attn(*a, **k))  # 1 split
+    real_attn = checks.decode_attention_triton
+    checks.decode_attention_triton = lambda *a, **k: tuple(t[:, :, :1] for t in real_attn(*a, **k))  # 1 split
     eng._self_check()
     res["self_check_after_breaking_attention"] = [eng.attn, eng.sampler]
     return res
@@ -223,57 +223,11 @@ def engine_fp8_cache() -> dict:
     res = {"greedy_equals_hf": ours == hf, "cache": str(eng.kc[0].dtype)}
     eng._self_check()
     res["self_check_keeps"] = eng.attn
-    real_attn = engine_mod.decode_attention_triton
-    engine_mod.decode_attention_triton = lambda *a, vs=None, **k: real_attn(*a, vs=torch.ones_like(vs), **k)
+    real_attn = checks.decode_attention_triton
+    checks.decode_attention_triton = lambda *a, vs=None, **k: real_attn(*a, vs=torch.ones_like(vs), **k)
     eng._self_check()
-    engine_mod.decode_attention_triton = real_attn
+    checks.decode_attention_triton = real_attn
     res["self_check_after_breaking_the_scales"] = eng.attn
-    return res
-
-
-def fp8_act() -> dict:
-    """The kernel between the fp8 gate/up and down GEMMs against its definition (rows four decades apart, a width
-    not a multiple of the chunk, bf16 and fp32, with and without the unit GEMM's scales); inside the engine, the
-    same tokens and log-probs as the compiled step's torch path; the start-up check keeps it, and drops a broken one."""
-    from verlflow.core.ml.fastgen.kernels import silu_mul_fp8_triton
-    from verlflow.core.ml.fastgen.layers import silu_mul_fp8_reference
-
-    g = torch.Generator().manual_seed(2)
-    worst = {"e4m3_differ": 0.0, "scale_rel_err": 0.0}
-    for dt, scaled in itertools.product((torch.float32, torch.bfloat16), (False, True)):
-        y = (torch.randn(6, 600, generator=g) * torch.logspace(-2, 2, 6).view(6, 1)).to(dt)
-        sy, sw = (torch.rand(6, 1, generator=g) + 0.1, torch.rand(1, 600, generator=g) + 0.1) if scaled else (None,
-                                                                                                             None)
-        x8, sx = silu_mul_fp8_triton(y, sy, sw, 448.0, chunk=128, num_warps=1)
-        r8, rs = silu_mul_fp8_reference(y, sy, sw)
-        worst["e4m3_differ"] = max(worst["e4m3_differ"], (x8.float() != r8.float()).float().mean().item())
-        worst["scale_rel_err"] = max(worst["scale_rel_err"], ((sx - rs).abs() / rs).max().item())
-    from verlflow.core.ml.fastgen.kernels import silu_mul_fp8
-
-    y, sy, sw = torch.randn(4, 64, generator=g), torch.rand(4, 1, generator=g) + 0.5, torch.rand(1, 64, generator=g)
-    compiled = torch.compile(lambda *a: silu_mul_fp8(*a, 448.0), fullgraph=True)(y, sy, sw)  # as the step calls it
-    worst["compiled_vs_eager"] = max((a.float() - b.float()).abs().max().item()
-                                     for a, b in zip(compiled, silu_mul_fp8(y, sy, sw, 448.0)))
-    model = tiny_model()
-    ps = prompts([5, 11, 3, 9, 1, 12], seed=4)
-    runs = {}
-    for act in ("triton", "torch"):
-        eng = FastGen(model, 3, 12, 8, EngineOptions(attn="bmm", sampler="torch", check_every=2, weights="fp8",
-                                                     fp8=Fp8Choices(gemm="unit", act=act)))
-        torch.manual_seed(5)
-        runs[act] = (eng.w.spec.fp8_act, eng.generate_many(ps, SamplingConfig(1.0), [EOS], PAD, refill_min=1))
-    (on, (tok, lp)), (off, (tok_ref, lp_ref)) = runs["triton"], runs["torch"]
-    res = {**worst, "kernel_on": [on, off], "tokens_equal": tok == tok_ref,
-           "logp_diff": max(abs(a - b) for ra, rb in zip(lp, lp_ref) for a, b in zip(ra, rb))}
-    eng = FastGen(model, 3, 12, 8, EngineOptions(attn="bmm", sampler="torch", weights="fp8",
-                                                 fp8=Fp8Choices(gemm="unit", act="triton")))
-    eng._self_check()
-    res["self_check_keeps"] = eng.w.spec.fp8_act
-    real = engine_mod.silu_mul_fp8
-    engine_mod.silu_mul_fp8 = lambda *a: (lambda x8, sx: (x8, sx * 1.01))(*real(*a))  # scales 1 % off
-    eng._self_check()
-    engine_mod.silu_mul_fp8 = real
-    res["self_check_after_breaking_it"] = eng.w.spec.fp8_act
     return res
 
 

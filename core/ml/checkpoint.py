@@ -41,10 +41,10 @@ def _options(model: nn.Module, **kw) -> StateDictOptions:
 
 
 def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict,
-         background=None) -> str:
-    """Every rank writes its shards; rank 0 writes state.json. With `background` (a warm pool's
-    verlflow.core.stages.committer.Committer) the state is copied to CPU memory here and written by the stage's
-    background commit, before the manifest. Returns "inline", or how the background's CPU copy came (Committer.save).
+         write=None) -> str:
+    """Every rank writes its shards; rank 0 writes state.json. `write`: a stage's ctx.write
+    (verlflow.core.stages.runtime.commit.Writes), which writes the shards now or copies them to CPU memory for the
+    stage's background commit to write before the manifest. Returns "inline", or how that CPU copy came.
     """
     options = _options(model)
     # agreed: get_state_dict's collectives follow (every rank steps together, so this only guards a surprise)
@@ -60,10 +60,10 @@ def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
         (folder / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
     # Several writer threads per rank, each thread's error raised (verlflow.core.ml.dcpio: torch's own threads
     # swallow them, pytorch/pytorch#191391). Inline, the threads copy their tensors off the GPU themselves.
-    if background is None:
+    if write is None:
         dcpio.save(sd, str(folder / "dcp"))
         return "inline"
-    return background.save(sd, str(folder / "dcp"), role=folder.name)
+    return write.save(sd, str(folder / "dcp"), role=folder.name)
 
 
 def trained_state_bytes(model: nn.Module) -> int:

@@ -2,7 +2,7 @@
 log-probs and the loss.
 
 A preference batch of M pairs is laid out as a rollout batch of 2M rows (prompts left-padded, responses
-right-padded: core/ml/rollout.py save_batch), so the RL update's forward (ppo.Rows, ppo._forward, packing) scores it
+right-padded: core/ml/rollout.py save_batch), so the RL update's forward (core/ml/forward.py) scores it
 unchanged. Row order: rows 0..M-1 hold the chosen replies, rows M..2M-1 the rejected ones, pair i's two rows having
 the same prompt. `sequence_logps` turns the per-token log-probs into one number per row and `dpo_loss` splits that
 vector in halves.

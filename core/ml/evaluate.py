@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from verlflow.core.blueprint import Blueprint, EvalSpec, RolloutSpec
+from verlflow.core.blueprint.sections import EvalSpec, RewardSpec, RolloutSpec
 from verlflow.core.errors import InputError, VerlflowError
 from verlflow.core.ml.data import Prompts, load_prompts, missing_file_problems
 
@@ -92,28 +92,27 @@ def source_counts(held: HeldOut) -> dict[str, int]:
 # ------------------------------------------------------------------------------------------------ generation
 
 
-def sampling(bp: Blueprint) -> RolloutSpec:
+def sampling(ev: EvalSpec, rollout: RolloutSpec) -> RolloutSpec:
     """The rollout's engine settings with the eval's sampling: eval.n samples at eval.temperature / eval.top_p
     (no top-k), at most eval.max_new_tokens (else rollout.max_new_tokens); the model's own weights and cache (not
     rollout.weights/kv_cache=fp8: the evaluation measures the policy)."""
-    ev = bp.eval
-    return bp.rollout.model_copy(update={"n": ev.n, "temperature": ev.temperature, "top_p": ev.top_p, "top_k": 0,
-                                         "weights": "model", "kv_cache": "model",
-                                         "max_new_tokens": ev.max_new_tokens or bp.rollout.max_new_tokens})
+    return rollout.model_copy(update={"n": ev.n, "temperature": ev.temperature, "top_p": ev.top_p, "top_k": 0,
+                                      "weights": "model", "kv_cache": "model",
+                                      "max_new_tokens": ev.max_new_tokens or rollout.max_new_tokens})
 
 
-def eval_seed(bp: Blueprint, iteration: int) -> int:
+def eval_seed(seed: int, iteration: int) -> int:
     """Apart from the rollout's seed of the same iteration (verlflow.core.ml.rollout.sample_seed)."""
-    return int(hashlib.sha256(f"{bp.seed}/eval/{iteration}".encode()).hexdigest()[:12], 16)
+    return int(hashlib.sha256(f"{seed}/eval/{iteration}".encode()).hexdigest()[:12], 16)
 
 
-def reward_of(bp: Blueprint):
+def reward_of(ev: EvalSpec, reward: RewardSpec):
     """eval.reward, else reward.function (reward.module imported first)."""
     from verlflow.core.ml.rewards import load_reward
 
-    if bp.eval.reward:
-        return load_reward(bp.eval.reward, bp.reward.module, field="eval.reward")
-    return load_reward(bp.reward.function, bp.reward.module)
+    if ev.reward:
+        return load_reward(ev.reward, reward.module, field="eval.reward")
+    return load_reward(reward.function, reward.module)
 
 
 def share(total: int, at: Placement) -> range:
@@ -122,30 +121,29 @@ def share(total: int, at: Placement) -> range:
     return range(at.rank * total // at.world, (at.rank + 1) * total // at.world)
 
 
-def generate_share(model, tok, bp: Blueprint, held: HeldOut, iteration: int, at: Placement,
-                   progress=None) -> list[dict]:
+def generate_share(model, tok, ev: EvalSpec, rollout: RolloutSpec, reward: RewardSpec, held: HeldOut,
+                   iteration: int, at: Placement, *, max_prompt_len: int, seed: int, progress=None) -> list[dict]:
     """Samples j = p * n + k (prompt p, sample k) that fall to this rank, scored; no collective."""
     from verlflow.core.ml.generate import encode_prompts
 
-    cfg, prompts = sampling(bp), held.prompts
+    cfg, prompts = sampling(ev, rollout), held.prompts
     n = cfg.n
     mine = share(len(prompts) * n, at)
     if not mine:  # more ranks than samples
         return []
     p_idx = [j // n for j in mine]
-    enc = encode_prompts(tok, [prompts.messages[p] for p in p_idx], bp.data.max_prompt_length,
-                         [prompts.rows[p] for p in p_idx])
-    if bp.rollout.engine == "static":
+    enc = encode_prompts(tok, [prompts.messages[p] for p in p_idx], max_prompt_len, [prompts.rows[p] for p in p_idx])
+    if rollout.engine == "static":
         from verlflow.core.ml.fastgen import sample as sampler
     else:
         from verlflow.core.ml.generate import sample as sampler
-    responses = sampler(model, tok, enc, cfg, at.device, eval_seed(bp, iteration) + mine.start, progress,
+    responses = sampler(model, tok, enc, cfg, at.device, eval_seed(seed, iteration) + mine.start, progress,
                         timings={"setup_s": 0.0})
-    reward, threshold = reward_of(bp), bp.eval.threshold
+    score_of, threshold = reward_of(ev, reward), ev.threshold
     out = []
     for j, p, resp in zip(mine, p_idx, responses):
         text = tok.decode(resp, skip_special_tokens=True)
-        score = reward(prompts.data_source[p], text, prompts.ground_truth[p], prompts.extra_info[p])
+        score = score_of(prompts.data_source[p], text, prompts.ground_truth[p], prompts.extra_info[p])
         out.append({"index": j, "prompt": p, "data_source": prompts.data_source[p], "file": held.file[p],
                     "row": prompts.rows[p], "sample": j % n, "response": text,
                     "ground_truth": prompts.ground_truth[p], "reward": score, "correct": score >= threshold,

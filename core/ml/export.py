@@ -1,4 +1,4 @@
-"""The HF safetensors export of a policy (the checkpoint stage, the monolithic stage): in storage.export_dtype, with
+"""The HF safetensors export of a policy (the export stage, the monolithic stage): in storage.export_dtype, with
 the model folder's own config.json saying the dtype written, from weights in memory or a DCP checkpoint.
 
 torch is imported inside the functions that need it: export_dtype is a fact about the blueprint and a model folder
@@ -9,29 +9,30 @@ import json
 import shutil
 from pathlib import Path
 
+from verlflow.core.blueprint.sections import ModelSpec, StorageSpec
 from verlflow.core.errors import InputError
 from verlflow.core.ml.modeldir import model_config
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
-def export_dtype(bp, model_dir: str | Path) -> str:
+def export_dtype(storage: StorageSpec, model: ModelSpec, model_dir: str | Path) -> str:
     """storage.export_dtype, `auto` resolved to the model folder's own dtype (its config.json `dtype`, or the older
     `torch_dtype`: bfloat16 for Qwen2.5 even when trained with fp32 master weights), else model.dtype."""
-    if bp.storage.export_dtype != "auto":
-        return bp.storage.export_dtype
+    if storage.export_dtype != "auto":
+        return storage.export_dtype
     config = model_config(Path(model_dir))
     name = config.get("dtype") or config.get("torch_dtype")
     if name is None:
-        return bp.model.dtype
+        return model.dtype
     if name not in DTYPE_NAMES:
         raise InputError(f"{Path(model_dir) / 'config.json'}: dtype {name!r} cannot be the export's dtype "
                          f"(storage.export_dtype: auto); set storage.export_dtype to one of {', '.join(DTYPE_NAMES)}.")
     return name
 
 
-def export_model(meta_dir: Path, bp, dtype: str, *, full: dict | None = None, policy_dir: Path | None = None,
-                 base_dir: Path | None = None, into=None):
+def export_model(meta_dir: Path, spec: ModelSpec, dtype: str, *, full: dict | None = None,
+                 policy_dir: Path | None = None, base_dir: Path | None = None, into=None):
     """An unsharded CPU model in `dtype` holding the policy's weights, from a full state dict (`full`) or from the
     DCP checkpoint in `policy_dir` (both cast on the copy into it; LoRA adapters merged into the base in
     `base_dir`). A copy of its own: training may go on changing the source while it is written. `into`: an earlier
@@ -46,14 +47,14 @@ def export_model(meta_dir: Path, bp, dtype: str, *, full: dict | None = None, po
             into.load_state_dict({k: v.to(M.DTYPES[dtype]) for k, v in full.items()})
         return into
     # Cast while still on meta, then allocate uninitialised: no full-size model in the training dtype on the way.
-    model = M.materialize(M.build_module(meta_dir, bp, meta=True).to(M.DTYPES[dtype]), "cpu")
+    model = M.materialize(M.build_module(meta_dir, spec, meta=True).to(M.DTYPES[dtype]), "cpu")
     model.tie_weights()  # to_empty gives each module its own new tensor, untying a shared head
     with torch.no_grad():
         if full is not None:
             if any(v.is_cuda for v in full.values()):
                 # Touch the new pages first (torch fills on every core): a device-to-host copy into pages not yet
                 # faulted in ran at 1.4 GB/s on the H200 machine; 0.2 s + 0.3 s this way for 3.55 GB
-                # (benchmarks/export_copy.py).
+                # (infra/bench/export_copy.py).
                 for p in model.parameters():
                     p.detach().zero_()
             # Cast where the weights are (the GPU): half the bytes cross to the CPU, and no CPU-side conversion
@@ -81,10 +82,10 @@ class AdapterExport:
     """storage.export_lora=adapter: the PEFT adapter folder of a LoRA policy (plus the tokenizer files), from the
     adapters in memory or the policy's DCP checkpoint."""
 
-    def __init__(self, bp, dtype: str, *, adapters: dict | None = None, policy_dir: Path | None = None):
+    def __init__(self, spec: ModelSpec, dtype: str, *, adapters: dict | None = None, policy_dir: Path | None = None):
         from verlflow.core.ml import checkpoint, model as M
 
-        self.bp, self.dtype = bp, M.DTYPES[dtype]
+        self.spec, self.dtype = spec, M.DTYPES[dtype]
         # A copy of its own on the CPU: training may go on changing the source while it is written.
         src = adapters if adapters is not None else checkpoint.read_tensors(policy_dir)
         self.adapters = {k: v.detach().to("cpu", self.dtype, copy=True) for k, v in src.items()}
@@ -94,7 +95,7 @@ class AdapterExport:
         the base model's own stays where model.path names it)."""
         from verlflow.core.ml import lora
 
-        lora.save_adapter(self.adapters, self.bp.model.lora, self.bp.model.path, out, self.dtype)
+        lora.save_adapter(self.adapters, self.spec.lora, self.spec.path, out, self.dtype)
         for f in Path(meta_dir).iterdir():
             if f.is_file() and f.name not in ("config.json", "generation_config.json"):
                 shutil.copy2(f, out / f.name)

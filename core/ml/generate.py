@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from verlflow.core.blueprint import RolloutSpec
+from verlflow.core.blueprint.sections import RolloutSpec
 from verlflow.core.errors import InputError
 
 log = logging.getLogger("verlflow.generate")

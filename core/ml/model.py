@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from verlflow.core.blueprint import Blueprint
+from verlflow.core.blueprint.sections import FSDPSpec, ModelSpec
 from verlflow.core.errors import InputError
 from verlflow.core.ml import packing
 
@@ -44,20 +44,19 @@ def decoder_layer_class(model: nn.Module, name: str | None = None) -> type:
     )
 
 
-def build_module(model_dir: str | Path, bp: Blueprint, *, critic: bool = False, meta: bool = False,
+def build_module(model_dir: str | Path, spec: ModelSpec, *, critic: bool = False, meta: bool = False,
                  packed: bool = False, adapters: bool = False) -> nn.Module:
     """The HF model with the weights in `model_dir`; empty (meta) when `meta`, random when the folder has only a
     config (both to be filled by a checkpoint load). `packed`: attention over padding-free rows (core/ml/packing.py).
-    `adapters`: the policy being trained, with model.lora's adapters injected when the blueprint has them."""
+    `adapters`: the policy being trained, with spec.lora's adapters injected when there are any."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     cls = AutoModelForTokenClassification if critic else AutoModelForCausalLM
-    attn = bp.model.attn_implementation
+    attn = spec.attn_implementation
     if packed:
         attn = packing.register()
-    kw = dict(dtype=DTYPES[bp.model.dtype], attn_implementation=attn,
-              trust_remote_code=bp.model.trust_remote_code)
-    config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=bp.model.trust_remote_code)
+    kw = dict(dtype=DTYPES[spec.dtype], attn_implementation=attn, trust_remote_code=spec.trust_remote_code)
+    config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=spec.trust_remote_code)
     if critic:
         # A one-label head without dropout, as verl builds its critic (HF's default 0.1 would make the values the
         # update trains differ from the ones its value clip is centred on).
@@ -77,10 +76,10 @@ def build_module(model_dir: str | Path, bp: Blueprint, *, critic: bool = False, 
     else:
         model = cls.from_pretrained(str(model_dir), **kw)
     model.config.use_cache = False
-    if adapters and bp.model.lora is not None and not critic:
+    if adapters and spec.lora is not None and not critic:
         from verlflow.core.ml import lora
 
-        lora.inject(model, bp.model.lora, meta=meta)
+        lora.inject(model, spec.lora, meta=meta)
     return model
 
 
@@ -95,14 +94,6 @@ def _cast_parameters(model: nn.Module, dtype) -> None:
             p.data = p.data.to(dtype)
 
 
-def empty_module(model_dir: str | Path, bp: Blueprint, device="cpu") -> nn.Module:
-    """The model with uninitialised weights on `device`, for a load to fill: no random init (a 1.5B model's init
-    on CPU takes longer than writing its export). Buffers computed at construction (rotary inv_freq) are kept."""
-    model = materialize(build_module(model_dir, bp, meta=True), device)
-    model.tie_weights()  # to_empty gives each module its own new tensor, untying a shared head
-    return model
-
-
 def materialize(model: nn.Module, device) -> nn.Module:
     """Allocate a meta-built model's tensors on `device`, uninitialised. Buffers built for real at construction
     (rotary inv_freq) are not in any checkpoint, so they must survive."""
@@ -115,10 +106,10 @@ def materialize(model: nn.Module, device) -> nn.Module:
     return model
 
 
-def inference_dtype(bp: Blueprint) -> torch.dtype:
+def inference_dtype(fsdp: FSDPSpec) -> torch.dtype:
     """Rollout samples in the dtype the policy computes in under FSDP (fsdp.mixed_precision), not the fp32
     master weights: the distribution the update's log-probs are taken from."""
-    return DTYPES[bp.fsdp.mixed_precision]
+    return DTYPES[fsdp.mixed_precision]
 
 
 @dataclass
@@ -135,19 +126,20 @@ class ShardReport:
         return self.local_numel * self.world / max(self.total_numel, 1)
 
 
-def wrap_fsdp(model: nn.Module, bp: Blueprint, device: torch.device) -> tuple[nn.Module, ShardReport]:
-    """Shard `model` per decoder layer (+ root) and report how much of it this rank holds."""
-    f = bp.fsdp
+def wrap_fsdp(model: nn.Module, f: FSDPSpec, device: torch.device, fused_head: str | None = None
+              ) -> tuple[nn.Module, ShardReport]:
+    """Shard `model` per decoder layer (+ root) and report how much of it this rank holds. `fused_head`: the
+    backend of core/fusedhead's forward to install (algorithm.fused_head), None for none."""
     layer_cls = decoder_layer_class(model, f.wrap_class)
     layers = [m for m in model.modules() if isinstance(m, layer_cls)]
     total = sum(p.numel() for p in model.parameters())
     if f.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if bp.algorithm.use_fused_kernels:
+    if fused_head is not None:
         from verlflow.core.ml import fusedhead
 
         # before wrapping: FSDP1's wrapper calls the inner module's forward
-        fusedhead.install(model, bp.algorithm.fused_kernels_backend)
+        fusedhead.install(model, fused_head)
     if f.compile:
         compile_layers(layers)
     if f.version == 2:
@@ -241,12 +233,12 @@ def _local_numel(model: nn.Module) -> int:
     return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
 
 
-def check_shards(rep: ShardReport, bp: Blueprint) -> list[str]:
+def check_shards(rep: ShardReport, fsdp: FSDPSpec) -> list[str]:
     """The tutorial's verification: one unit per decoder layer + root, and ~1/world of the parameters here."""
     problems = []
     if rep.units != rep.decoder_layers + 1:
         problems.append(f"FSDP units {rep.units} != decoder layers {rep.decoder_layers} + 1 (root)")
-    sharded = bp.fsdp.sharding_strategy != "NO_SHARD" and rep.world > 1
+    sharded = fsdp.sharding_strategy != "NO_SHARD" and rep.world > 1
     if sharded and not 0.75 <= rep.balance <= 1.25:
         problems.append(
             f"rank holds {rep.local_numel:,} of {rep.total_numel:,} parameters ({rep.balance:.2f} x 1/world, "

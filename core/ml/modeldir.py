@@ -1,6 +1,6 @@
 """A Hugging Face model folder as model.path names it: the files from_pretrained and the tokenizer read, whether
 they parse, and whether the weights hold the bytes their headers describe. One check, asked by the CLI's preflight
-(core/blueprint.py missing_inputs), the validate stage and the build stage. No torch import: the CLI runs it
+(core/checks/inputs.py missing_inputs), the validate stage and the build stage. No torch import: the CLI runs it
 before anything touches the store. Every problem is one line naming the file, what was found and the fix.
 """
 
@@ -114,28 +114,3 @@ def _declared_size(path: Path) -> int | None:
             return 8 + n + max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
         except (ValueError, TypeError, KeyError, IndexError, AttributeError):
             return None
-
-
-def reward_model_problems(path: str | Path) -> list[str]:
-    """reward.model.path: a folder holding an HF *ForSequenceClassification with one label, its weights and its
-    tokenizer. Empty: fine."""
-    folder = Path(path)
-    fix = "save a *ForSequenceClassification model with num_labels=1 there with save_pretrained()"
-    if not (folder / "config.json").is_file():
-        return [f"reward.model.path: {path} has no config.json; {fix}."]
-    try:
-        config = model_config(folder)
-    except InputError as e:
-        return [str(e).replace("model.path", "reward.model.path", 1)]
-    arch = (config.get("architectures") or ["(none)"])[0]
-    labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
-    problems = []
-    if not str(arch).endswith("ForSequenceClassification") or labels != 1:
-        problems.append(f"reward.model.path: {path} holds {arch} with {labels} labels; a reward model is a "
-                        f"*ForSequenceClassification with one label ({fix}).")
-    if not any(folder.glob("*.safetensors")):
-        problems.append(f"reward.model.path: {path} has no *.safetensors weights; {fix}.")
-    problems += weight_file_problems(folder)
-    if not (folder / "tokenizer_config.json").is_file():
-        problems.append(f"reward.model.path: {path} has no tokenizer_config.json; save its tokenizer there too.")
-    return problems

@@ -1,5 +1,5 @@
 """The sft and dpo phases' datasets, read with pyarrow and checked row by row: torch-free, so the CLI's preflight
-(core/blueprint.py missing_inputs) refuses a bad column, type or row with the same rules and words as the phase's
+(core/checks/inputs.py missing_inputs) refuses a bad column, type or row with the same rules and words as the phase's
 stage, before anything runs. core/ml/sft.py and core/ml/dpo.py encode what these return.
 """
 

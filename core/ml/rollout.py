@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import torch
 from safetensors.torch import load_file, save_file
 
-from verlflow.core.blueprint import Blueprint
+from verlflow.core.blueprint.sections import RewardSpec, RolloutSpec
 from verlflow.core.ml.data import Prompts
 from verlflow.core.ml.generate import encode_prompts, left_pad, sample
 from verlflow.core.ml.placement import Placement
@@ -22,42 +22,42 @@ from verlflow.core.ml import rewardmodel
 from verlflow.core.ml.rewards import overlong_penalty, score_all
 
 
-def sample_seed(bp: Blueprint, iteration: int, attempt: int = 0) -> int:
+def sample_seed(seed: int, iteration: int, attempt: int = 0) -> int:
     """The seed of an iteration's sampling round `attempt` (dynamic sampling takes several; round 0's is the one
-    every iteration had before there were rounds)."""
-    tag = f"{bp.seed}/{iteration}" + (f"/{attempt}" if attempt else "")
+    every iteration had before there were rounds); `seed`: the blueprint's."""
+    tag = f"{seed}/{iteration}" + (f"/{attempt}" if attempt else "")
     return int(hashlib.sha256(tag.encode()).hexdigest()[:12], 16)
 
 
-def generate_share(model, tok, bp: Blueprint, prompts: Prompts, iteration: int, at: Placement,
-                   progress=None, attempt: int = 0) -> list[dict]:
+def generate_share(model, tok, rollout: RolloutSpec, reward: RewardSpec, prompts: Prompts, iteration: int,
+                   at: Placement, *, max_prompt_len: int, seed: int, progress=None, attempt: int = 0) -> list[dict]:
     """Samples j = p * n + k of the iteration's `prompts` (prompt p, sample k) that fall to this rank, with
-    rewards; `attempt` is the sampling round."""
-    n = bp.rollout.n
+    rewards; prompts longer than `max_prompt_len` tokens are refused; `attempt` is the sampling round."""
+    n = rollout.n
     mine = range(len(prompts) * n)[at.share(len(prompts) * n)]
     p_idx = [j // n for j in mine]
-    enc = encode_prompts(tok, [prompts.messages[p] for p in p_idx], bp.data.max_prompt_length,
+    enc = encode_prompts(tok, [prompts.messages[p] for p in p_idx], max_prompt_len,
                          [prompts.rows[p] for p in p_idx])
     sampler = sample
-    if bp.rollout.engine == "static":
+    if rollout.engine == "static":
         from verlflow.core.ml.fastgen import sample as sampler
     timings = {"setup_s": 0.0}  # the engine's own set-up (build, compile, graph capture), filled by the sampler
     logprobs: list[list[float]] = []  # always taken (cheap): algorithm.old_logprobs=rollout reads them
     t0 = time.perf_counter()
-    responses = sampler(model, tok, enc, bp.rollout, at.device, sample_seed(bp, iteration, attempt) + mine.start, progress,
-                        timings=timings, logprobs=logprobs)
+    responses = sampler(model, tok, enc, rollout, at.device, sample_seed(seed, iteration, attempt) + mine.start,
+                        progress, timings=timings, logprobs=logprobs)
     if len(logprobs) != len(responses):  # a sampler that could not take them (HF generate with top_p/top_k)
         logprobs = [None] * len(responses)
     setup_s = timings["setup_s"]
     gen_s = time.perf_counter() - t0 - setup_s  # generation only: tokens_per_s must not pay for the set-up
     texts = [tok.decode(resp, skip_special_tokens=True) for resp in responses]
-    scores = _scores(bp, prompts, p_idx, texts, at)
-    ob = bp.reward.overlong_buffer
+    scores = _scores(reward, rollout.micro_batch_size, prompts, p_idx, texts, at)
+    ob = reward.overlong_buffer
     out = []
     for j, p, ids, resp, logp, text, score in zip(mine, p_idx, enc, responses, logprobs, texts, scores):
         penalty = 0.0
         if ob.enable:  # before any group filter: DAPO's dynamic sampling sees the shaped reward
-            penalty = overlong_penalty(len(resp), bp.rollout.max_new_tokens, ob.len, ob.penalty_factor)
+            penalty = overlong_penalty(len(resp), rollout.max_new_tokens, ob.len, ob.penalty_factor)
             score += penalty
         out.append({"sample": j, "group": p, "row": prompts.rows[p], "prompt_ids": ids, "response_ids": resp,
                     "logprobs": logp,
@@ -67,14 +67,15 @@ def generate_share(model, tok, bp: Blueprint, prompts: Prompts, iteration: int, 
     return out
 
 
-def _scores(bp: Blueprint, prompts: Prompts, p_idx: list[int], texts: list[str], at: Placement) -> list[float]:
-    """Each sample's reward: combine.function x reward.function + combine.model x reward.model."""
-    r = bp.reward
+def _scores(r: RewardSpec, micro_batch_size: int, prompts: Prompts, p_idx: list[int], texts: list[str],
+            at: Placement) -> list[float]:
+    """Each sample's reward: combine.function x reward.function (a batched one `micro_batch_size` samples a call) +
+    combine.model x reward.model."""
     total = [0.0] * len(texts)
     if r.uses_function:
         rule = score_all(r.function, r.module, r.batched, [prompts.data_source[p] for p in p_idx], texts,
                          [prompts.ground_truth[p] for p in p_idx], [prompts.extra_info[p] for p in p_idx],
-                         bp.rollout.micro_batch_size)
+                         micro_batch_size)
         total = [t + r.combine.function * v for t, v in zip(total, rule)]
     if r.uses_model:
         learned = rewardmodel.score(r.model, [prompts.messages[p] for p in p_idx], texts, at.device)

@@ -3,11 +3,11 @@ reads, and its loss.
 
 An SFT row becomes a rollout-shaped sample: `prompts` / `prompt_mask` (left-padded) hold the conversation up to
 where training starts, rendered with the generation prompt exactly as the rollout feeds it; `responses` /
-`response_mask` (right-padded) hold the rest of the chat template's rendering. `ppo.Rows.of` / `packing.pack` and
-`ppo._forward` then give per-token log-probs [N, R] unchanged, and one more key, `loss_mask` [N, R], says which
-response tokens are trained on: every assistant turn's tokens after its generation prompt (its content and the
-end-of-turn tokens the template emits after it, so the model learns to stop), nothing of the user/system turns in
-between, nothing of the padding. For a single-turn row loss_mask == response_mask.
+`response_mask` (right-padded) hold the rest of the chat template's rendering. The update's forward
+(core/ml/forward.py: `Rows.of`, `packing.pack`) then gives per-token log-probs [N, R] unchanged, and one more key,
+`loss_mask` [N, R], says which response tokens are trained on: every assistant turn's tokens after its generation
+prompt (its content and the end-of-turn tokens the template emits after it, so the model learns to stop), nothing
+of the user/system turns in between, nothing of the padding. For a single-turn row loss_mask == response_mask.
 
 The loss is verl's "token-mean" (`core_algos.agg_loss`, the aggregation of verl's own `sft_loss`): the summed NLL
 of the trained tokens over the mini-batch's trained-token count, so micro-batches and ranks add up to the

@@ -36,7 +36,7 @@ COLLATERAL = re.compile(r"Connection (closed|reset) by peer", re.I)  # a peer di
 # One entry of torchrun's ChildFailedError summary (global rank, local rank, exit code).
 _SUMMARY = re.compile(r"rank\s*:\s*(\d+) \(local_rank: (\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 _NONFINITE = re.compile(r"\bNonFiniteError\b")  # verlflow.core.errors.NonFiniteError, by its type name
-# torch's OutOfMemoryError, or verlflow.core.orchestrate.memplan.DeviceOutOfMemory (stage, peak, card, the setting)
+# torch's OutOfMemoryError, or verlflow.core.checks.memplan.DeviceOutOfMemory (stage, peak, card, the setting)
 _OOM = re.compile(r"OutOfMemoryError|out of memory", re.I)
 # A bare "ProcessGroupGloo" is not enough: "ProcessGroupGloo does not support X" is a user error.
 _COLLECTIVE = re.compile(

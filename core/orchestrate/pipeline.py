@@ -1,5 +1,5 @@
 """The pipeline as data: validate -> build [-> evaluate] -> (rollout -> update [-> evaluate] [-> checkpoint]) x
-iterations: a checkpoint step (HF export, promotion) every storage.export_every iterations and at the last, an
+iterations: an export step (HF export, promotion) every storage.export_every iterations and at the last, an
 evaluate step (held-out prompts, eval.files) before training and every eval.every iterations and at the last.
 
 Inputs are store paths known in advance, so the plan is fixed before anything runs; the CLI and the Prefect
@@ -18,9 +18,10 @@ from verlflow.core import userstage
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.errors import BlueprintError, PrunedError
 from verlflow.core.orchestrate.pool import warm_pools
-from verlflow.core.orchestrate.runner import RunContext, StageResult, _follows, compute_key, open_store, run_stage
+from verlflow.core.orchestrate.runner import RunContext, StageResult, _follows, compute_key, run_stage
+from verlflow.core.stagespec import RENAMED, SPECS, StageSpec
 from verlflow.core.store import retention
-from verlflow.core.store.artifacts import ArtifactStore, repair_command, stage_key
+from verlflow.core.store.artifacts import ArtifactStore, open_store, repair_command, stage_key
 from verlflow.core.tracking import tracked
 
 
@@ -30,14 +31,15 @@ class Step:
     iteration: int | str
     inputs: dict[str, str] = field(default_factory=dict)
     bp: Blueprint | None = None  # its phase's blueprint (Blueprint.phase_blueprint); None: the run's
+    phase: int | None = None  # the index in bp.phases of the phase it runs; None: the run has no phases
 
     @property
     def name(self) -> str:
         return f"{self.stage}[{self.iteration}]"
 
     def context(self, ctx: RunContext) -> RunContext:
-        """The run's context with this step's blueprint: its keys, resources and job read that one."""
-        return ctx if self.bp is None else replace(ctx, bp=self.bp)
+        """The run's context with this step's blueprint and phase: its keys, resources and job read those."""
+        return ctx if self.bp is None else replace(ctx, bp=self.bp, phase=self.phase)
 
 
 def warm_start_source(bp: Blueprint, run_id: str) -> str | None:
@@ -46,7 +48,7 @@ def warm_start_source(bp: Blueprint, run_id: str) -> str | None:
     another run was promoted since."""
     if bp.schedule.init_from != "previous":
         return None
-    store = open_store(bp)
+    store = open_store(bp.storage)
     built = store.read_manifest(stage_key(run_id, "init", "build"))
     if built is not None:
         return built["inputs"].get("warm_start", {}).get("stage")
@@ -65,51 +67,60 @@ def run_blueprint(bp: Blueprint, run_id: str) -> Blueprint:
 
 
 def exports_at(bp: Blueprint, iteration: int) -> bool:
-    """Whether the iteration has a checkpoint step (HF export, promotion): Blueprint.exports_at."""
+    """Whether the iteration has an export step (HF export, promotion): Blueprint.exports_at."""
     return bp.exports_at(iteration)
 
 
 def plan(bp: Blueprint, run_id: str, warm_start: str | None = None) -> list[Step]:
     build = stage_key(run_id, "init", "build")
     steps = [Step("validate", "init"), Step("build", "init", {"warm_start": warm_start} if warm_start else {})]
-    if not bp.phases:
-        return steps + _rl_steps(bp, run_id, build)
-    return steps + _phase_steps(bp, run_id, build)
+    steps += _phase_steps(bp, run_id, build) if bp.phases else _rl_steps(bp, run_id, build)
+    for step in steps:
+        step_spec(step).check_wiring(step.inputs, step.name)
+    return steps
 
 
-def checkpoint_reads(bp: Blueprint, run_id: str) -> list[tuple[str | None, str]]:
+def step_spec(step: Step) -> StageSpec:
+    """The step's stage spec; a user stage's is its class's (what it reads)."""
+    if step.stage == "user":
+        return userstage.spec_of(userstage.load(step.bp.phases[step.phase].kind))
+    return SPECS[step.stage]
+
+
+def checkpoint_reads(steps: list[Step], run_id: str) -> list[tuple[str | None, str]]:
     """What retention must not prune while the plan needs it: (reader's stage key, the stage key whose training
     checkpoint it reads) for every step, and (None, key) for each phase's start policy (its first step's)."""
     reads, phase = [], None
-    for step in plan(bp, run_id):
+    for step in steps:
         out = stage_key(run_id, step.iteration, step.stage)
-        starts = step.bp is not None and step.bp.active_phase != phase
-        phase = step.bp.active_phase if step.bp is not None else None
+        starts = step.phase is not None and step.phase != phase
+        phase = step.phase
         for name, key in step.inputs.items():
             if key.startswith(f"runs/{run_id}/") and retention.reads_checkpoint(step.stage, name):
                 reads.append((None if starts else out, key))
     return reads
 
 
-def _rl_steps(bp: Blueprint, run_id: str, build: str, phase_bp: Blueprint | None = None) -> list[Step]:
+def _rl_steps(bp: Blueprint, run_id: str, build: str, phase_bp: Blueprint | None = None,
+              phase: int | None = None) -> list[Step]:
     """[evaluate 0] + (rollout -> update [-> evaluate] [-> checkpoint]) x iterations, from the build's policy."""
     steps = []
     if bp.evaluates_at(0):
-        steps.append(Step("evaluate", 0, {"build": build, "policy": build}, phase_bp))
+        steps.append(Step("evaluate", 0, {"build": build, "policy": build}, phase_bp, phase))
     policy = build
     for i in range(1, bp.iterations + 1):
         rollout, update = stage_key(run_id, i, "rollout"), stage_key(run_id, i, "update")
         steps += [
-            Step("rollout", i, {"build": build, "policy": policy}, phase_bp),
-            Step("update", i, {"build": build, "policy": policy, "rollout": rollout}, phase_bp),
+            Step("rollout", i, {"build": build, "policy": policy}, phase_bp, phase),
+            Step("update", i, {"build": build, "policy": policy, "rollout": rollout}, phase_bp, phase),
         ]
         evaluated = {}
-        if bp.evaluates_at(i):  # before the checkpoint step: its promotion may be decided by this evaluation
-            steps.append(Step("evaluate", i, {"build": build, "policy": update}, phase_bp))
+        if bp.evaluates_at(i):  # before the export step: its promotion may be decided by this evaluation
+            steps.append(Step("evaluate", i, {"build": build, "policy": update}, phase_bp, phase))
             evaluated = {"evaluate": stage_key(run_id, i, "evaluate")}
         if exports_at(bp, i):
-            steps.append(Step("checkpoint", i, {"build": build, "update": update, "rollout": rollout, **evaluated},
-                              phase_bp))
+            steps.append(Step("export", i, {"build": build, "update": update, "rollout": rollout, **evaluated},
+                              phase_bp, phase))
         policy = update
     return steps
 
@@ -118,7 +129,7 @@ def _phase_steps(bp: Blueprint, run_id: str, build: str) -> list[Step]:
     """Each phase from its start policy (the previous phase's, the model's, or a named phase's): sft/dpo one step
     an epoch (`sft[<phase>.<epoch>]`), rl its own build from that policy (its reference) and its iterations,
     evaluate one step, a user stage one step (`user[<phase>]`) with the inputs its class lists. The last phase's
-    policy is exported (and promoted) by a checkpoint step."""
+    policy is exported (and promoted) by an export step."""
     steps: list[Step] = []
     ends: dict[str, str] = {}  # phase name -> the stage holding its final policy (a user stage's: its output)
     policy, rollout = build, None
@@ -128,21 +139,21 @@ def _phase_steps(bp: Blueprint, run_id: str, build: str) -> list[Step]:
         if ph.user:
             cls = userstage.load(ph.kind, f"phases[{i}].kind")
             given = {"build": build, "policy": start, **({"rollout": rollout} if rollout else {}), **ends}
-            steps.append(Step("user", ph.label, {n: given[n] for n in cls.inputs}, pbp))
+            steps.append(Step("user", ph.label, {n: given[n] for n in cls.inputs}, pbp, i))
             out = stage_key(run_id, ph.label, "user")
             ends[ph.label] = out if "policy" in cls.outputs else start
             policy = ends[ph.label]
             continue
         if ph.kind == "evaluate":
-            steps.append(Step("evaluate", ph.label, {"build": build, "policy": start}, pbp))
+            steps.append(Step("evaluate", ph.label, {"build": build, "policy": start}, pbp, i))
             ends[ph.label] = policy = start
             continue
         if ph.kind == "rl":
             rl_build = build
             if start != build:  # the rl reference is the phase's start policy, as its own build
-                steps.append(Step("build", ph.label, {"warm_start": start}, pbp))
+                steps.append(Step("build", ph.label, {"warm_start": start}, pbp, i))
                 rl_build = stage_key(run_id, ph.label, "build")
-            steps += _rl_steps(pbp, run_id, rl_build, pbp)
+            steps += _rl_steps(pbp, run_id, rl_build, pbp, i)
             ends[ph.label] = policy = stage_key(run_id, pbp.iterations, "update")
             rollout = stage_key(run_id, pbp.iterations, "rollout")
             continue
@@ -152,14 +163,14 @@ def _phase_steps(bp: Blueprint, run_id: str, build: str) -> list[Step]:
             inputs = {"build": build, "policy": prev}
             if ph.kind == "dpo" and first is not None:
                 inputs["reference"] = first  # the reference log-probs its first epoch scored
-            steps.append(Step(ph.kind, label, inputs, pbp))
+            steps.append(Step(ph.kind, label, inputs, pbp, i))
             prev = stage_key(run_id, label, ph.kind)
             first = first or prev
         ends[ph.label] = policy = prev
     last = bp.phases[-1]
     if last.kind in ("sft", "dpo"):
-        steps.append(Step("checkpoint", last.label, {"build": build, "update": policy},
-                          bp.phase_blueprint(len(bp.phases) - 1)))
+        steps.append(Step("export", last.label, {"build": build, "update": policy},
+                          bp.phase_blueprint(len(bp.phases) - 1), len(bp.phases) - 1))
     return steps
 
 
@@ -169,12 +180,13 @@ def parse_from(text: str | None, steps: list[Step]) -> int | None:
         return None
     m = re.fullmatch(r"(\w+)(?:[\[:]([\w.-]+)\]?)?", text.strip())
     names = [s.name for s in steps]
+    stage = m and RENAMED.get(m.group(1), m.group(1))
     for i, s in enumerate(steps):
         it = str(s.iteration)  # a phase's epoch: dpo[3] is dpo[<phase>.3]
-        if m and s.stage == m.group(1) and (m.group(2) in (None, it) or it.endswith(f".{m.group(2)}")):
+        if m and s.stage == stage and (m.group(2) in (None, it) or it.endswith(f".{m.group(2)}")):
             return i
-    why = (" (a checkpoint step exports every storage.export_every iterations and at the last)"
-           if m and m.group(1) == "checkpoint" else "")
+    why = (" (an export step runs every storage.export_every iterations and at the last)"
+           if stage == "export" else "")
     raise BlueprintError(f"--from {text}: no such step{why}; choose one of {', '.join(names)}")
 
 
@@ -215,7 +227,8 @@ def steps_that_run(store: ArtifactStore, bp: Blueprint, run_id: str, steps: list
     for step, force in zip(steps, forced):
         inputs = {n: keys[k] if k in keys else (store.read_manifest(k) or {}).get("key")
                   for n, k in step.inputs.items()}
-        key = None if None in inputs.values() else compute_key(step.stage, step.bp or bp, step.iteration, inputs)
+        key = None if None in inputs.values() else compute_key(step.stage, step.bp or bp, step.iteration, inputs,
+                                                                     phase=step.phase)
         out = stage_key(run_id, step.iteration, step.stage)
         runs.append(force or key is None or (store.read_manifest(out) or {}).get("key") != key)
         keys[out] = key
@@ -275,12 +288,13 @@ def run_pipeline(bp: Blueprint, run_id: str, *, on_line: Callable[[str], None] =
         bp = own
     steps, first_forced = checked_plan(bp, run_id, force_from, warm_start_source(bp, run_id))
     forced = [first_forced is not None and i >= first_forced and not hooks.recomputed(s) for i, s in enumerate(steps)]
-    store = open_store(bp)
+    store = open_store(bp.storage)
     check_not_pruned(store, run_id, steps, steps_that_run(store, bp, run_id, steps, forced))
     results = []
     with tracked(bp, run_id, store, enabled=not _follows(bp.resources)) as tracker:  # node 0 tracks
         with warm_pools() as pools, hooks.hold():  # pools: for stages whose blueprint sets resources.warm_workers
-            ctx = RunContext(bp, run_id, on_line=on_line, cancel=cancel, pools=pools, store=store)
+            ctx = RunContext(bp, run_id, on_line=on_line, cancel=cancel, pools=pools, store=store,
+                             reads=checkpoint_reads(steps, run_id))
             for step, force in zip(steps, forced):
                 res = hooks.run_step(ctx, step, force)
                 if not results and not _follows(bp.resources):  # the run has a stage: a refused one leaves nothing
@@ -292,9 +306,8 @@ def run_pipeline(bp: Blueprint, run_id: str, *, on_line: Callable[[str], None] =
         # The pools have closed, so every background commit has landed (or warm_pools raised): report the manifests.
         if not _follows(bp.resources):  # a follower node leaves the store to node 0
             # also finishes what a crash mid-prune left, if every step was reused
-            retention.retain(store, bp, run_id, head=bp.iterations, reads=checkpoint_reads(bp, run_id))
-        done = [StageResult(ctx.store.read_manifest(stage_key(run_id, s.iteration, s.stage)), r.skipped, r.seconds)
-                if r.pending else r for s, r in zip(steps, results)]
+            retention.retain(store, bp.storage, run_id, head=bp.iterations, reads=ctx.reads)
+        done = [r.resolve() for r in results]
         for step, res in zip(steps, done):  # the background commits; the ledger skips steps logged above
             tracker.step(step.stage, step.iteration, res.manifest)
         tracker.promoted()

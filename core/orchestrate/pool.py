@@ -4,6 +4,10 @@ stages of a pipeline, so a stage costs its work, not a spawn plus torch/transfor
 Stages still run one at a time, each still commits its own artifact with a manifest, and a failed stage still
 fails exactly as a fresh job would: any exception ends the pool (torchrun's diagnosis reaches the caller) and
 the next stage starts a new one. A cancel or a stage timeout kills the pool's whole process tree.
+
+A stage whose commit goes on in the pool's background (resources.async_checkpoint) is `Committing` here, and only
+here: its manifest to come, which a later stage's job waits for (or, in the same pool, its job does), and which
+`resolve()` reads once the pools have closed.
 """
 
 import contextlib
@@ -13,30 +17,68 @@ import re
 import shutil
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
 from verlflow.core.orchestrate.launcher import FailureKind, LaunchSpec, StageFailure, launch
-from verlflow.core.stages import module_of
+from verlflow.core.stagespec import POOL
+from verlflow.core.store.artifacts import ArtifactStore
 from verlflow.core.wait import wait_until
 
-_BACKGROUND = re.compile(r"\[background (\S+)\] ")  # verlflow.core.stages.committer's tag
+_BACKGROUND = re.compile(r"\[background (\S+)\] ")  # verlflow.core.stages.runtime.committer's tag
 
 
-@dataclass
-class Background:
-    """A stage whose commit runs in a pool's background."""
-    manifest: dict  # the manifest to come: its key and metrics are known
+@dataclass(frozen=True)
+class Committing:
+    """A stage job's commit as the driver follows it: where it commits, and, once the job returned while the pool
+    goes on committing it, the manifest to come (its key and metrics are known; it says `pending`) and the pool."""
     name: str  # `update[3]`: what the committer's lines for it start with
+    out: str  # its store path
+    store: ArtifactStore
+    scratch: Path  # its job's folder (a remote store's output is staged there)
     on_line: Callable[[str], None]  # its own log: the lines of its commit go there
-    landed: Callable[[], bool]  # whether its manifest is committed
-    discard: Callable[[], None]  # after the pool: its scratch folder, and what an uncommitted stage left in the store
+    manifest: dict | None = None
+    pool: "WarmPool | None" = None
+
+    def landed(self) -> bool:
+        return (self.store.read_manifest(self.out) or {}).get("key") == self.manifest["key"]
+
+    def wait(self, reader: str, on_line: Callable[[str], None], cancel: threading.Event | None) -> None:
+        """Until it landed, for the input `reader` of a job in another pool; fails if its pool exits first."""
+        uri = self.store.uri(self.out)
+        on_line(f"[verlflow] waiting for {uri} ({reader}) to be committed by the warm pool")
+
+        def landed() -> bool:
+            if self.landed():
+                return True
+            if not self.pool.alive:
+                raise StageFailure(FailureKind.UNKNOWN, f"input '{reader}' ({uri}) was never committed: the warm "
+                                   f"worker pool committing it exited ({self.pool.error})")
+            return False
+
+        def cancelled():
+            raise StageFailure(FailureKind.CANCELLED, f"cancelled while waiting for {uri}")
+
+        wait_until(landed, interval_s=0.2, cancel=cancel, on_cancel=cancelled)
+
+    def resolve(self) -> dict:
+        """The committed manifest, once the pools have closed (then every commit landed, or warm_pools raised)."""
+        return self.store.read_manifest(self.out)
+
+    def discard(self) -> None:
+        """After the pool: its scratch folder, and what it left in the store if its commit did not land."""
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        if not self.landed():
+            try:
+                self.store.rm(self.out)  # a failed stage leaves nothing behind (a full disk: its partial files)
+            except Exception:  # noqa: BLE001 - e.g. S3 down: it has no manifest, nothing reads it, a rerun replaces it
+                pass
 
 
 class WarmPool:
     """One pool: `run` a stage job in it (it must have been acquired from its WarmPools, and is free again after
-    the job), `commit_in_background` for a job whose commit it goes on writing, `close` when the loop ends."""
+    the job), `close` when the loop ends."""
 
     def __init__(self, nproc: int, env: dict, scratch: str | None, on_line: Callable[[str], None], *,
                  commit_timeout_s: float = 1800.0, held: contextlib.ExitStack | None = None):
@@ -52,8 +94,8 @@ class WarmPool:
         self.started = False
         self._held = held or contextlib.ExitStack()  # GPU claims held for the pool's life
         # Stages whose commit runs in the pool's background (resources.async_checkpoint), by store path.
-        self._pending: dict[str, Background] = {}
-        self.spec = LaunchSpec(module=module_of("pool"), args=[str(self.dir)], nproc_per_node=nproc, nnodes=1,
+        self._committing: dict[str, Committing] = {}
+        self.spec = LaunchSpec(module=POOL, args=[str(self.dir)], nproc_per_node=nproc, nnodes=1,
                                timeout_s=None, env={**env, "VERLFLOW_WARM_POOL": "1"}, log_dir=str(self.dir / "logs"))
 
     def start(self) -> "WarmPool":
@@ -72,22 +114,27 @@ class WarmPool:
     def _route(self, line: str) -> None:
         """A background commit's line to the log of the stage it commits, any other to the running stage's."""
         m = _BACKGROUND.search(line)
-        owner = next((b for b in self._pending.values() if b.name == m[1]), None) if m else None
+        owner = next((c for c in self._committing.values() if c.name == m[1]), None) if m else None
         (owner.on_line if owner is not None else self._sink)(line)
 
     @property
     def alive(self) -> bool:
         return not self._gone.is_set()
 
-    def run(self, stage: str, job_file: Path, *, on_line: Callable[[str], None], cancel: threading.Event | None,
-            timeout_s: float | None) -> dict:
+    def run(self, stage: str, job_file: Path, commit: Committing, *, cancel: threading.Event | None,
+            timeout_s: float | None) -> Committing | None:
         """Run one stage job in the pool, which is then free for the next; raises what a fresh launch would
-        (StageFailure). Returns rank 0's answer: {"pending": True, "manifest": ...} when the stage's commit went
-        to the background."""
+        (StageFailure). Returns None once the stage is committed, or `commit` with its manifest to come while the
+        pool goes on committing it."""
         try:
-            return self._run(stage, job_file, on_line=on_line, cancel=cancel, timeout_s=timeout_s)
+            done = self._run(stage, job_file, on_line=commit.on_line, cancel=cancel, timeout_s=timeout_s)
         finally:
             self._busy.release()
+        if not done.get("pending"):
+            return None
+        later = replace(commit, manifest={**done["manifest"], "pending": True}, pool=self)
+        self._committing[later.out] = later
+        return later
 
     def _run(self, stage: str, job_file: Path, *, on_line: Callable[[str], None], cancel: threading.Event | None,
              timeout_s: float | None) -> dict:
@@ -129,14 +176,9 @@ class WarmPool:
             raise
         return json.loads(done.read_text())
 
-    def commit_in_background(self, output: str, background: Background) -> None:
-        """The stage at `output` returned while its commit goes on in this pool (resources.async_checkpoint)."""
-        self._pending[output] = background
-
-    def committing(self, output: str) -> dict | None:
-        """The manifest to come of `output`, while this live pool commits it in its background; else None."""
-        b = self._pending.get(output)
-        return b.manifest if b is not None and self.alive else None
+    def committing(self, output: str) -> Committing | None:
+        """`output`'s commit, while this live pool runs it in its background; else None."""
+        return self._committing.get(output) if self.alive else None
 
     def _send(self, msg: dict) -> None:
         tmp = self.dir / f".job-{self.n}.json"
@@ -153,13 +195,13 @@ class WarmPool:
         if self.started and self.alive:
             self.n += 1
             self._send({"stop": True})
-            if not self._gone.wait(grace_s + (self.commit_timeout_s if self._pending else 0)):
+            if not self._gone.wait(grace_s + (self.commit_timeout_s if self._committing else 0)):
                 self.kill()
         self._held.close()
         shutil.rmtree(self.dir, ignore_errors=True)
-        lost = [name for name, b in self._pending.items() if not b.landed()]
-        for b in self._pending.values():  # the pool is gone: no commit is still writing
-            b.discard()
+        lost = [out for out, c in self._committing.items() if not c.landed()]
+        for c in self._committing.values():  # the pool is gone: no commit is still writing
+            c.discard()
         return lost
 
 
@@ -199,13 +241,25 @@ class WarmPools:
         made.close()
         return None
 
-    def pending_manifest(self, output: str) -> tuple[WarmPool, dict] | None:
-        """The live pool committing `output` in its background, and the manifest to come; None if none is."""
+    def committing(self, output: str) -> Committing | None:
+        """`output`'s commit, while a live pool runs it in its background; else None."""
         with self._lock:
-            for pool in self._pools.values():
-                if (manifest := pool.committing(output)) is not None:
-                    return pool, manifest
-        return None
+            return next((c for pool in self._pools.values() if (c := pool.committing(output)) is not None), None)
+
+    def await_inputs(self, inputs: dict[str, str], pool: WarmPool | None, on_line: Callable[[str], None],
+                     cancel: threading.Event | None) -> list[str]:
+        """Wait until the inputs that another pool commits in its background have landed. Returns the names of
+        those that `pool` (the job's own) still commits: its job waits for them where it reads their files."""
+        own = []
+        for name, skey in inputs.items():
+            later = self.committing(skey)
+            if later is None or later.landed():
+                continue
+            if later.pool is pool:
+                own.append(name)
+            else:
+                later.wait(name, on_line, cancel)
+        return own
 
     def close(self, abandon: bool) -> list[tuple[str, BaseException | None]]:
         """Close every pool (abandon: kill it first); the stages whose background commit did not land, each with

@@ -25,55 +25,19 @@ from verlflow.core.errors import StoreError
 from verlflow.core.job import InputRecord, InputRef, JobSpec, ManifestDraft
 from verlflow.core.orchestrate.backends import launcher_for, scratch_root
 from verlflow.core.orchestrate.launcher import LaunchSpec
-from verlflow.core.orchestrate.pool import Background, WarmPool, WarmPools
-from verlflow.core.stages import module_of
-from verlflow.core.store.artifacts import ArtifactStore, stage_key
+from verlflow.core.orchestrate.pool import Committing, WarmPool, WarmPools
+from verlflow.core.stagespec import SPECS, spec
+from verlflow.core.store.artifacts import ArtifactStore, open_store, stage_key
 from verlflow.core.wait import wait_until
 
 log = logging.getLogger("verlflow.runner")
 
-STAGES = ("validate", "build", "rollout", "update", "evaluate", "checkpoint")
-
-# The blueprint sections each stage's outputs depend on. resources is absent on purpose: a checkpoint
-# reshards, so a world-size change reuses what was committed and continues.
-SECTIONS = {
-    "validate": ("model", "data", "reward", "rollout", "fsdp", "resources", "storage", "eval.files", "eval.prompt_key",
-                 "eval.max_prompts", "eval.reward", "algorithm.adv_estimator", "algorithm.policy_loss",
-                 "algorithm.ppo_mini_batch_size", "algorithm.ppo_micro_batch_size_per_gpu",
-                 "phase_inputs"),  # the sft/dpo phases' rows are checked there too
-    # build: optimizer hyperparameters are re-applied from the blueprint on every load, so only the
-    # estimator (whether a critic exists) matters here.
-    "build": ("model", "fsdp", "algorithm.adv_estimator", "seed", "deterministic"),
-    "rollout": ("model", "data", "reward", "rollout", "fsdp.mixed_precision", "seed", "algorithm.filter_groups",
-                "algorithm.greedy_baseline"),
-    "update": ("model", "data", "algorithm", "rollout", "fsdp", "seed", "deterministic"),
-    # evaluate: what its samples and scores depend on; not eval.before_train/every (which evaluations exist), nor
-    # the rollout's own sampling (the eval's replaces it).
-    "evaluate": ("model", "reward", "seed", "data.max_prompt_length", "fsdp.mixed_precision", "rollout.engine",
-                 "rollout.batching", "rollout.micro_batch_size", "rollout.max_new_tokens", "eval.files", "eval.prompt_key",
-                 "eval.max_prompts", "eval.n", "eval.temperature", "eval.top_p", "eval.max_new_tokens", "eval.reward",
-                 "eval.threshold", "eval.pass_k", "eval.samples_shown"),
-    # Only what the export's bytes depend on: a changed retention or cadence field must not re-export (and so
-    # reach for update checkpoints retention has pruned).
-    "checkpoint": ("storage.export_dtype",),
-    # `phase`: the one phase these steps run (Blueprint.phase_blueprint): its data, epochs, optimizer, loss.
-    # Not the rest of the top-level algorithm: that is the rl phase's, and changing it must not rerun these.
-    "sft": ("model", "fsdp", "phase", "algorithm.use_fused_kernels", "seed", "deterministic"),
-    "dpo": ("model", "fsdp", "phase", "algorithm.use_fused_kernels", "seed", "deterministic"),
-    "user": ("model", "phase", "seed", "deterministic"),  # + its class's source (compute_key)
-    "monolithic": ("model", "data", "reward", "algorithm", "rollout", "fsdp", "seed", "deterministic", "iterations",
-                   "storage.export_dtype"),  # its HF export is written in that dtype
-}
-SINGLE_PROCESS = {"checkpoint"}  # an export needs no process group beyond one rank
-PHASE_POLICY_STAGES = ("sft", "dpo")  # the phase stages whose output is a policy (lineage records them)
-
 
 def key_sections(stage: str, bp: Blueprint) -> tuple[str, ...]:
-    """SECTIONS, and storage.export_lora for a LoRA run's export (merged model or adapter folder): a full fine-tune
-    has nothing to choose there, so the field must not re-export it."""
-    if stage == "checkpoint" and bp.model.lora is not None:
-        return SECTIONS[stage] + ("storage.export_lora",)
-    return SECTIONS[stage]
+    """The spec's sections, and its LoRA ones for a LoRA run (an export's merged model or adapter folder): a full
+    fine-tune has nothing to choose there, so those fields must not rerun it."""
+    s = spec(stage)
+    return s.key_sections + (s.lora_sections if bp.model.lora is not None else ())
 
 
 def code_version(stage: str) -> str:
@@ -93,25 +57,25 @@ def _code_version() -> dict[str, str]:
     return _CODE_VERSION
 
 
-def open_store(bp: Blueprint) -> ArtifactStore:
-    return ArtifactStore(bp.storage.uri, endpoint_url=bp.storage.endpoint_url, region=bp.storage.region)
-
-
-def compute_key(stage: str, bp: Blueprint, iteration, input_keys: dict[str, str], extra: dict | None = None) -> str:
+def compute_key(stage: str, bp: Blueprint, iteration, input_keys: dict[str, str], extra: dict | None = None,
+                phase: int | None = None) -> str:
+    """`phase`: the index in bp.phases of the phase the step runs (its "phase" key section)."""
     if stage == "user":  # the user's code is the stage's maths: its edit reruns it
         from verlflow.core import userstage
 
-        extra = {**(extra or {}), "user_code": userstage.code_version(bp.phase.kind)}
-    payload = {"stage": stage, "iteration": iteration, "sections": bp.section_hash(*key_sections(stage, bp)),
+        extra = {**(extra or {}), "user_code": userstage.code_version(bp.phases[phase].kind)}
+    payload = {"stage": stage, "iteration": iteration,
+               "sections": bp.section_hash(*key_sections(stage, bp), phase=phase),
                "inputs": dict(sorted(input_keys.items())), "code": code_version(stage), "extra": extra or {}}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 
 @dataclass
 class StageResult:
-    manifest: dict
+    manifest: dict  # committed, or (pending) the manifest to come
     skipped: bool
     seconds: float
+    later: Committing | None = None  # its commit, still running in a warm pool's background
 
     @property
     def key(self) -> str:
@@ -120,7 +84,11 @@ class StageResult:
     @property
     def pending(self) -> bool:
         """Its commit is still running in a warm pool's background (resources.async_checkpoint)."""
-        return bool(self.manifest.get("pending"))
+        return self.later is not None
+
+    def resolve(self) -> "StageResult":
+        """This result with its committed manifest, once the pools have closed."""
+        return self if self.later is None else StageResult(self.later.resolve(), self.skipped, self.seconds)
 
 
 @dataclass
@@ -132,11 +100,15 @@ class RunContext:
     cancel: threading.Event | None = None
     pools: WarmPools | None = None  # the pipeline loop's warm pools; None: every stage is a fresh job
     env: dict | None = None  # extra environment for the stage jobs (such a job gets its own processes, not a pool)
+    phase: int | None = None  # the index in bp.phases of the phase the stages run (pipeline.Step.phase)
     store: ArtifactStore = field(default=None)  # opened from the blueprint when not given
+    # The plan's checkpoint reads (pipeline.checkpoint_reads, once per run), which retention passes keep; a stage
+    # run outside a pipeline has none to keep beyond the run's last N, best and pointers.
+    reads: list[tuple[str | None, str]] = field(default_factory=list)
 
     def __post_init__(self):
         if self.store is None:
-            self.store = open_store(self.bp)
+            self.store = open_store(self.bp.storage)
 
 
 def stage_status(ctx: RunContext, stage: str, iteration, inputs: dict[str, str], *, read_output: bool = True):
@@ -146,13 +118,13 @@ def stage_status(ctx: RunContext, stage: str, iteration, inputs: dict[str, str],
     manifests = {}
     for name, skey in inputs.items():
         m = ctx.store.read_manifest(skey)
-        if m is None and ctx.pools is not None and (in_pool := ctx.pools.pending_manifest(skey)) is not None:
-            m = in_pool[1]  # committing in a warm pool's background: its key and metrics are known
+        if m is None and ctx.pools is not None and (later := ctx.pools.committing(skey)) is not None:
+            m = later.manifest  # committing in a warm pool's background: its key and metrics are known
         if m is None:
             raise StoreError(f"{stage}[{iteration}]: input '{name}' ({ctx.store.uri(skey)}) is not committed; "
                              "run the earlier stages first (verlflow rerun resumes at the first missing one).")
         manifests[name] = m
-    key = compute_key(stage, ctx.bp, iteration, {n: m["key"] for n, m in manifests.items()})
+    key = compute_key(stage, ctx.bp, iteration, {n: m["key"] for n, m in manifests.items()}, phase=ctx.phase)
     out = stage_key(ctx.run_id, iteration, stage)
     return key, out, ctx.store.read_manifest(out) if read_output else None, manifests
 
@@ -190,7 +162,7 @@ def run_stage(ctx: RunContext, stage: str, iteration, inputs: dict[str, str], *,
         ctx.on_line(f"[verlflow] {run.name} is committed with the same key, but {why}: recomputing it")
         _refuse_unrecomputable(ctx, run, why)
     follower = _follows(ctx.bp.resources)
-    if follower and stage in SINGLE_PROCESS:
+    if follower and spec(stage).single_process:
         return _await_commit(ctx, run)
     if not follower:
         if existing is not None or force:
@@ -205,7 +177,7 @@ def _not_reusable(ctx: RunContext, run: _Attempt, existing: dict) -> str | None:
     """Why a stage committed with the key it would commit is not reused (None: it is).
     - An input of this run committed after it: that input was recomputed since (a damaged one repaired, or a
       `--from` rerun that stopped before reaching this stage), and a commit never lands before its inputs' (one job
-      after the other; in a warm pool, stages/committer.py), so this stage was computed from bytes that are gone.
+      after the other; in a warm pool, its committer's queue), so this stage was computed from bytes that are gone.
       Keys hash recipes, not bytes: only the commit times tell.
     - Its files are missing or of another size than its manifest says (what `verlflow ls` shows as DAMAGED): one
       listing of its folder, a request whatever its number of files, also on S3 (`verlflow verify` reads checksums).
@@ -277,7 +249,7 @@ def _complete_reused(ctx: RunContext, run: _Attempt, manifest: dict) -> None:
     """What follows a stage's commit, which a crash right after it may have cut short, done for the reused stage:
     an export's promotion (the gate, if it never ran) and its chain's cursor (core/store/promote.py after_export).
     Node 0 leads: a follower leaves the store to it."""
-    if run.stage != "checkpoint" or _follows(ctx.bp.resources):
+    if run.stage != "export" or _follows(ctx.bp.resources):
         return
     from verlflow.core.store.promote import after_export
 
@@ -294,7 +266,7 @@ def _follows(res) -> bool:
 
 
 def _multi_node(res, stage: str) -> bool:
-    return res.backend == "local" and res.nnodes > 1 and stage not in SINGLE_PROCESS
+    return res.backend == "local" and res.nnodes > 1 and not spec(stage).single_process
 
 
 def _run_fresh(ctx: RunContext, run: _Attempt, *, leader: bool = True) -> StageResult:
@@ -320,26 +292,17 @@ def _run_in_pool(ctx: RunContext, run: _Attempt, pool: WarmPool) -> StageResult:
         job_file = _write_job(ctx, run, scratch, pool)
         _say_launch(ctx, run, res.nproc_per_node, 1, f"{res.backend}, warm pool")
         with _nothing_left_on_failure(ctx, run):
-            done = pool.run(run.stage, job_file, on_line=ctx.on_line, cancel=ctx.cancel,
-                            timeout_s=res.stage_timeout_s)
+            later = pool.run(run.stage, job_file, Committing(run.name, run.out, ctx.store, scratch, ctx.on_line),
+                             cancel=ctx.cancel, timeout_s=res.stage_timeout_s)
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
-    if done.get("pending"):
-        return _committing_in_background(ctx, run, pool, done["manifest"], scratch)
-    shutil.rmtree(scratch, ignore_errors=True)
-    return _committed(ctx, run)
-
-
-def _committing_in_background(ctx: RunContext, run: _Attempt, pool: WarmPool, manifest: dict,
-                              scratch: Path) -> StageResult:
-    """The stage returned while the pool goes on committing it; the pool removes its scratch folder after the
-    commit (a remote store's output is staged there)."""
-    manifest = {**manifest, "pending": True}
-    pool.commit_in_background(run.out, Background(manifest, run.name, ctx.on_line,
-                                                  *_landed_and_discard(ctx.store, run.out, run.key, scratch)))
+    if later is None:
+        shutil.rmtree(scratch, ignore_errors=True)
+        return _committed(ctx, run)
+    # the pool's committer removes the scratch folder after the commit (a remote store's output is staged there)
     ctx.on_line(f"[verlflow] {run.name} done; its commit runs in the warm pool's background")
-    return StageResult(manifest, False, time.time() - run.t0)
+    return StageResult(later.manifest, False, time.time() - run.t0, later)
 
 
 def _scratch(res, stage: str) -> Path:
@@ -351,40 +314,34 @@ def _say_launch(ctx: RunContext, run: _Attempt, nproc: int, nnodes: int, how: st
 
 
 def _write_job(ctx: RunContext, run: _Attempt, scratch: Path, pool: WarmPool | None) -> Path:
-    """The job file, once the inputs that another pool commits in its background have landed."""
-    pending = sorted(n for n, m in run.manifests.items() if m.get("pending"))
-    if pending:
-        # Only the pool that commits an input can wait for it inside the job; any other job starts after it landed.
-        _await_inputs(ctx, pool, {n: run.inputs[n] for n in pending})
+    """The job file, once the inputs that another pool commits in its background have landed (the pool that
+    commits an input waits for it inside the job)."""
+    pending = {n: run.inputs[n] for n, m in run.manifests.items() if m.get("pending")}  # from a pool (stage_status)
+    in_pool = ctx.pools.await_inputs(pending, pool, ctx.on_line, ctx.cancel) if pending else []
     job = _job_spec(ctx, run, scratch)
-    job.pending_inputs = [n for n in pending if ctx.store.read_manifest(run.inputs[n]) is None]
+    job.pending_inputs = sorted(in_pool)
     return job.write(scratch / "job.json")
-
-
-def _checkpoint_reads(bp: Blueprint, run_id: str) -> list:
-    from verlflow.core.orchestrate.pipeline import checkpoint_reads  # the plan's module imports this one
-    return checkpoint_reads(bp, run_id)
 
 
 def _job_spec(ctx: RunContext, run: _Attempt, scratch: Path) -> JobSpec:
     bp, manifests, inputs = ctx.bp, run.manifests, run.inputs
     return JobSpec(
         stage=run.stage, run_id=ctx.run_id, iteration=run.iteration, output=run.out, scratch=str(scratch),
-        blueprint=bp, inputs=inputs, launched_at=run.launched_at, checkpoint_reads=_checkpoint_reads(bp, ctx.run_id),
+        blueprint=bp, phase=ctx.phase, inputs=inputs, launched_at=run.launched_at, checkpoint_reads=ctx.reads,
         input_manifests={n: InputRecord(key=m["key"], metrics=m.get("metrics", {}), lineage=m.get("lineage", []))
                          for n, m in manifests.items()},
         manifest=ManifestDraft(
             stage=run.stage, run_id=ctx.run_id, iteration=run.iteration, key=run.key,
             inputs={n: InputRef(stage=inputs[n], key=m["key"]) for n, m in manifests.items()},
             blueprint_hash=bp.hash(), blueprint_name=bp.name, code_version=code_version(run.stage),
-            lineage=_lineage(manifests, inputs, bp.phase.label if bp.phase else None)))
+            lineage=_lineage(manifests, inputs, None if ctx.phase is None else bp.phases[ctx.phase].label)))
 
 
 def _launch_spec(ctx: RunContext, run: _Attempt, job_file: Path, scratch: Path) -> LaunchSpec:
     res = ctx.bp.resources
-    single, multi = run.stage in SINGLE_PROCESS, _multi_node(res, run.stage)
+    single, multi = spec(run.stage).single_process, _multi_node(res, run.stage)
     nproc = 1 if single else res.nproc_per_node
-    return LaunchSpec(module=module_of(run.stage), args=[str(job_file)], job_arg=0, nproc_per_node=nproc,
+    return LaunchSpec(module=spec(run.stage).module, args=[str(job_file)], job_arg=0, nproc_per_node=nproc,
                       nnodes=1 if single else res.nnodes, timeout_s=res.stage_timeout_s,
                       node_rank=res.node_rank if multi else 0, rdzv_endpoint=res.rdzv_endpoint if multi else None,
                       rdzv_id=f"vf-{run.key[:20]}" if multi else None,  # the same on every node's agent
@@ -416,46 +373,6 @@ def _committed(ctx: RunContext, run: _Attempt) -> StageResult:
     if manifest is None or manifest.get("key") != run.key:
         raise StoreError(f"{run.name}: the job exited cleanly but committed no manifest at {ctx.store.uri(run.out)}")
     return StageResult(manifest, False, time.time() - run.t0)
-
-
-def _landed_and_discard(store: ArtifactStore, out: str, key: str, scratch: Path):
-    """For a stage committing in a pool's background: whether its commit landed, and the clean-up after the pool."""
-
-    def landed() -> bool:
-        return (store.read_manifest(out) or {}).get("key") == key
-
-    def discard() -> None:
-        shutil.rmtree(scratch, ignore_errors=True)  # a remote store's output was staged there
-        if not landed():
-            try:
-                store.rm(out)  # a failed stage leaves nothing behind (a full disk: its partial files)
-            except Exception:  # noqa: BLE001 - e.g. S3 down: it has no manifest, nothing reads it, a rerun replaces it
-                pass
-
-    return landed, discard
-
-
-def _await_inputs(ctx: RunContext, pool: WarmPool | None, inputs: dict[str, str]) -> None:
-    """Wait until inputs that a warm pool commits in its background have landed, unless this job runs in that
-    same pool (which waits inside the job, and only if the stage reads the files)."""
-    from verlflow.core.orchestrate.launcher import FailureKind, StageFailure
-
-    for name, skey in inputs.items():
-        owner = ctx.pools.pending_manifest(skey) if ctx.pools is not None else None
-        if owner is None or owner[0] is pool:
-            continue
-        ctx.on_line(f"[verlflow] waiting for {ctx.store.uri(skey)} ({name}) to be committed by the warm pool")
-
-        def landed(name=name, skey=skey, committer=owner[0]) -> bool:
-            if ctx.store.read_manifest(skey) is not None:
-                return True
-            if not committer.alive:
-                raise StageFailure(FailureKind.UNKNOWN, f"input '{name}' ({ctx.store.uri(skey)}) was never committed: "
-                                   f"the warm worker pool committing it exited ({committer.error})")
-            return False
-
-        wait_until(landed, interval_s=0.2, cancel=ctx.cancel, on_cancel=_raises(
-            FailureKind.CANCELLED, f"cancelled while waiting for {ctx.store.uri(skey)}"))
 
 
 def _await_commit(ctx: RunContext, run: _Attempt) -> StageResult:
@@ -530,6 +447,11 @@ def _worker_env(nproc: int) -> dict:
     return {k: v for k, v in env.items() if k not in os.environ}
 
 
+def _makes_phase_policy(stage: str | None) -> bool:
+    """Whether a stage's output is a policy a phase made epoch by epoch (lineage records those)."""
+    return stage in SPECS and SPECS[stage].per_epoch
+
+
 def _lineage(manifests: dict, inputs: dict, phase: str | None = None) -> list:
     """Warm-start ancestry: carried forward from inputs so every manifest knows where its weights came from. In a
     run of phases, a step that starts from another phase's policy (dpo from sft's, rl's build from dpo's) adds that
@@ -542,7 +464,7 @@ def _lineage(manifests: dict, inputs: dict, phase: str | None = None) -> list:
     if "warm_start" in manifests:
         return manifests["warm_start"].get("lineage", []) + [entry("warm_start")]
     policy = manifests.get("policy") or {}
-    if phase and policy.get("stage") in PHASE_POLICY_STAGES and entry("policy").get("phase") != phase:
+    if phase and _makes_phase_policy(policy.get("stage")) and entry("policy").get("phase") != phase:
         return policy.get("lineage", []) + [entry("policy")]
     for name in ("policy", "build", "update"):
         if name in manifests and manifests[name].get("lineage"):

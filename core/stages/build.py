@@ -21,7 +21,6 @@ from verlflow.core.errors import InputError
 from verlflow.core.ml import checkpoint, model as M
 from verlflow.core.ml.modeldir import model_dir_problems
 from verlflow.core.ml.optim import make_optimizer
-from verlflow.core.stages import modelcache
 from verlflow.core.stages.common import StageContext, stage_main
 from verlflow.core.store import chain
 
@@ -64,15 +63,15 @@ def run(ctx: StageContext) -> dict:
             # FSDP2: ranks > 0 start from meta and receive rank 0's weights through the load below.
             meta = bp.fsdp.version == 2 and ctx.rank > 0
             # packed as the update builds its modules: in a warm pool this very module is the first update's
-            module = M.build_module(src, bp, critic=critic, meta=meta, adapters=role == "policy",
+            module = M.build_module(src, bp.model, critic=critic, meta=meta, adapters=role == "policy",
                                     packed=bp.algorithm.use_remove_padding)
             full = None if meta else module.state_dict()
             trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)  # model.lora: the adapters
         with ctx.timed(f"{role}_wrap_s"):
-            model, rep = M.wrap_fsdp(module, bp, ctx.device)
+            model, rep = M.wrap_fsdp(module, bp.fsdp, ctx.device, bp.algorithm.fused_head)
             if bp.fsdp.version == 2:
                 _broadcast_weights(model, full)
-        problems = M.check_shards(rep, bp)
+        problems = M.check_shards(rep, bp.fsdp)
         if problems:
             raise RuntimeError(f"{role}: " + "; ".join(problems))
         if role != "ref":
@@ -87,20 +86,15 @@ def run(ctx: StageContext) -> dict:
         # new policy's (on the model folder's weights) and the reference stays the base model.
         if warm_policy and (role == "policy" or role == "ref" and bp.model.lora is None):
             checkpoint.load(warm_policy, model)
-        opt = make_optimizer(model, bp, critic=critic) if role != "ref" else None
+        opt = (make_optimizer(model, bp.algorithm.critic_optim if critic else bp.algorithm.optim)
+               if role != "ref" else None)
         with ctx.timed(f"{role}_save_s"):
             checkpoint.save(ctx.out / role, model, opt, state)
-        if opt is not None and ctx.background() is not None:
-            # The first update's background save then only fills its CPU copy: the page-locking runs beside the
-            # first rollout (core/stages/committer.py).
-            ctx.background().reserve(role, checkpoint.trained_state_bytes(model))
-        # A warm pool keeps the policy (and critic) for the first rollout and update, which would read these
-        # files back (core/stages/modelcache.py); the reference is the policy's weights until an update trains it.
-        # (Plain tuples: importing the update's maths here would make editing it rerun the build.)
-        if role == "policy":
-            modelcache.put("policy", ctx.identity(), (model, opt, state))
-        elif role == "critic":
-            modelcache.put("critic", ctx.identity(), (model, opt))
+        if opt is not None:
+            # A warm pool keeps the policy (and critic) for the first rollout and update, which would read these
+            # files back, and starts making the CPU copy of the first update's background save (its page-locking
+            # runs beside the first rollout); the reference is the policy's weights until an update trains it.
+            ctx.models.keep(role, model, opt, state)
         del model, opt
     log.info("build: %s", json.dumps(metrics))
     return metrics

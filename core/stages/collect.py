@@ -56,7 +56,9 @@ def collect(ctx: StageContext, model, tok, data: Prompts, cursor: int, iteration
     sampled = 0
     for r in range(rounds):
         rows = select(len(data), cursor + r * B, B, order_seed, bp.data.shuffle).tolist()
-        samples = gather(ctx, generate_share(model, tok, bp, data.take(rows), it, ctx.placement, progress, attempt=r))
+        samples = gather(ctx, generate_share(model, tok, bp.rollout, bp.reward, data.take(rows), it, ctx.placement,
+                                             max_prompt_len=bp.data.max_prompt_length, seed=bp.seed,
+                                             progress=progress, attempt=r))
         sampled += len(samples)
         if not fg.enable:
             return _with_baseline(ctx, it, model, tok, data, Collected(samples, B))
@@ -81,8 +83,9 @@ def _with_baseline(ctx: StageContext, it: int, model, tok, data: Prompts, got: C
         return got
     groups = _groups(got.samples)
     prompts = data.take([g[0]["row"] for g in groups])
-    greedy_bp = bp.model_copy(update={"rollout": bp.rollout.model_copy(update={"n": 1, "temperature": 0.0})})
-    greedy = gather(ctx, generate_share(model, tok, greedy_bp, prompts, it, ctx.placement))
+    one_greedy = bp.rollout.model_copy(update={"n": 1, "temperature": 0.0})
+    greedy = gather(ctx, generate_share(model, tok, one_greedy, bp.reward, prompts, it, ctx.placement,
+                                        max_prompt_len=bp.data.max_prompt_length, seed=bp.seed))
     baseline = {s["group"]: s["score"] for s in greedy}  # group p of `prompts` is group p of the batch
     samples = [{**s, "reward_baseline": baseline[p]} for p, g in enumerate(groups) for s in g]
     got.metrics["remax/baseline_reward_mean"] = round(sum(baseline.values()) / len(baseline), 6)

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from verlflow.core.errors import InputError
-from verlflow.core.ml import model as M, ppo, supervised
+from verlflow.core.ml import model as M, supervised
+from verlflow.core.ml.forward import Rows
 from verlflow.core.ml.dpo import dpo_loss, encode_pairs, load_preferences, sequence_logps
 from verlflow.core.stages.common import StageContext, retention_pass, stage_main
 from verlflow.core.stages.phase import epoch_of, field_of, load_policy, save_policy
@@ -22,7 +23,7 @@ REFERENCE = "reference.safetensors"
 
 
 def run(ctx: StageContext) -> dict:
-    bp, at, ph = ctx.bp, ctx.placement, ctx.bp.phase
+    bp, at, ph = ctx.bp, ctx.placement, ctx.phase
     a = ph.algorithm
     build, epoch = ctx.input("build"), epoch_of(ctx)
     tok = M.load_tokenizer(build / "hf_meta")
@@ -33,19 +34,20 @@ def run(ctx: StageContext) -> dict:
     with ctx.timed("ref_s"):
         ref_tokens = _reference(ctx, policy.model, batch, epoch)
     ref = sequence_logps(ref_tokens, batch["response_mask"], a.loss)
-    rows, pairs = ppo.Rows.of(batch), len(batch["responses"]) // 2
+    rows, pairs = Rows.of(batch), len(batch["responses"]) // 2
 
     def micro_loss(model, idx, units):
         r = idx + [p + pairs for p in idx]  # the micro-batch's chosen rows, then their rejected rows
-        logp = supervised.rows_forward(model, rows, r, bp, at.device)
+        logp = supervised.rows_forward(model, rows, r, a, at.device)
         seq = sequence_logps(logp, batch["response_mask"][r].to(at.device), a.loss)
         loss, metrics = dpo_loss(seq, ref[r].to(at.device), a.beta, a.loss, a.label_smoothing)
         metrics["dpo_loss"] = loss.detach()
         return loss * len(idx) / len(units) * at.world, {k: v * len(idx) for k, v in metrics.items()}
 
-    plan = supervised.Epoch.of(bp, pairs, epoch, field_of(ph, "data.train_files"))
+    plan = supervised.Epoch.of(ph, bp.seed, pairs, epoch, field_of(ph, "data.train_files"))
     with ctx.timed("train_s"):
-        history = supervised.train_epoch(bp, policy, plan, micro_loss, at, state["step"],
+        history = supervised.train_epoch(ph, policy, plan, micro_loss, at, state["step"],
+                                         defer_grad_sync=bp.fsdp.defer_grad_sync,
                                          progress=log.info if ctx.is_main() else None)
     with ctx.timed("save_s"):
         new_state = save_policy(ctx, policy, state, history, epoch)
@@ -58,7 +60,7 @@ def run(ctx: StageContext) -> dict:
 def _reference(ctx: StageContext, policy, batch: dict, epoch: int) -> torch.Tensor:
     """Per-token reference log-probs of every row: scored now by the start policy (epoch 1), else read."""
     if epoch == 1:
-        ref = supervised.score_rows(policy, batch, ctx.bp, ctx.placement)
+        ref = supervised.score_rows(policy, batch, ctx.phase.algorithm, ctx.placement)
         if ctx.is_main():
             save_file({"logp": ref.contiguous()}, str(ctx.out / REFERENCE))
         return ref

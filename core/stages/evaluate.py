@@ -12,21 +12,21 @@ from verlflow.core.ml import model as M
 from verlflow.core.ml.evaluate import generate_share, load_held_out, metrics, save_samples, shown
 from verlflow.core.stages.common import StageContext, stage_main
 from verlflow.core.stages.collect import gather
-from verlflow.core.stages.rollout import inference_copy, policy_inputs
 
 log = logging.getLogger("verlflow.evaluate")
 
 
 def run(ctx: StageContext) -> dict:
     bp = ctx.bp
-    src = policy_inputs(ctx)  # as the rollout takes them
-    tok = M.load_tokenizer(src.meta_dir)
+    policy = ctx.models.policy()  # as the rollout takes it
+    tok = M.load_tokenizer(policy.meta_dir)
     held = load_held_out(bp.eval)
     with ctx.timed("load_s"):
-        model = inference_copy(ctx, src)
+        model = ctx.models.inference_copy(policy)  # the rollout's, in a warm pool
     progress = log.info if ctx.is_main() else None
     with ctx.timed("generate_s"):
-        mine = generate_share(model, tok, bp, held, ctx.iteration, ctx.placement, progress)
+        mine = generate_share(model, tok, bp.eval, bp.rollout, bp.reward, held, ctx.iteration, ctx.placement,
+                              max_prompt_len=bp.data.max_prompt_length, seed=bp.seed, progress=progress)
     samples = gather(ctx, mine)
     if not ctx.is_main():
         return {}

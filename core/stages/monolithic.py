@@ -15,7 +15,8 @@ from verlflow.core.ml.optim import apply_hparams
 from verlflow.core.ml.rollout import load_batch, save_batch
 from verlflow.core.stages.common import StageContext, stage_main
 from verlflow.core.stages.collect import collect
-from verlflow.core.stages.update import load_trainee, sharded
+from verlflow.core.stages.loads import load_trainee, sharded
+from verlflow.core.stages.update import ppo_spec
 
 log = logging.getLogger("verlflow.monolithic")
 
@@ -23,7 +24,8 @@ log = logging.getLogger("verlflow.monolithic")
 def _trainee(ctx: StageContext, build, role: str) -> ppo.Trainee:
     """A role's FSDP model and optimizer from the build stage's checkpoint, with the blueprint's hyperparameters."""
     trainee = load_trainee(ctx, build / "hf_meta", build, role, base=build / "ref")
-    apply_hparams(trainee.optimizer, ctx.bp, critic=role == "critic")
+    a = ctx.bp.algorithm
+    apply_hparams(trainee.optimizer, a.critic_optim if role == "critic" else a.optim)
     return trainee
 
 
@@ -41,20 +43,21 @@ def _as_batch(ctx: StageContext, got, tok, it: int) -> tuple[dict, dict]:
 
 
 def _update(ctx: StageContext, ref, models: ppo.Models, batch: dict, it: int) -> list[dict]:
-    bp, at = ctx.bp, ctx.placement
-    ref_logp = ppo.score_all(ref, batch, bp, at)
-    old_logp = ppo.old_logprobs(models.policy.model, batch, bp, at)
-    values = None if models.critic is None else ppo.score_all(models.critic.model, batch, bp, at, critic=True)
-    data, _ = ppo.prepare(bp, batch, old_logp, ref_logp, values, iteration=it)
-    return ppo.train(bp, models, data, at)
+    spec, at = ppo_spec(ctx.bp), ctx.placement
+    ref_logp = ppo.score_all(ref, batch, spec, at)
+    old_logp = ppo.old_logprobs(models.policy.model, batch, spec, at)
+    values = None if models.critic is None else ppo.score_all(models.critic.model, batch, spec, at, critic=True)
+    data, _ = ppo.prepare(spec.algorithm, batch, old_logp, ref_logp, values, iteration=it)
+    return ppo.train(spec, models, data, at)
 
 
 def _export(ctx: StageContext, policy, meta_dir) -> None:
-    """The HF export the checkpoint stage writes (in storage.export_dtype), from the weights in memory."""
+    """The HF export the export stage writes (in storage.export_dtype), from the weights in memory."""
     full = checkpoint.full_state_dict(policy)  # collective: every rank
     if ctx.is_main():
-        dtype = export.export_dtype(ctx.bp, meta_dir)
-        export.write_export(export.export_model(meta_dir, ctx.bp, dtype, full=full), meta_dir, ctx.out / "hf", dtype)
+        dtype = export.export_dtype(ctx.bp.storage, ctx.bp.model, meta_dir)
+        export.write_export(export.export_model(meta_dir, ctx.bp.model, dtype, full=full), meta_dir, ctx.out / "hf",
+                            dtype)
     if ctx.world > 1:
         dist.barrier()
 
@@ -73,8 +76,8 @@ def run(ctx: StageContext) -> dict:
     critic = _trainee(ctx, build, "critic") if bp.algorithm.adv_estimator == "gae" else None
     models = ppo.Models(policy, critic, step=state["step"])
     with torch.device(ctx.device):
-        infer = M.build_module(meta_dir, bp)
-    infer.to(M.inference_dtype(bp))
+        infer = M.build_module(meta_dir, bp.model)
+    infer.to(M.inference_dtype(bp.fsdp))
 
     per_iter = []
     for it in range(1, bp.iterations + 1):

@@ -10,7 +10,7 @@ from verlflow.core.stages.common import StageContext, stage_main
 
 
 def run(ctx: StageContext) -> dict:
-    ph = ctx.bp.phase
+    ph = ctx.phase
     cls = userstage.load(ph.kind, f"phase '{ph.label}' kind")
     metrics = cls(dict(ph.options)).run(ctx) or {}
     if not isinstance(metrics, dict):

@@ -1,7 +1,7 @@
 """validate: everything the run needs, checked at the blueprint's world size, every problem reported at once.
 
 Output: report.json / report.md. Any fatal problem fails the stage (nothing committed) with the full list. The
-input checks are core/orchestrate/preflight.py's (the CLI runs its cheap ones before this stage; a flow run starts here).
+input checks are core/checks/preflight.py's (the CLI runs its cheap ones before this stage; a flow run starts here).
 """
 
 import json
@@ -114,7 +114,7 @@ def check_model(ctx: StageContext, r: Report):
 
 def check_layers(ctx: StageContext, r: Report):
     bp = ctx.bp
-    meta = M.build_module(bp.model.path, bp, meta=True, adapters=True)  # model.lora: its targets must exist
+    meta = M.build_module(bp.model.path, bp.model, meta=True, adapters=True)  # model.lora: its targets must exist
     cls = M.decoder_layer_class(meta, bp.fsdp.wrap_class)
     layers = sum(1 for m in meta.modules() if isinstance(m, cls))
     r.add("decoder_layer", layers > 0, f"{cls.__name__} x {layers}")
@@ -129,10 +129,10 @@ def check_layers(ctx: StageContext, r: Report):
 
 
 def check_memory(ctx: StageContext, r: Report) -> dict | None:
-    """The memory plan (core/orchestrate/memplan.py) of the blueprint as written (its `auto` settings chosen for this
+    """The memory plan (core/checks/memplan.py) of the blueprint as written (its `auto` settings chosen for this
     rank's card), refused where it does not fit, and its peak against what is free on the card now (another
     process may hold some). Rank 0 prints the table and writes memory_plan.{txt,json}; returns the plan's record."""
-    from verlflow.core.orchestrate import memplan
+    from verlflow.core.checks import memplan
 
     if model_dir_problems(ctx.bp.model.path):  # check_model names them; there is no shape to plan with
         return None
@@ -152,19 +152,18 @@ def check_memory(ctx: StageContext, r: Report) -> dict | None:
 
 
 def check_inputs(ctx: StageContext, r: Report, tok):
-    """The driver's preflight again (a flow run starts here), then what only the rollout's tokenizer and reward
-    call can tell (core/orchestrate/preflight.py decides both)."""
-    from verlflow.core.blueprint import missing_inputs
+    """The driver's checks again (a flow run starts here: core/checks/preflight.py check_blueprint, as the CLI
+    runs them), then what only the rollout's tokenizer and reward call can tell."""
+    from verlflow.core.checks.preflight import check_blueprint, rollout_problems
     from verlflow.core.ml.data import load_prompts
-    from verlflow.core.orchestrate.preflight import rollout_problems
 
     bp = ctx.bp
-    problems = missing_inputs(bp)
-    for problem in problems:
+    found = check_blueprint(bp, ctx.job.run_id)
+    for problem in found.problems:
         r.add("inputs", False, problem)
-    if not problems:
-        r.guard("store_space", lambda: check_store_space(ctx, r))
-    if problems or tok is None:  # the rollout's checks need the dataset, the reward and the tokenizer
+    if found.space is not None:
+        r.add("store_space", found.space.fits, found.space.problem() or found.space.summary())
+    if found.problems or tok is None:  # the rollout's checks need the dataset, the reward and the tokenizer
         return
     prompts = load_prompts(bp.data.train_files, bp.data.prompt_key)
     r.add("inputs", True, f"{len(prompts)} prompts, reward {bp.reward.function}")
@@ -183,7 +182,7 @@ def check_inputs(ctx: StageContext, r: Report, tok):
 def check_phase_inputs(ctx: StageContext, r: Report, tok):
     """The sft/dpo phases' rows through the tokenizer, as their stages encode them (missing_inputs read their
     columns, types and count)."""
-    from verlflow.core.orchestrate.preflight import phase_problems
+    from verlflow.core.checks.preflight import phase_problems
 
     problems = phase_problems(ctx.bp, tok)
     for problem in problems:
@@ -196,7 +195,7 @@ def check_eval_inputs(ctx: StageContext, r: Report, tok):
     """eval.files as the evaluate stage reads them (missing_inputs checked their columns and rows): the prompt
     lengths and the eval's reward; the data sources found, which promote.metric can name."""
     from verlflow.core.ml.evaluate import load_held_out
-    from verlflow.core.orchestrate.preflight import eval_problems, eval_sources_line
+    from verlflow.core.checks.preflight import eval_problems, eval_sources_line
 
     held = load_held_out(ctx.bp.eval)
     problems = eval_problems(ctx.bp, tok, held.prompts)
@@ -204,14 +203,6 @@ def check_eval_inputs(ctx: StageContext, r: Report, tok):
         r.add("eval_inputs", False, problem)
     if not problems:
         r.add("eval_inputs", True, eval_sources_line(held))
-
-
-def check_store_space(ctx: StageContext, r: Report):
-    """The run's peak footprint against the store's filesystem (the CLI checks it too; a flow run starts here)."""
-    from verlflow.core.orchestrate.preflight import check_space
-
-    space = check_space(ctx.bp, ctx.job.run_id)
-    r.add("store_space", space.fits, space.problem() or space.summary())
 
 
 def check_algorithm(ctx: StageContext, r: Report):

@@ -9,12 +9,13 @@ explicit version number per stage. So:
 - a change to the code a stage computes with (model, ppo, packing, checkpoint, data, rewards, rollout, generate,
   fastgen, the stage file, the seeding in stages/common) changes that stage's key, and through its key the keys of
   every stage that reads it; comments and docstrings are not part of the hash;
-- STAGE_VERSION is for what the hash cannot see: a change of behaviour outside the hashed sources (a dependency's
+- a spec's `version` (core/stagespec.py) is for what the hash cannot see: a change of behaviour outside the hashed sources (a dependency's
   maths, the format a plumbing module writes). Bump the stage's number and every committed stage of that kind,
   and all after it, runs again.
 """
 
 import ast
+import functools
 import hashlib
 import io
 import threading
@@ -24,28 +25,35 @@ from pathlib import Path
 
 PACKAGE = "verlflow.core"
 
-STAGE_VERSION = {"validate": 1, "build": 1, "rollout": 1, "update": 1, "evaluate": 1, "checkpoint": 1,
-                 "monolithic": 1, "sft": 1, "dpo": 1, "user": 1}
 
 # Modules a worker imports that move bytes or report, never compute outputs: their edits keep every key (among
 # them the compile-time report, the cache folder's name, retention's pruning and the file digests). The
-# blueprint's *values* are in the key through its sections; the store verifies every file by its checksum; the
-# model cache returns what a load would (bit-identical, tested); faults are inert test hooks; the job spec is
-# the runner -> worker message.
+# blueprint's *values* are in the key through its sections; the store verifies every file by its checksum; faults
+# are inert unless asked for; the job spec is the runner -> worker message.
 # The rooms' own __init__ files (docstrings only) are plumbing too: importing `model` from `ml` must not pull in
 # every module of `ml`.
 PLUMBING = frozenset({PACKAGE} | {f"{PACKAGE}.{m}" for m in (
-    "orchestrate", "store", "ml", "testing",
-    "blueprint", "errors", "job", "store.artifacts", "orchestrate.launcher", "testing.faults", "stages.modelcache",
-    "orchestrate.pool", "orchestrate.devices", "stages", "agree", "stages.committer", "stages.pool",
+    "orchestrate", "store", "ml", "testing", "checks",
+    "blueprint", "blueprint.sections", "blueprint.blueprint", "blueprint.load",
+    "errors", "job", "store.artifacts", "faults",
+    "orchestrate.pool", "orchestrate.devices", "stages", "agree",
     "ml.compiletime", "cachedir", "store.retention", "store.digests",
-    "store.promote", "store.chain")})  # pointers move after a commit: not what a stage computes
+    "store.promote", "store.chain", "stagespec")})  # pointers move after a commit: not what a stage computes
+# And every module of the stages' runtime (context, models from memory, writes and commits, the serve loop): models
+# it takes from memory equal a load (bit-identical, tested); the loads themselves are core/stages/loads.py, hashed.
+RUNTIME = f"{PACKAGE}.stages.runtime"
+
+
+def is_plumbing(module: str) -> bool:
+    return module in PLUMBING or module == RUNTIME or module.startswith(RUNTIME + ".")
 
 
 def stage_code_versions(root: Path | None = None) -> dict[str, str]:
     """{stage: code version} for the package at `root` (default: this one)."""
     root = root or Path(__file__).parents[1]
-    return {stage: _version(root, stage, n) for stage, n in STAGE_VERSION.items()}
+    from verlflow.core.stagespec import SPECS
+
+    return {name: _version(root, name, s.version) for name, s in SPECS.items()}
 
 
 def stage_modules(root: Path, stage: str) -> list[str]:
@@ -53,7 +61,7 @@ def stage_modules(root: Path, stage: str) -> list[str]:
     seen, todo = set(), [f"{PACKAGE}.stages.{stage}"]
     while todo:
         name = todo.pop()
-        if name in seen or name in PLUMBING or _file(root, name) is None:
+        if name in seen or is_plumbing(name) or _file(root, name) is None:
             continue
         seen.add(name)
         todo += _imports(root, name) + _submodules(root, name)
@@ -109,7 +117,7 @@ def _imports(root: Path, module: str) -> list[str]:
     f = _file(root, module)
     package = module if f.name == "__init__.py" else module.rpartition(".")[0]
     found = []
-    for node in ast.walk(_parse(f.read_text(encoding="utf-8"))):
+    for node in _import_statements(f.read_text(encoding="utf-8")):
         if isinstance(node, ast.Import):
             found += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -122,10 +130,20 @@ def _imports(root: Path, module: str) -> list[str]:
     return [m for m in found if m == PACKAGE or m.startswith(PACKAGE + ".")]
 
 
+# Every stage's walk meets the same ~50 modules: each text is parsed and cut once, not ~9 times (15 s -> 2 s).
+@functools.lru_cache(maxsize=1024)
+def _import_statements(text: str) -> tuple[ast.stmt, ...]:
+    return tuple(n for n in ast.walk(_parse(text)) if isinstance(n, (ast.Import, ast.ImportFrom)))
+
+
 def _code_text(path: Path) -> str:
-    """The file's source without comments, docstrings (bare string statements) and blank lines: an edit of those
-    changes no output. Cut from the text itself, so the result is the same under every Python version."""
-    text = path.read_text(encoding="utf-8")
+    return _without_comments(path.read_text(encoding="utf-8"))
+
+
+@functools.lru_cache(maxsize=1024)
+def _without_comments(text: str) -> str:
+    """The source without comments, docstrings (bare string statements) and blank lines: an edit of those changes
+    no output. Cut from the text itself, so the result is the same under every Python version."""
     starts = [0]
     for line in text.splitlines(keepends=True):
         starts.append(starts[-1] + len(line))

@@ -1,6 +1,6 @@
 """Promotion: the `latest` and `best` pointers of a run and of its blueprint (retention: verlflow.core.store.retention).
 
-The checkpoint stage's after_commit calls `after_export`: the gate (`promote`), then a recurring chain's cursor.
+The export stage's after_commit calls `after_export`: the gate (`promote`), then a recurring chain's cursor.
 Without promote.metric every export moves both `latest` pointers and there is no `best` pointer (retention's
 storage.keep_best_metric keeps the best export by the rollout that sampled from it, known only an iteration
 later). With promote.metric the exported iteration's metric (verlflow.core.metrics.of_iteration) moves a `latest`
@@ -29,6 +29,7 @@ from typing import Callable
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.errors import VerlflowError
 from verlflow.core.job import JobSpec
+from verlflow.core.stagespec import RENAMED
 from verlflow.core.store.artifacts import ArtifactStore, stage_key
 
 log = logging.getLogger("verlflow.promote")
@@ -44,15 +45,30 @@ def blueprint_pointer(name: str, kind: str = "latest") -> str:
     return f"blueprints/{name}/{kind}"
 
 
-def policy_of(store: ArtifactStore, manifest: dict) -> dict:
-    """What a `latest` pointer says of a committed checkpoint stage (its export, the update and build behind it)."""
+def policy_of(store: ArtifactStore, manifest: dict, export: str | None = None) -> dict:
+    """What a `latest` pointer says of a committed export stage (its export, the update and build behind it);
+    `export`: the stage's key, where it is not the iteration's `export` folder (one committed before the rename)."""
     run_id, it = manifest["run_id"], manifest["iteration"]
-    checkpoint = stage_key(run_id, it, "checkpoint")
+    export = export or stage_key(run_id, it, "export")
     inputs = manifest.get("inputs", {})
     return {"run_id": run_id, "iteration": it, "blueprint": manifest.get("blueprint_name"),
-            "checkpoint": checkpoint, "update": inputs["update"]["stage"], "build": inputs["build"]["stage"],
-            "hf_uri": store.uri(checkpoint + "/hf"), "metrics": manifest.get("metrics", {}),
+            "export": export, "update": inputs["update"]["stage"], "build": inputs["build"]["stage"],
+            "hf_uri": store.uri(export + "/hf"), "metrics": manifest.get("metrics", {}),
             "lineage": manifest.get("lineage", [])}
+
+
+def committed_export(store: ArtifactStore, run_id: str, iteration: int) -> tuple[str, dict | None]:
+    """(key, manifest) of an iteration's export stage, under its name of an earlier release if only that is there."""
+    for name in ("export", *RENAMED):
+        key = stage_key(run_id, iteration, name)
+        if (manifest := store.read_manifest(key)) is not None:
+            return key, manifest
+    return stage_key(run_id, iteration, "export"), None
+
+
+def export_of(pointer: dict) -> str:
+    """The export stage a pointer names (pointers written before the stage's rename call the field `checkpoint`)."""
+    return pointer.get("export") or pointer["checkpoint"]
 
 
 def _entry(by: str, policy: dict, before: dict | None, metric: str | None, value: float | None) -> dict:
@@ -102,11 +118,11 @@ def start_score(store: ArtifactStore, run_id: str, metric: str) -> float | None:
 
 def _replaced(best: dict | None, policy: dict) -> bool:
     """A forced rerun re-exported the very checkpoint `best` names: its old files (and value) are gone."""
-    return best is not None and best.get("checkpoint") == policy["checkpoint"]
+    return best is not None and export_of(best) == policy["export"]
 
 
 def promote(store: ArtifactStore, bp: Blueprint, job: JobSpec, manifest: dict) -> dict | None:
-    """The gate, after the checkpoint stage committed: the pointers it moved to (None: none moved)."""
+    """The gate, after the export stage committed: the pointers it moved to (None: none moved)."""
     return _gate(store, bp, job.run_id, job.iteration, job.inputs, manifest)
 
 
@@ -236,10 +252,10 @@ def _why_none(store: ArtifactStore, bp: Blueprint, run_id: str) -> str:
 
 
 def _an_export_committed(store: ArtifactStore, bp: Blueprint, run_id: str) -> bool:
-    """Whether a checkpoint stage of the run's plan is committed (the latest first: usually the first read)."""
+    """Whether an export stage of the run's plan is committed (the latest first: usually the first read)."""
     if bp.phases:  # its exports' iterations are its phases' to say; the gate has decided on something by then
         return True
-    return any(store.read_manifest(stage_key(run_id, i, "checkpoint")) is not None
+    return any(store.read_manifest(stage_key(run_id, i, "export")) is not None
                for i in range(bp.iterations, 0, -1) if bp.exports_at(i))
 
 
@@ -259,7 +275,7 @@ def promotable(store: ArtifactStore, run_id: str) -> list[int]:
     out = []
     for key in store.ls(f"runs/{run_id}"):
         parts = key.split("/")
-        if len(parts) == 5 and parts[3] == "checkpoint" and parts[4] == "manifest.json" and parts[2].isdigit():
+        if len(parts) == 5 and parts[3] in ("export", *RENAMED) and parts[4] == "manifest.json" and parts[2].isdigit():
             if _export_held(store.read_manifest("/".join(parts[:4]))):
                 out.append(int(parts[2]))
     return sorted(out)
@@ -277,17 +293,17 @@ def _nearest(store: ArtifactStore, run_id: str, iteration: int) -> str:
 
 def promote_by_hand(store: ArtifactStore, run_id: str, iteration: int) -> list[tuple[str, dict | None, dict]]:
     """Move the run's and its blueprint's `latest` to the iteration's export: (pointer, before, after) each."""
-    manifest = store.read_manifest(stage_key(run_id, iteration, "checkpoint"))
+    key, manifest = committed_export(store, run_id, iteration)
     if manifest is None:
         raise VerlflowError(f"verlflow promote {run_id} {iteration}: iteration {iteration} of run {run_id} has no "
-                            f"committed checkpoint stage in {store.root_uri}; {_nearest(store, run_id, iteration)}.")
+                            f"committed export stage in {store.root_uri}; {_nearest(store, run_id, iteration)}.")
     if not _export_held(manifest):
         raise VerlflowError(f"verlflow promote {run_id} {iteration}: the export of iteration {iteration} "
-                            f"({store.uri(stage_key(run_id, iteration, 'checkpoint'))}/hf) was pruned by retention "
+                            f"({store.uri(key)}/hf) was pruned by retention "
                             f"(storage.keep_last); {_nearest(store, run_id, iteration)}.")
-    policy = policy_of(store, manifest)
+    policy = policy_of(store, manifest, key)
     if not policy["blueprint"]:
-        raise VerlflowError(f"{stage_key(run_id, iteration, 'checkpoint')}: its manifest names no blueprint")
+        raise VerlflowError(f"{key}: its manifest names no blueprint")
     return [(name, *move(store, name, policy, "promote"))
             for name in (run_pointer(run_id), blueprint_pointer(policy["blueprint"]))]
 
@@ -315,13 +331,13 @@ def rollback(store: ArtifactStore, name: str) -> tuple[dict, dict]:
     if target is None:
         raise VerlflowError(f"verlflow rollback {name}: the history of {pointer_name} has no earlier policy than "
                             f"{current['run_id']} iteration {current['iteration']}; nothing to roll back to.")
-    manifest = store.read_manifest(stage_key(target["run_id"], target["iteration"], "checkpoint"))
+    key, manifest = committed_export(store, target["run_id"], target["iteration"])
     if not _export_held(manifest):
         nearest = _nearest(store, target["run_id"], target["iteration"])
         raise VerlflowError(f"verlflow rollback {name}: the previous policy, {target['run_id']} iteration "
                             f"{target['iteration']}, has no export any more (retention pruned it); move the pointer "
                             f"with `verlflow promote RUN ITER` instead ({nearest}).")
-    before, after = move(store, pointer_name, policy_of(store, manifest), "rollback", target.get("metric"),
+    before, after = move(store, pointer_name, policy_of(store, manifest, key), "rollback", target.get("metric"),
                          target.get("value"), only_if=lambda now: now == current)
     if after is None:
         raise VerlflowError(f"verlflow rollback {name}: {pointer_name} moved while rolling back (now "

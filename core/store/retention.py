@@ -4,7 +4,7 @@ Two kinds of prunable unit, each a set of folders of one stage:
     checkpoint  the DCP training checkpoint (policy/ [+ critic/], model and optimizer) of an update stage, and of
                 the build (its initial policy, iteration 0); and of a phase's sft/dpo epochs, of which each phase
                 keeps its last storage.keep_last_checkpoints (its last epoch is the phase's output)
-    export      the HF export (hf/) of a checkpoint stage
+    export      the HF export (hf/) of an export stage
 Of each kind a run keeps
     - the last N by iteration up to the one the run has reached, the `head` (N: storage.keep_last_checkpoints /
       storage.keep_last), and every one past the head: a rerun forced from an earlier step replaces those one by
@@ -23,7 +23,7 @@ anything is promoted).
 
 A pruned stage keeps its manifest, marked pruned and listing the files still there (so reruns skip it), which is
 committed before any file goes: a crash mid-prune leaves files no manifest lists, which the next pass deletes.
-Passes run after a newer stage committed (update and checkpoint stages' after_commit, and at the end of the
+Passes run after a newer stage committed (update and export stages' after_commit, and at the end of the
 pipeline), so nothing is pruned for a checkpoint that is not there yet.
 """
 
@@ -31,27 +31,31 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
-from verlflow.core.blueprint import Blueprint
 from verlflow.core.errors import StoreError
+from verlflow.core.stagespec import RENAMED, SPECS, StageSpec, spec
 from verlflow.core.store.artifacts import MANIFEST, ArtifactStore, stage_key
+
+if TYPE_CHECKING:  # the store takes its own section of the blueprint, as a record
+    from verlflow.core.blueprint.sections import StorageSpec
 
 log = logging.getLogger("verlflow.retention")
 
 CHECKPOINT_DIRS = ("policy/", "critic/")
 EXPORT_DIRS = ("hf/",)
-# Which stage holds which unit, as (kind, folders).
-UNITS = {"build": ("checkpoint", CHECKPOINT_DIRS), "update": ("checkpoint", CHECKPOINT_DIRS),
-         "checkpoint": ("export", EXPORT_DIRS), "sft": ("checkpoint", CHECKPOINT_DIRS),
-         "dpo": ("checkpoint", CHECKPOINT_DIRS)}
-# A phase's epochs (iteration `<phase>.<epoch>`): each phase keeps its last keep_last_checkpoints epochs (the last
-# one is the phase's output, which later phases read), apart from the rl iterations' count.
-PHASE_STAGES = ("sft", "dpo")
-# The inputs a stage reads a training checkpoint from; every other input reads the stage's other files, except
-# that the monolithic stage (all iterations in one job) trains from its `build` input's policy.
-CHECKPOINT_INPUTS = ("policy", "update", "warm_start")
-READS_ALL = ("monolithic",)
+FOLDERS = {"checkpoint": CHECKPOINT_DIRS, "export": EXPORT_DIRS}  # a unit kind's folders
+# A phase's epochs (iteration `<phase>.<epoch>`, StageSpec.per_epoch): each phase keeps its last
+# keep_last_checkpoints epochs (the last one is the phase's output, which later phases read), apart from the rl
+# iterations' count.
+
+
+def _spec(stage: str | None) -> StageSpec | None:
+    return SPECS.get(RENAMED.get(stage, stage))
+
+
+# The stage folders a pass reads manifests of: those holding a unit, and the rollouts that rank policies.
+HELD_OR_RANKING = (*(n for n, s in SPECS.items() if s.holds), *RENAMED, "rollout")
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ class Unit:
 
     @property
     def folders(self) -> tuple[str, ...]:
-        return UNITS[self.manifest["stage"]][1]
+        return FOLDERS[self.kind]
 
     def held(self) -> list[str]:
         """Its files the manifest still lists."""
@@ -72,13 +76,14 @@ class Unit:
 
 def reads_checkpoint(stage: str, input_name: str) -> bool:
     """Whether `stage` reads the training checkpoint of its input `input_name`."""
-    return stage in READS_ALL or input_name in CHECKPOINT_INPUTS
+    s = spec(stage)
+    return s.reads_everything or input_name in s.checkpoint_inputs
 
 
 def needed_pruned(stage: str, input_name: str, manifest: dict) -> list[str]:
     """The files that `stage`, reading `manifest`'s stage as its input `input_name`, needs and retention pruned."""
     pruned = manifest.get("pruned_files", [])
-    if stage in READS_ALL:
+    if spec(stage).reads_everything:
         return list(pruned)
     wants_checkpoint = reads_checkpoint(stage, input_name)
     return [r for r in pruned if r.startswith(CHECKPOINT_DIRS) == wants_checkpoint]
@@ -161,7 +166,7 @@ class RunState:
         manifests = {}
         for f in sorted(files):
             parts = f.split("/")  # runs/<run>/<iteration>/<stage>/manifest.json
-            if len(parts) == 5 and parts[4] == MANIFEST and parts[3] in (*UNITS, "rollout"):
+            if len(parts) == 5 and parts[4] == MANIFEST and parts[3] in HELD_OR_RANKING:
                 key = "/".join(parts[:4])
                 try:
                     m = store.read_manifest(key)
@@ -178,7 +183,8 @@ class RunState:
         out = []
         for key, m in self.manifests.items():
             it = key.split("/")[2]
-            if UNITS.get(m.get("stage"), ("",))[0] == kind and m.get("stage") not in PHASE_STAGES:
+            s = _spec(m.get("stage"))
+            if s is not None and s.holds == kind and not s.per_epoch:
                 out.append(Unit(kind, int(it) if it.isdigit() else 0, key, m))
         return sorted(out, key=lambda u: (u.iteration, u.key.split("/")[2] != "init"))
 
@@ -191,7 +197,7 @@ class RunState:
         """The sft/dpo checkpoints, per phase, by epoch."""
         phases: dict[tuple, list[Unit]] = {}
         for key, m in self.manifests.items():
-            if m.get("stage") in PHASE_STAGES:
+            if (s := _spec(m.get("stage"))) is not None and s.per_epoch:
                 label, _, epoch = key.split("/")[2].rpartition(".")
                 phases.setdefault((m["stage"], label), []).append(
                     Unit("checkpoint", int(epoch) if epoch.isdigit() else 0, key, m))
@@ -231,10 +237,10 @@ def _is_build(unit: Unit) -> bool:
     return unit.manifest["stage"] == "build"  # named by pointers as the run's origin: see the module's docstring
 
 
-def retain(store: ArtifactStore, bp: Blueprint, run_id: str, *, head: int | None = None,
+def retain(store: ArtifactStore, storage: StorageSpec, run_id: str, *, head: int | None = None,
            reads: Iterable[tuple[str | None, str]] = (), between: Callable[[], None] | None = None) -> list[str]:
     """One retention pass over a run: prune what keep_set does not keep, finish what an interrupted pass left.
-    Returns the stage keys pruned now. `head`: the iteration the run has reached (None: its last committed one).
+    Returns the stage keys pruned now. `storage`: the blueprint's section (keep_last*, keep_best_metric). `head`: the iteration the run has reached (None: its last committed one).
     `reads`: the plan's (reader's stage key, stage key whose checkpoint it reads), from
     verlflow.core.orchestrate.pipeline.checkpoint_reads; what held_by_plan names stays.
     `between` runs after each pruned manifest is committed, before its files go (the fault hook of tests)."""
@@ -245,7 +251,6 @@ def retain(store: ArtifactStore, bp: Blueprint, run_id: str, *, head: int | None
         return []
     state = RunState.read(store, run_id)
     held = state.held_by_plan(reads)
-    storage = bp.storage
     pruned = []
     for kind, keep_last in (("checkpoint", storage.keep_last_checkpoints), ("export", storage.keep_last)):
         keep = keep_set(state, kind, keep_last, storage.keep_best_metric, pinned, head) | held

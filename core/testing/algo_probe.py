@@ -19,18 +19,20 @@ from verlflow.core.ml import checkpoint, model as M, ppo
 from verlflow.core.ml.optim import make_optimizer
 from verlflow.core.ml.placement import Placement
 from verlflow.core.ml.rollout import load_batch
-from verlflow.core.orchestrate.launcher import worker_guard
+from verlflow.core.stages.runtime.entry import worker_guard
+from verlflow.core.stages.update import ppo_spec
 
 
 def one(base: Blueprint, overrides: dict, job: dict, model, at: Placement) -> dict:
     algo = base.algorithm.model_validate({**base.algorithm.model_dump(), **overrides})
     bp = base.model_copy(update={"algorithm": algo})
-    opt = make_optimizer(model, bp)
+    opt = make_optimizer(model, algo.optim)
     checkpoint.load(Path(job["ckpt"]), model, opt)
     batch = load_batch(Path(job["batch"]))
-    old = ppo.old_logprobs(model, batch, bp, at)
-    data, _ = ppo.prepare(bp, batch, old, old.clone(), iteration=1)
-    rows = ppo.train(bp, ppo.Models(ppo.Trainee(model, opt)), data, at)
+    spec = ppo_spec(bp)
+    old = ppo.old_logprobs(model, batch, spec, at)
+    data, _ = ppo.prepare(algo, batch, old, old.clone(), iteration=1)
+    rows = ppo.train(spec, ppo.Models(ppo.Trainee(model, opt)), data, at)
     last = rows[-1]
     finite = all(math.isfinite(v) for v in last.values() if isinstance(v, float))
     return {"ok": finite, "pg_loss": last["pg_loss"], "grad_norm": last["grad_norm"],
@@ -44,7 +46,8 @@ def main() -> None:
     base = Blueprint.model_validate(job["blueprint"])
     dist.init_process_group("gloo")
     at = Placement(dist.get_rank(), dist.get_world_size(), M.torch.device("cpu"))
-    model, _ = M.wrap_fsdp(M.build_module(job["meta"], base, meta=True), base, at.device)
+    model, _ = M.wrap_fsdp(M.build_module(job["meta"], base.model, meta=True), base.fsdp, at.device,
+                           base.algorithm.fused_head)
     results = []
     for overrides in job["combos"]:
         try:

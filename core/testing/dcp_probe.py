@@ -27,7 +27,7 @@ from torch.distributed.fsdp import fully_shard
 
 from verlflow.core.errors import is_no_space
 from verlflow.core.ml import checkpoint, dcpio
-from verlflow.core.orchestrate.launcher import worker_guard
+from verlflow.core.stages.runtime.entry import worker_guard
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True)
 
@@ -111,7 +111,7 @@ def save(folder: Path, model, opt, threads: int) -> None:
 
 
 def background(committer, folder: Path, model, opt) -> str:
-    how = checkpoint.save(folder, model, opt, {}, background=committer)
+    how = checkpoint.save(folder, model, opt, {}, write=committer)
     committer.submit(str(folder), "probe", lambda: None, str(folder))
     committer.wait(str(folder))
     return how
@@ -160,7 +160,7 @@ def stage(job: dict) -> None:
 
 
 def new_committer():
-    from verlflow.core.stages.committer import Committer
+    from verlflow.core.stages.runtime.committer import Committer
 
     return Committer(timedelta(seconds=60))
 

@@ -4,7 +4,7 @@ import argparse
 import os
 import time
 
-from verlflow.core.orchestrate.launcher import run_and_exit, worker_guard
+from verlflow.core.stages.runtime.entry import run_and_exit, worker_guard
 
 
 

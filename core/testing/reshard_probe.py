@@ -10,7 +10,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.ml import checkpoint, model as M
-from verlflow.core.orchestrate.launcher import worker_guard
+from verlflow.core.stages.runtime.entry import worker_guard
 
 
 @record
@@ -19,7 +19,8 @@ def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
     bp = Blueprint.model_validate(job["blueprint"])
     dist.init_process_group("gloo")
-    model, _ = M.wrap_fsdp(M.build_module(job["meta"], bp, meta=bp.fsdp.version == 2), bp, M.torch.device("cpu"))
+    model, _ = M.wrap_fsdp(M.build_module(job["meta"], bp.model, meta=bp.fsdp.version == 2), bp.fsdp,
+                           M.torch.device("cpu"), bp.algorithm.fused_head)
     checkpoint.load(Path(job["ckpt"]), model)
     full = checkpoint.full_state_dict(model)
     if dist.get_rank() == 0:

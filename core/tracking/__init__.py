@@ -13,8 +13,7 @@ that verlflow.core.orchestrate.pipeline.run_pipeline drives.
 - A tracker that fails mid-run (a server down) is dropped with one warning: training goes on, untracked there.
 """
 
-from verlflow.core.tracking.checks import tracking_problems
 from verlflow.core.tracking.places import mlflow_run_url, summary_lines
 from verlflow.core.tracking.tracker import Tracker, tracked
 
-__all__ = ["Tracker", "tracked", "tracking_problems", "mlflow_run_url", "summary_lines"]
+__all__ = ["Tracker", "tracked", "mlflow_run_url", "summary_lines"]

@@ -131,7 +131,7 @@ class Tracker:
         pointer = self.store.get_pointer(f"runs/{self.run_id}/latest") if self.backends else None
         if pointer and pointer.get("hf_uri"):
             it, numbers = pointer.get("iteration"), self._plan_steps()[0]
-            step = numbers.get(str(it), max(numbers.values(), default=None))  # checkpoint[dpo]: the run's last step
+            step = numbers.get(str(it), max(numbers.values(), default=None))  # export[dpo]: the run's last step
             self._each("tag the promoted model", lambda b: b.tag_model(it, pointer["hf_uri"], step))
 
     def close(self, status: str) -> None:

@@ -42,7 +42,10 @@ On CPU (the tests) the same code runs eagerly, step by step, with no graphs and 
 Files: ``families.py`` (one adapter per model family; torch-free), ``sampling.py`` (the warpers without a vocabulary
 sort), ``kernels.py`` (Triton: decode attention and the top-p passes), ``layers.py`` (the layer forward over fused
 weights, and reading a model through its family), ``options.py`` (EngineOptions: the engine's switches, decided in
-one place), ``engine.py`` (FastGen and ``sample``).
+one place), ``engine.py`` (FastGen, a façade over the files after it, and ``sample``), ``state.py`` (the KV cache and
+decode state), ``runner.py`` (the decode step and the prefill), ``graphs.py`` (compile, CUDA-graph capture and
+replay), ``autotune.py`` (what runs: the attention timing, kept per machine by ``choices.py``) with ``checks.py``
+(the kernels' start-up self-checks), ``batching.py`` (micro-batches and continuous batching).
 """
 
 import importlib
@@ -71,4 +74,4 @@ def __getattr__(name: str):
 
 __all__ = ["FastGen", "EngineOptions", "Fp8Choices", "SamplingConfig", "sample", "engine_for", "sample_logits",
            "sample_logits_triton", "decode_attention_triton", "reference_decode_attention", "nucleus_member",
-           "inverse_cdf", "topk_filter", "topk_values", "HAVE_TRITON", "SUPPORTED_MODEL_TYPES", "_Stats"]
+           "inverse_cdf", "topk_filter", "topk_values", "HAVE_TRITON", "SUPPORTED_MODEL_TYPES"]

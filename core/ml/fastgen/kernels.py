@@ -116,39 +116,6 @@ if HAVE_TRITON:
         tl.store(OP + (row + g)[:, None] * D + d[None, :], acc, mask=(g < G)[:, None] & (d < D)[None, :])
 
     @triton.jit
-    def _gate_up(Y, SY, SW, r, sy, i, I, SCALED: tl.constexpr):
-        """Columns i of row r's gate and up halves in fp32. SCALED: Y is a unit-scaled fp8 GEMM's output, turned
-        into the projection's as torch does it: (y * row scale) * column scale, rounded to Y's dtype."""
-        g = tl.load(Y + r * sy + i, mask=i < I, other=0.0)
-        u = tl.load(Y + r * sy + I + i, mask=i < I, other=0.0)
-        if SCALED:
-            s = tl.load(SY + r)
-            g = (g.to(tl.float32) * s * tl.load(SW + i, mask=i < I, other=0.0)).to(Y.dtype.element_ty)
-            u = (u.to(tl.float32) * s * tl.load(SW + I + i, mask=i < I, other=0.0)).to(Y.dtype.element_ty)
-        return g.to(tl.float32), u.to(tl.float32)
-
-    @triton.jit
-    def _silu_mul_fp8_kernel(Y, sy, SY, SW, X8, SX, I, fmax, CH: tl.constexpr, SCALED: tl.constexpr):
-        """One token (row): a = silu(g) * u over its I gate/up pairs (g: the first I columns, u: the next I; see
-        ``_gate_up``), in fp32; the row's max |a|; a / (max / fmax) in e4m3 to X8 (row-major, I wide) and the scale
-        to SX. Two passes over the row, the second mostly from L2: the down projection's fp8 input in one kernel
-        (inductor makes it a reduction and a second pass of its own). Divisions round to nearest, as torch's do."""
-        r = tl.program_id(0).to(tl.int64)
-        amax = tl.zeros([CH], dtype=tl.float32)
-        for c0 in range(0, I, CH):
-            i = c0 + tl.arange(0, CH)
-            g, u = _gate_up(Y, SY, SW, r, sy, i, I, SCALED)
-            amax = tl.maximum(amax, tl.abs(g / (1.0 + tl.exp(-g)) * u))
-        s = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-12), fmax)
-        for c0 in range(0, I, CH):
-            i = c0 + tl.arange(0, CH)
-            g, u = _gate_up(Y, SY, SW, r, sy, i, I, SCALED)
-            q = tl.math.div_rn(g / (1.0 + tl.exp(-g)) * u, s)
-            q = tl.minimum(tl.maximum(q, -fmax), fmax)
-            tl.store(X8 + r * I + i, q.to(X8.dtype.element_ty), mask=i < I)
-        tl.store(SX + r, s)
-
-    @triton.jit
     def _block_stats_kernel(X, sxb, V, inv_t, BMAX, BSUM, NB, BPP: tl.constexpr, BLK: tl.constexpr):
         """Per vocabulary block of BLK scores (x * inv_t): the max and sum(exp(x - max))."""
         b = tl.program_id(0)
@@ -230,35 +197,6 @@ def decode_attention_triton(q, kc, vc, pad_off, slot, scale: float, nkv: int, sp
         IEEE=q.dtype == torch.float32, BOUNDED=bool(bounded), KV8=kv8, RANGED=bool(splits), num_warps=num_warps,
         num_stages=num_stages)
     return mp, lp, op
-
-
-def silu_mul_fp8_triton(y: torch.Tensor, sy, sw, fp8_max: float, chunk: int = 8192, num_warps: int = 16):
-    """y (M, 2I), the gate/up projection's output (sy (M, 1) / sw (1, 2I) given: a unit-scaled fp8 GEMM's, scaled
-    here) -> (x8 (M, I) e4m3, sx (M, 1) fp32): silu(g) * u scaled to e4m3 per token (``_silu_mul_fp8_kernel``;
-    ``layers.silu_mul_fp8_reference`` is its definition). One program a row, whose passes wait on their loads chunk
-    after chunk: wide chunks (2 a pass at 1.5B's 8,960; 83 registers a thread at 16 warps, none spilled) keep the waits
-    few."""
-    M, I = y.shape[0], y.shape[1] // 2
-    x8 = torch.empty(M, I, dtype=torch.float8_e4m3fn, device=y.device)
-    sx = torch.empty(M, 1, dtype=torch.float32, device=y.device)
-    scaled = sy is not None
-    _silu_mul_fp8_kernel[(M,)](y, y.stride(0), sy if scaled else sx, sw if scaled else sx, x8, sx, I, fp8_max,
-                               CH=chunk, SCALED=scaled, num_warps=num_warps)
-    return x8, sx
-
-
-@torch.library.custom_op("verlflow::silu_mul_fp8", mutates_args=())
-def silu_mul_fp8(y: torch.Tensor, sy: torch.Tensor, sw: torch.Tensor,
-                 fp8_max: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``silu_mul_fp8_triton`` (scaled) as an op the compiled step calls as it is: dynamo and inductor see only its
-    output shapes (``_silu_mul_fp8_shapes``), and a captured graph replays its launch."""
-    return silu_mul_fp8_triton(y, sy, sw, fp8_max)
-
-
-@silu_mul_fp8.register_fake
-def _silu_mul_fp8_shapes(y, sy, sw, fp8_max):
-    M, I = y.shape[0], y.shape[1] // 2
-    return y.new_empty(M, I, dtype=torch.float8_e4m3fn), y.new_empty(M, 1, dtype=torch.float32)
 
 
 def reference_decode_attention(q, kc, vc, pad_off, slot, scale: float, window: int = 0,

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from verlflow.core.ml.fastgen.families import ACTIVATIONS, FAMILIES, LENGTH_DEPENDENT_ROPE, Family
-from verlflow.core.ml.fastgen.kernels import HAVE_TRITON, combine_splits, silu_mul_fp8
+from verlflow.core.ml.fastgen.kernels import combine_splits
 from verlflow.core.ml.fastgen.options import EngineOptions, Fp8Choices
 from verlflow.core.ml.fastgen.support import SUPPORTED_MODEL_TYPES
 
@@ -40,7 +40,6 @@ class Spec(NamedTuple):
     fp8_fast: bool = False  # fp8 projections: the GPU's fast accumulation (fewer fp32 promotions; an A/B)
     fp8_unit: bool = False  # fp8 projections: a unit-scaled GEMM, the row and column scales applied after it
     kv8: bool = False  # the KV cache in e4m3, a scale per KV head and slot (rollout.kv_cache=fp8)
-    fp8_act: bool = False  # unit fp8 GEMMs with SiLU: the down projection's input from one Triton kernel (CUDA)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float, f32: bool = False) -> torch.Tensor:
@@ -91,25 +90,16 @@ def quantize_tokens(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x2 / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8).contiguous(), sx
 
 
-def silu_mul_fp8_reference(y: torch.Tensor, sy, sw) -> tuple[torch.Tensor, torch.Tensor]:
-    """What ``kernels.silu_mul_fp8`` computes: the gate/up projection's output ((y * sy) * sw in y's dtype, when
-    scaled), then silu(g) * u in fp32, quantized per token."""
-    if sy is not None:
-        y = (y.float() * sy * sw).to(y.dtype)
-    g, u = y.float().chunk(2, dim=-1)
-    return quantize_tokens(F.silu(g) * u)
-
-
-def _fp8_gemm(x8, sx, w8, sw, dtype: torch.dtype, fast: bool, unit: bool, scale: bool = True) -> torch.Tensor:
+def _fp8_gemm(x8, sx, w8, sw, dtype: torch.dtype, fast: bool, unit: bool) -> torch.Tensor:
     """x8 * sx @ (w8 * sw).T in ``dtype``, accumulating in fp32 (``fast``: Hopper's fast accumulation, which promotes
     the partial sums to fp32 less often). ``unit``: the GEMM with unit scales (cuBLASLt's tensor-scaled kernels; the
     row-scaled ones were slower than bf16 at decode shapes on the H200), then the token and channel scales on its
-    output, a pointwise product inductor fuses into the kernel after it; ``scale=False`` leaves that to the caller."""
+    output, a pointwise product inductor fuses into the kernel after it."""
     if not unit:
         return torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=dtype, use_fast_accum=fast)
     one = torch.ones((), device=x8.device)
     y = torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=dtype, use_fast_accum=fast)
-    return (y.float() * sx * sw).to(dtype) if scale else y
+    return (y.float() * sx * sw).to(dtype)
 
 
 def _fp8_linear(x, w8, sw, b, fast: bool = False, unit: bool = False):
@@ -166,17 +156,6 @@ def _qkv(h, L, S: Spec):
 
 
 def _mlp(h, L, S: Spec):
-    if S.fp8_act and L["bgu"] is None:  # fp8 on CUDA: the unit GEMM's raw output to the down GEMM's e4m3 input in
-        # one Triton kernel (gate/up's scales, SiLU x up, the token's max and the cast): the numbers below, without
-        # eager torch's bf16 roundings between SiLU, the product and the cast (inductor's code skips them too)
-        lead, K = h.shape[:-1], h.shape[-1]
-        x8, sx = quantize_tokens(h.reshape(-1, K))
-        y = _fp8_gemm(x8, sx, L["wgu"], L["sgu"], h.dtype, S.fp8_fast, unit=True, scale=False)
-        a8, sa = silu_mul_fp8(y, sx, L["sgu"], FP8_MAX)
-        out = _fp8_gemm(a8, sa, L["wdown"], L["sdown"], h.dtype, S.fp8_fast, unit=True)
-        if L["bdown"] is not None:
-            out = out + L["bdown"]
-        return out.view(*lead, out.shape[-1])
     g, u = _linear(h, L, "gu", S).chunk(2, dim=-1)
     if S.act == "silu":
         a = F.silu(g)
@@ -434,9 +413,7 @@ class _Weights:
         fp8 = options.fp8 or Fp8Choices()
         unit = self.fp8 and fp8.gemm == "unit"
         self.spec = self.spec._replace(  # (the engine's cache too: a static fact the compiled functions specialise on)
-            fp8_fast=self.fp8 and fp8.fast_accum, fp8_unit=unit, kv8=_kv8_wanted(options.kv_cache, self.device),
-            fp8_act=unit and self.spec.act == "silu" and (
-                fp8.act == "triton" or (fp8.act == "auto" and HAVE_TRITON and self.device.type == "cuda")))
+            fp8_fast=self.fp8 and fp8.fast_accum, fp8_unit=unit, kv8=_kv8_wanted(options.kv_cache, self.device))
         self.layers: list[dict] = []
         self.refresh()
 

@@ -19,26 +19,21 @@ class Fp8Choices(NamedTuple):
     """rollout.weights=fp8's A/B switches. ``gemm``: "unit" (a unit-scaled GEMM, cuBLASLt's tensor-scaled kernels,
     the token and channel scales applied after it), "rowwise" (the row-scaled GEMM: its cuBLASLt kernel ran every
     decode projection at 1.5B on one 128x128 tile, slower than bf16 on the H200) or "autotune" (row-scaled, inductor
-    may pick its Triton fp8 templates). ``fast_accum``: Hopper's fast fp8 accumulation. ``act``: with unit scales and
-    SiLU, "triton" makes the down projection's e4m3 input from the gate/up GEMM's raw output in one Triton kernel,
-    "torch" leaves it to inductor, "auto" is triton on CUDA."""
+    may pick its Triton fp8 templates). ``fast_accum``: Hopper's fast fp8 accumulation."""
 
     gemm: str = "unit"
     fast_accum: bool = False
-    act: str = "auto"
 
     @classmethod
     def from_env(cls) -> Fp8Choices:
-        """Each switch from its variable: VERLFLOW_FASTGEN_FP8_GEMM, VERLFLOW_FASTGEN_FP8_FAST_ACCUM=1,
-        VERLFLOW_FASTGEN_FP8_ACT (the benchmarks' A/Bs)."""
+        """Each switch from its variable: VERLFLOW_FASTGEN_FP8_GEMM, VERLFLOW_FASTGEN_FP8_FAST_ACCUM=1 (the
+        benchmarks' A/Bs)."""
         env = os.environ
         return cls(gemm=env.get("VERLFLOW_FASTGEN_FP8_GEMM", "unit"),
-                   fast_accum=env.get("VERLFLOW_FASTGEN_FP8_FAST_ACCUM") == "1",
-                   act=env.get("VERLFLOW_FASTGEN_FP8_ACT", "auto"))
+                   fast_accum=env.get("VERLFLOW_FASTGEN_FP8_FAST_ACCUM") == "1")
 
     def checked(self) -> Fp8Choices:
         _one_of("fp8 gemm", self.gemm, ("unit", "rowwise", "autotune"))
-        _one_of("fp8 act", self.act, ("auto", "triton", "torch"))
         return self
 
 
@@ -87,8 +82,7 @@ class EngineOptions:
         return dataclasses.replace(self, fp8=(self.fp8 or Fp8Choices.from_env()).checked())
 
     def resolved(self, *, cuda: bool, have_triton: bool, softcap: float, model_type: str) -> EngineOptions:
-        """Every open choice made for this device and model, every value checked: nothing "auto" or None is left
-        but ``fp8.act``, which the weights decide (``layers._Weights``: it needs the model's activation as well).
+        """Every open choice made for this device and model, every value checked: nothing "auto" or None is left.
         ``softcap``: the model's attention logit soft-capping, which SDPA cannot apply."""
         env = os.environ
         graphs = (cuda and env.get("VERLFLOW_FASTGEN_GRAPHS", "1") != "0") if self.graphs is None else self.graphs
