@@ -20,6 +20,7 @@ pytestmark = pytest.mark.system
 # Loose bounds (the README gives the measured times, 0.6-3 s): they catch a job left to a grace period again and a run
 # left Cancelling until its runner saw the flow process exit (10.5-17 s).
 JOB_DEAD_S, CANCELLED_S = 10.0, 10.0
+SLOTS = "/v2/concurrency_limits/verlflow-cpu-slots"
 
 
 def click(ws, element: str, what: str, wait_s: float = 60.0) -> None:
@@ -90,6 +91,7 @@ def test_cancel_in_the_ui_of_a_served_run_under_load(prefect_server, serve, tiny
         job = _pool_ranks(served.proc.pid)
         time.sleep(0.2)
 
+    assert api(prefect_server, SLOTS)["active_slots"]  # the run's pool holds its device slots...
     with browser(tmp_path) as ws:
         flow_page = f"{prefect_server.ui}/v2/runs/flow-run/{run.id}"
         shows(ws, flow_page, "cancel-running.png", "Running", "hanging in validate")
@@ -122,6 +124,10 @@ def test_cancel_in_the_ui_of_a_served_run_under_load(prefect_server, serve, tiny
     finished = [x["message"] for x in logs if x["message"].startswith("Finished in state")]
     assert finished and not [m for m in finished if "Running()" in m or "Crashed" in m], finished
     assert dead_s < JOB_DEAD_S and cancelled_s < CANCELLED_S, (dead_s, cancelled_s)
+    deadline = time.monotonic() + 20  # ... and gives them back
+    while api(prefect_server, SLOTS)["active_slots"]:
+        assert time.monotonic() < deadline, "the cancelled run still holds its device slots"
+        time.sleep(0.5)
 
 
 def test_the_cancel_watcher_leaves_a_deployment_run_to_its_runner_first(prefect_server):

@@ -112,25 +112,6 @@ def test_pipeline_flow_run_with_artifacts(prefect_server, tiny_flow_run):
           f"({(run.wall_s - jobs) / len(names):.2f} s per task)")
 
 
-def test_warm_workers_flow_holds_the_slots_and_runs_the_stages_in_one_job(prefect_server, tiny_kit, tmp_path):
-    """resources.warm_workers in a flow: the flow takes the device slots once for its pool (a stage task never
-    waits for slots while an idle pool holds the devices), the stages run warm, and all is given back at the end."""
-    from verlflow.flows.finetune import finetune
-    from verlflow.tasks.slots import limit_name
-
-    bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "name=tiny-warm", "resources.warm_workers=true")
-    state = finetune(blueprint=bp, run_id="warm1", return_state=True)
-    assert state.is_completed(), state.message
-    msgs = logs(prefect_server, state.state_details.flow_run_id, "warm pool")
-    assert any("warm workers: the flow holds 1 slot(s)" in m for m in msgs)  # ONE_RANK: 1 rank
-    assert not any("needs 1 slot(s)" in m for m in msgs)  # no per-task slot requests
-    waits = [manifest(bp, "warm1", 1, st)["timings"]["launch_to_worker_s"] for st in ("rollout", "update", "export")]
-    assert max(waits) < 0.5, waits
-    assert api(prefect_server, f"/v2/concurrency_limits/{limit_name('cpu')}")["active_slots"] == 0
-    left = [p for p in psutil.Process().children(recursive=True) if "verlflow.core.stages" in " ".join(p.cmdline())]
-    assert not left, "the warm pool outlived its flow"
-
-
 def test_changed_field_reruns_its_stage_and_later_ones(prefect_server, tiny_flow_run, tmp_path, capsys):
     """`verlflow rerun RUN --prefect` with rollout.temperature changed: build is reused, rollout on rerun."""
     from verlflow.flows.cli import main
@@ -240,7 +221,7 @@ def sched(prefect_server, tiny_kit, tmp_path_factory):
     return {"bp": bp, "file": write_blueprint(bp, d / "sched.yaml"), "now": dt.datetime.now(dt.timezone.utc)}
 
 
-@pytest.mark.slow(reason="covered by test_flows::test_next_scheduled_run_warm_starts_and_cancel_kills_its_job")
+@pytest.mark.slow(reason="covered by test_flows::test_retries_follow_the_failure_class and test_schedule's nights")
 def test_scheduled_run_fails_in_update_and_the_ui_retry_resumes(prefect_server, serve, tiny_kit, tmp_path):
     """A deployment of its own (blueprint `sched-retry`): no other test's server may pick up its runs."""
     from prefect.client.orchestration import get_client
@@ -310,6 +291,8 @@ def _stage_job(root_pid: int, stage: str) -> list[psutil.Process]:
     return []
 
 
+@pytest.mark.slow(reason="covered by test_schedule::test_a_scheduled_batch_gets_three_run_ids_that_train_and_warm_start"
+                         "_in_order and test_cancel_ui::test_cancel_in_the_ui_of_a_served_run_under_load")
 def test_next_scheduled_run_warm_starts_and_cancel_kills_its_job(prefect_server, sched, sched_served,
                                                                   sched_previous):
     from prefect.client.orchestration import get_client
@@ -437,15 +420,26 @@ def test_cancel_watcher_logs_an_api_error_once_and_still_sees_the_cancel(prefect
 
 
 def test_summaries_link_final_locations_and_the_policy_and_a_rerun_shows_cached(prefect_server, tiny_kit, tmp_path):
-    """Warm workers with background commits: every stage summary links the stage's final location (never an empty
-    link), the checkpoint's and the run's summaries link the promoted policy (URI and local path); a rerun of the
-    same run id reuses every stage and its task runs end in the state named Cached, the flow still gets results."""
+    """Warm workers with background commits: the flow takes the device slots once for its pool (a stage task never
+    waits for slots while an idle pool holds the devices), the stages run warm, and all is given back at the end;
+    every stage summary links the stage's final location (never an empty link), the checkpoint's and the run's
+    summaries link the promoted policy (URI and local path); a rerun of the same run id reuses every stage and its
+    task runs end in the state named Cached, the flow still gets results."""
     from verlflow.flows.finetune import finetune
+    from verlflow.tasks.slots import limit_name
 
     bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "name=tiny-links", "resources.warm_workers=true")
     first = finetune(blueprint=bp, run_id="links1", return_state=True)
     assert first.is_completed(), first.message
     fr = first.state_details.flow_run_id
+    msgs = logs(prefect_server, fr, "warm pool")
+    assert any("warm workers: the flow holds 1 slot(s)" in m for m in msgs)  # ONE_RANK: 1 rank
+    assert not any("needs 1 slot(s)" in m for m in msgs)  # no per-task slot requests
+    waits = [manifest(bp, "links1", 1, st)["timings"]["launch_to_worker_s"] for st in ("rollout", "update", "export")]
+    assert max(waits) < 0.5, waits
+    assert api(prefect_server, f"/v2/concurrency_limits/{limit_name('cpu')}")["active_slots"] == 0
+    left = [p for p in psutil.Process().children(recursive=True) if "verlflow.core.stages" in " ".join(p.cmdline())]
+    assert not left, "the warm pool outlived its flow"
     arts = api(prefect_server, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [str(fr)]}}})
     stage_md = {a["description"]: a["data"] for a in arts if a["type"] == "markdown" and not a["key"]}
     assert "in the warm pool's background" in stage_md["update[1]"]  # the case that linked the server's root
@@ -493,7 +487,8 @@ def test_every_flow_parameter_of_the_run_form_has_a_description():
 
 
 @pytest.mark.parametrize("pooled", [True, False])
-@pytest.mark.slow(reason="covered by test_flows::test_warm_workers_flow_holds_the_slots_and_runs_the_stages_in_one_job")
+@pytest.mark.slow(
+    reason="covered by test_flows::test_summaries_link_final_locations_and_the_policy_and_a_rerun_shows_cached")
 def test_one_warm_pool_rule_drives_the_runner_and_the_flow_slots(prefect_server, tiny_kit, tmp_path, monkeypatch,
                                                                  pooled):
     """ResourcesSpec.warm_pool alone decides whether a stage runs in the warm pool (the runner) and who holds the

@@ -142,6 +142,8 @@ def test_a_recurring_chain_starts_from_the_promoted_policy_continues_the_data_an
     assert all(res.skipped for res in run("c2"))
 
 
+@pytest.mark.slow(reason="covered by test_phases::test_a_run_ending_in_dpo_promotes_its_export_by_a_dpo_metric (a max"
+                         " gate that promotes, end to end) and test_promote's gate")
 def test_mode_max_promotes_every_better_policy(tiny_kit, tmp_path):
     bp = tiny_blueprint(tiny_kit, tmp_path / "store", *GATED, "promote.mode=max", "name=up", "iterations=2")
     run_pipeline(bp, "u", **QUIET)

@@ -216,7 +216,7 @@ class Blueprint(Section):
 
     # -- the schedule: which iterations export and evaluate (the plan and the validators read it here) ----------
     def exports_at(self, iteration: int) -> bool:
-        """Whether iteration has a checkpoint step (HF export, promotion): every storage.export_every, and the last."""
+        """Whether iteration has an export step (HF export, promotion): every storage.export_every, and the last."""
         return iteration % self.storage.export_every == 0 or iteration == self.iterations
 
     def evaluates_at(self, iteration: int) -> bool:

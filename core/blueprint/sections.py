@@ -523,7 +523,7 @@ class ResourcesSpec(Section):
         "whole pipeline and run each stage in it (no spawn or imports per stage; each stage still commits its own "
         "artifact). A failed stage ends the pool and the next stage starts a fresh one.")
     async_checkpoint: bool = Field(
-        True, description="with warm_workers: the update copies its checkpoint (the checkpoint stage its HF export) "
+        True, description="with warm_workers: the update copies its checkpoint (the export stage its HF export) "
         "to CPU memory and the pool writes, digests and commits it in the background while the next stages run. Commits keep the stages' order (a "
         "stage is never visible before its inputs); the run ends only when every commit has landed. Needs host "
         "memory for one copy of each rank's checkpoint shard (pinned on CUDA).")
@@ -578,7 +578,7 @@ class StorageSpec(Section):
     uri: str = Field("artifacts", description="Artifact root: a folder, file:///abs, or s3://bucket/prefix.")
     endpoint_url: Optional[str] = Field(None, description="S3-compatible endpoint (MinIO...). Keys come from env.")
     region: Optional[str] = Field(None, description="S3 region (empty: the endpoint's or the environment's).")
-    keep_last: int = Field(3, ge=1, description="HF exports (checkpoint stages) kept, besides the best one and "
+    keep_last: int = Field(3, ge=1, description="HF exports (export stages) kept, besides the best one and "
                            "any a pointer names.")
     keep_last_checkpoints: int = Field(
         2, ge=1, description="Training checkpoints (DCP policy, optimizer, critic) of the last N updates kept, "

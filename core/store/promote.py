@@ -271,7 +271,7 @@ def export_verdict(store: ArtifactStore, run_id: str, iteration: int | str) -> s
 # ---------- a person's moves: `verlflow promote RUN ITER`, `verlflow rollback NAME`
 
 def promotable(store: ArtifactStore, run_id: str) -> list[int]:
-    """The iterations of a run whose checkpoint stage is committed and still holds its export."""
+    """The iterations of a run whose export stage is committed and still holds its export."""
     out = []
     for key in store.ls(f"runs/{run_id}"):
         parts = key.split("/")
