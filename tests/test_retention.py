@@ -197,7 +197,7 @@ def test_eight_iterations_keep_two_checkpoints_after_every_stage(tiny_kit, tmp_p
     """keep_last_checkpoints 2 in a warm pool: after every stage the store holds at most the last two update
     checkpoints, the build's and the ones pointers name; a rerun extends the run from the last one, and a --from
     that needs a pruned checkpoint is refused before anything runs, naming the nearest resumable step."""
-    from verlflow.core.orchestrate import cli
+    from verlflow.flows import cli
 
     root = tmp_path / "store"
     # Commits inline (async_checkpoint off): each pass has finished when its stage returns, so the check after
