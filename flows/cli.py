@@ -93,9 +93,9 @@ def _print_summary(bp, run_id: str, results) -> None:
 
 def _print_promotion(store, bp, run_id: str) -> None:
     """What the run's latest pointer names once the run is over (every background commit landed), or why none."""
-    from verlflow.core.store.promote import promotion_status
+    from verlflow.core.store.promote import PromotePolicy, promotion_status
 
-    print(promotion_status(store, bp, run_id))
+    print(promotion_status(store, PromotePolicy.of(bp), run_id))
     if pointer := store.get_pointer(f"runs/{run_id}/latest"):
         print(f"latest policy (HF folder): {pointer['hf_uri']}")
 

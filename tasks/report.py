@@ -24,7 +24,7 @@ from verlflow.core.orchestrate.pipeline import exports_at
 from verlflow.core.orchestrate.runner import StageResult
 from verlflow.core.store.artifacts import open_store
 from verlflow.core.store.artifacts import ArtifactStore, carries_credentials, stage_key
-from verlflow.core.store.promote import export_of, promotion_status
+from verlflow.core.store.promote import PromotePolicy, export_of, promotion_status
 from verlflow.core.tracking import summary_lines
 
 COLUMNS = ("iteration", "reward_mean", "reward_std", "kl", "entropy", "clipfrac", "grad_norm", "rollout_tok_s",
@@ -60,7 +60,7 @@ def _policy_line(store: ArtifactStore, bp: Blueprint, run_id: str, done: int) ->
     if not exported:
         first = next(i for i in range(1, bp.iterations + 1) if exports_at(bp, i))
         return f"- No policy exported yet: the first export is at iteration {first} (storage.export_every)"
-    line = f"- {promotion_status(store, bp, run_id)}"
+    line = f"- {promotion_status(store, PromotePolicy.of(bp), run_id)}"
     if pointer := store.get_pointer(f"runs/{run_id}/latest"):
         line += f"; HF folder: {location(store, export_of(pointer) + '/hf')}"
     if store.read_manifest(stage_key(run_id, exported[-1], "export")) is None:

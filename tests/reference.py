@@ -127,10 +127,10 @@ def promote_clone(bp, run_id: str, iteration: int) -> None:
     from verlflow.core.job import JobSpec
     from verlflow.core.orchestrate.pipeline import plan
     from verlflow.core.store.artifacts import open_store
-    from verlflow.core.store.promote import promote
+    from verlflow.core.store.promote import PromotePolicy, promote
 
     step = next(s for s in plan(bp, run_id) if s.stage == "export" and s.iteration == iteration)
     store = open_store(bp.storage)
     out = f"runs/{run_id}/{iteration}/export"
     job = JobSpec.model_construct(run_id=run_id, iteration=iteration, output=out, inputs=step.inputs)
-    promote(store, bp, job, store.read_manifest(out))
+    promote(store, PromotePolicy.of(bp), job, store.read_manifest(out))

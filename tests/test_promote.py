@@ -9,7 +9,7 @@ from verlflow.core.blueprint import Blueprint
 from verlflow.core.job import JobSpec
 from verlflow.core.store.artifacts import ArtifactStore
 from verlflow.core.store.digests import file_digest
-from verlflow.core.store.promote import promote
+from verlflow.core.store.promote import PromotePolicy, promote
 from verlflow.core.store.retention import retain as prune
 
 pytestmark = pytest.mark.system
@@ -51,7 +51,7 @@ def test_promote_moves_latest_pointers(tmp_path):
         m = _fake_checkpoint(store, tmp_path, "r", it, 0.1 * it)
         job = JobSpec.model_construct(run_id="r", iteration=it, output=f"runs/r/{it}/export",
                                       inputs={"update": f"runs/r/{it}/update", "build": "runs/r/init/build"})
-        promote(store, bp, job, m)
+        promote(store, PromotePolicy.of(bp), job, m)
         for name in ("runs/r/latest", "blueprints/nm/latest"):
             p = store.get_pointer(name)
             assert p["iteration"] == it and p["update"] == f"runs/r/{it}/update"
@@ -71,13 +71,13 @@ def _exported(store: ArtifactStore, bp: Blueprint, run_id: str, it: int, reward:
     store.commit(out, {"key": f"c{it}", "stage": "export", "metrics": {}}, {})
     job = JobSpec.model_construct(run_id=run_id, iteration=it, output=out,
                                   inputs={"update": f"runs/{run_id}/{it}/update", "build": f"runs/{run_id}/init/build"})
-    return promote(store, bp, job, {"metrics": {}})
+    return promote(store, PromotePolicy.of(bp), job, {"metrics": {}})
 
 
 def test_the_gate_promotes_only_a_policy_better_than_the_start_and_the_summary_says_which(tmp_path, caplog):
     """The start policy's evaluation (evaluate[0]) is the score to beat for the run's and the blueprint's pointers;
     the blueprint's also has its best across runs."""
-    from verlflow.core.store.promote import export_verdict, promotion_status
+    from verlflow.core.store.promote import PromotePolicy, export_verdict, promotion_status
 
     store = ArtifactStore(tmp_path / "store")
     bp = Blueprint(name="g", storage={"uri": str(tmp_path / "store")}, eval={"files": ["held.parquet"]},
@@ -90,17 +90,18 @@ def test_the_gate_promotes_only_a_policy_better_than_the_start_and_the_summary_s
         assert store.get_pointer(name) is None, name
     assert ("not promoted: r iteration 1 has eval/reward_mean=0.2, not better than its start policy's "
             "eval/reward_mean=0.5 (evaluate[0]) by more than promote.min_delta=0.01") in caplog.text
-    assert promotion_status(store, bp, "r") == (
+    assert promotion_status(store, PromotePolicy.of(bp), "r") == (
         "No policy promoted: no export of this run beat its start policy's eval/reward_mean=0.5 (evaluate[0]) by "
         "more than promote.min_delta=0.01, so the start policy stays the one to use")
     assert export_verdict(store, "r", 2) == "not promoted: the run's latest pointer names no policy"
     _evaluated(store, "q", 0, 0.5)  # a run whose first export is still committing: nothing to say yet
-    assert promotion_status(store, bp, "q") == "No policy promoted: no export of this run has been committed yet"
+    assert promotion_status(store, PromotePolicy.of(bp), "q") == (
+        "No policy promoted: no export of this run has been committed yet")
 
     _exported(store, bp, "r", 3, 0.6)
     for name in ("runs/r/latest", "blueprints/g/latest"):
         assert store.get_pointer(name)["iteration"] == 3, name
-    assert promotion_status(store, bp, "r") == "Promoted policy: iteration 3 (eval/reward_mean=0.6)"
+    assert promotion_status(store, PromotePolicy.of(bp), "r") == "Promoted policy: iteration 3 (eval/reward_mean=0.6)"
     assert (export_verdict(store, "r", 3), export_verdict(store, "r", 2)) == (
         "promoted: the run's latest pointer names it", "not promoted: the run's latest pointer names iteration 3")
 
@@ -158,8 +159,8 @@ def _inputs(run_id: str, it: int) -> dict:
 
 
 def _gate(store, bp, run_id: str, it: int, manifest: dict) -> None:
-    promote(store, bp, JobSpec.model_construct(run_id=run_id, iteration=it, output=f"runs/{run_id}/{it}/export",
-                                               inputs=_inputs(run_id, it)), manifest)
+    promote(store, PromotePolicy.of(bp), JobSpec.model_construct(
+        run_id=run_id, iteration=it, output=f"runs/{run_id}/{it}/export", inputs=_inputs(run_id, it)), manifest)
 
 
 def _moves(store, name: str) -> list:
@@ -170,14 +171,14 @@ def test_a_reused_export_whose_gate_never_ran_is_gated_once(tmp_path):
     """Without promote.metric: export[2] committed, then the run stopped before its gate. The rerun that reuses
     it runs the gate; a second rerun moves nothing. Stopped between the gate's two moves, the rerun makes only the
     one missing. A blueprint pointer that a newer export moved since is left to it; a person's move since wins."""
-    from verlflow.core.store.promote import after_export, move, policy_of
+    from verlflow.core.store.promote import PromotePolicy, after_export, move, policy_of
 
     store = ArtifactStore(tmp_path / "store")
     bp = Blueprint(name="nm", storage={"uri": str(tmp_path / "store")})
     run, blue = "runs/r/latest", "blueprints/nm/latest"
 
     def reused(run_id, it, m):
-        return after_export(store, bp, run_id, it, _inputs(run_id, it), m, reused=True)
+        return after_export(store, PromotePolicy.of(bp), run_id, it, _inputs(run_id, it), m, reused=True)
 
     m1 = _fake_checkpoint(store, tmp_path, "r", 1, 0.1)
     _gate(store, bp, "r", 1, m1)
@@ -213,7 +214,7 @@ def test_a_reused_export_is_gated_by_its_metric_and_a_half_done_gate_is_finished
     """With promote.metric: the rerun gates an export the run stopped before gating (a worse one: no move, again on
     the next rerun); stopped after the gate moved the `best` pointers, before the run's `latest`, the rerun moves
     that `latest` and no pointer twice."""
-    from verlflow.core.store.promote import after_export
+    from verlflow.core.store.promote import PromotePolicy, after_export
 
     store = ArtifactStore(tmp_path / "store")
     bp = Blueprint(name="g", storage={"uri": str(tmp_path / "store")}, eval={"files": ["held.parquet"]},
@@ -225,11 +226,11 @@ def test_a_reused_export_is_gated_by_its_metric_and_a_half_done_gate_is_finished
     m1, m2 = (store.read_manifest(f"runs/r/{it}/export") for it in (1, 2))
 
     for _ in range(2):  # worse than the start: gated, nothing moves, and nothing marks it
-        assert after_export(store, bp, "r", 1, _inputs("r", 1), m1, reused=True) == (True, None)
+        assert after_export(store, PromotePolicy.of(bp), "r", 1, _inputs("r", 1), m1, reused=True) == (True, None)
         assert not store.ls("pointers")
     _gate(store, bp, "r", 2, m2)
     store.rm("pointers/runs/r/latest.json")  # the run stopped before the gate's last move
-    ran, moved = after_export(store, bp, "r", 2, _inputs("r", 2), m2, reused=True)
+    ran, moved = after_export(store, PromotePolicy.of(bp), "r", 2, _inputs("r", 2), m2, reused=True)
     assert ran and moved["iteration"] == 2
     for name in ("runs/r/latest", "runs/r/best", "blueprints/g/latest", "blueprints/g/best"):
         assert _moves(store, name) == [("gate", "r", 2)], name

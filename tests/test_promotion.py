@@ -243,7 +243,7 @@ def test_a_policy_without_the_metric_is_not_promoted_and_the_log_says_why(tmp_pa
     from verlflow.core.blueprint import Blueprint
     from verlflow.core.job import JobSpec
     from verlflow.core.store.artifacts import ArtifactStore
-    from verlflow.core.store.promote import promote
+    from verlflow.core.store.promote import PromotePolicy, promote
 
     store = ArtifactStore(tmp_path / "store")
     bp = Blueprint(name="nm", storage={"uri": str(tmp_path / "store")}, promote={"metric": "update/kl_loss"})
@@ -252,7 +252,7 @@ def test_a_policy_without_the_metric_is_not_promoted_and_the_log_says_why(tmp_pa
         job = JobSpec.model_construct(run_id="r", iteration=it, output=f"runs/r/{it}/export",
                                       inputs={"update": f"runs/r/{it}/update", "build": "runs/r/init/build"})
         with caplog.at_level("INFO", logger="verlflow.promote"):
-            promote(store, bp, job, {"metrics": {}})
+            promote(store, PromotePolicy.of(bp), job, {"metrics": {}})
     assert store.get_pointer("runs/r/latest")["iteration"] == 1
     assert store.get_pointer("blueprints/nm/best")["value"] == 0.5
     assert "not promoted: r iteration 2 has no finite update/kl_loss" in caplog.text

@@ -251,9 +251,10 @@ def _complete_reused(ctx: RunContext, run: _Attempt, manifest: dict) -> None:
     Node 0 leads: a follower leaves the store to it."""
     if run.stage != "export" or _follows(ctx.bp.resources):
         return
-    from verlflow.core.store.promote import after_export
+    from verlflow.core.store.promote import PromotePolicy, after_export
 
-    _, moved = after_export(ctx.store, ctx.bp, ctx.run_id, run.iteration, run.inputs, manifest, reused=True)
+    _, moved = after_export(ctx.store, PromotePolicy.of(ctx.bp), ctx.run_id, run.iteration, run.inputs, manifest,
+                            reused=True)
     if moved:  # a gate that moves nothing leaves no mark: it may have run before, to the same decision
         ctx.on_line(f"[verlflow] {run.name}: its promotion never happened (the run stopped between its commit and "
                     f"the promotion gate): promoted it -> {moved['hf_uri']}")

@@ -14,7 +14,7 @@ before the commit.
 from verlflow.core import faults
 from verlflow.core.ml import export
 from verlflow.core.stages.common import StageContext, retention_pass, stage_main
-from verlflow.core.store.promote import after_export
+from verlflow.core.store.promote import PromotePolicy, after_export
 
 
 def run(ctx: StageContext) -> dict:
@@ -51,7 +51,7 @@ def _write(ctx: StageContext, model, meta_dir, dtype: str) -> None:
 
 def after_commit(ctx: StageContext, manifest: dict) -> None:
     # the gate and the chain's cursor; a rerun that reuses this export completes them if the run stopped here
-    after_export(ctx.store, ctx.bp, ctx.job.run_id, ctx.job.iteration, ctx.job.inputs, manifest)
+    after_export(ctx.store, PromotePolicy.of(ctx.bp), ctx.job.run_id, ctx.job.iteration, ctx.job.inputs, manifest)
     retention_pass(ctx)  # after the pointers moved: what they named before may go now
 
 

@@ -24,15 +24,35 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import math
-from typing import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
-from verlflow.core.blueprint import Blueprint
 from verlflow.core.errors import VerlflowError
 from verlflow.core.job import JobSpec
 from verlflow.core.stagespec import RENAMED
 from verlflow.core.store.artifacts import ArtifactStore, stage_key
 
+if TYPE_CHECKING:
+    from verlflow.core.blueprint import Blueprint
+
 log = logging.getLogger("verlflow.promote")
+
+
+@dataclass(frozen=True)
+class PromotePolicy:
+    """What the gate needs of a blueprint, and nothing else."""
+    name: str  # the blueprint's: its pointers are blueprints/<name>/...
+    metric: str | None = None
+    mode: str = "max"
+    min_delta: float = 0.0
+    chained: bool = False  # a recurring chain (schedule.init_from=previous, no phases): an export moves its cursor
+    exports: tuple[int, ...] | None = None  # the iterations that export; None: the phases say
+
+    @classmethod
+    def of(cls, bp: Blueprint) -> PromotePolicy:
+        p = bp.promote
+        return cls(bp.name, p.metric, p.mode, p.min_delta, bp.schedule.init_from == "previous" and not bp.phases,
+                   None if bp.phases else tuple(i for i in range(1, bp.iterations + 1) if bp.exports_at(i)))
 
 HISTORY_LEN = 50  # moves kept per pointer document: bounded, the pointer stays one small object
 
@@ -96,17 +116,17 @@ def move(store: ArtifactStore, name: str, policy: dict, by: str, metric: str | N
     return seen[0], after
 
 
-def beats(value: float, than: float, bp: Blueprint) -> bool:
+def beats(value: float, than: float, pp: PromotePolicy) -> bool:
     """Whether `value` is better than `than` by more than promote.min_delta (promote.mode says which way)."""
-    delta = value - than if bp.promote.mode == "max" else than - value
-    return delta > bp.promote.min_delta
+    delta = value - than if pp.mode == "max" else than - value
+    return delta > pp.min_delta
 
 
-def better(value: float, best: dict | None, bp: Blueprint) -> bool:
+def better(value: float, best: dict | None, pp: PromotePolicy) -> bool:
     """Whether `value` beats the `best` pointer by more than promote.min_delta (promote.mode says which way)."""
-    if best is None or best.get("metric") != bp.promote.metric:
+    if best is None or best.get("metric") != pp.metric:
         return True
-    return beats(value, best["value"], bp)
+    return beats(value, best["value"], pp)
 
 
 def start_score(store: ArtifactStore, run_id: str, metric: str) -> float | None:
@@ -121,22 +141,22 @@ def _replaced(best: dict | None, policy: dict) -> bool:
     return best is not None and export_of(best) == policy["export"]
 
 
-def promote(store: ArtifactStore, bp: Blueprint, job: JobSpec, manifest: dict) -> dict | None:
+def promote(store: ArtifactStore, pp: PromotePolicy, job: JobSpec, manifest: dict) -> dict | None:
     """The gate, after the export stage committed: the pointers it moved to (None: none moved)."""
-    return _gate(store, bp, job.run_id, job.iteration, job.inputs, manifest)
+    return _gate(store, pp, job.run_id, job.iteration, job.inputs, manifest)
 
 
-def after_export(store: ArtifactStore, bp: Blueprint, run_id: str, iteration, inputs: dict[str, str], manifest: dict,
-                 *, reused: bool = False) -> tuple[bool, dict | None]:
+def after_export(store: ArtifactStore, pp: PromotePolicy, run_id: str, iteration, inputs: dict[str, str],
+                 manifest: dict, *, reused: bool = False) -> tuple[bool, dict | None]:
     """What follows an export's commit: the gate, then (a recurring chain) the chain's data cursor, which only moves
     forward. `reused`: a rerun found the export committed; the gate runs only if it never did (gated). Returns
     (whether the gate ran, the policy it promoted or None)."""
     from verlflow.core.store import chain
 
     ran = not reused or not gated(store.get_pointer(run_pointer(run_id)), run_id, iteration, manifest)
-    moved = _gate(store, bp, run_id, iteration, inputs, manifest, late=reused) if ran else None
-    if bp.schedule.init_from == "previous" and not bp.phases:  # the build joined the chain (stages/build)
-        chain.advance(store, bp.name, manifest["metrics"]["data_cursor"])
+    moved = _gate(store, pp, run_id, iteration, inputs, manifest, late=reused) if ran else None
+    if pp.chained:  # the build joined the chain (stages/build)
+        chain.advance(store, pp.name, manifest["metrics"]["data_cursor"])
     return ran, moved
 
 
@@ -174,7 +194,7 @@ def _names(pointer: dict | None, policy: dict) -> bool:
         policy["run_id"], policy["iteration"])
 
 
-def _gate(store: ArtifactStore, bp: Blueprint, run_id: str, iteration, inputs: dict[str, str], manifest: dict,
+def _gate(store: ArtifactStore, pp: PromotePolicy, run_id: str, iteration, inputs: dict[str, str], manifest: dict,
           late: bool = False) -> dict | None:
     """The gate: the pointers it moved to (None: none moved). The blueprint's pointers move first, the run's
     `latest` last: a rerun reads that one as the gate's mark (gated). `late`: the gate of a reused export, whose
@@ -183,15 +203,15 @@ def _gate(store: ArtifactStore, bp: Blueprint, run_id: str, iteration, inputs: d
     newer export, or a person, had the last word)."""
     from verlflow.core.metrics import of_iteration
 
-    policy = policy_of(store, {**manifest, "run_id": run_id, "iteration": iteration, "blueprint_name": bp.name,
+    policy = policy_of(store, {**manifest, "run_id": run_id, "iteration": iteration, "blueprint_name": pp.name,
                                "inputs": {n: {"stage": k} for n, k in inputs.items()}})
 
     def moves(current: dict | None) -> bool:
         return not late or not _names(current, policy)
 
-    metric = bp.promote.metric
+    metric = pp.metric
     if metric is None:
-        move(store, blueprint_pointer(bp.name), policy, "gate", only_if=lambda current: moves(current) and not (
+        move(store, blueprint_pointer(pp.name), policy, "gate", only_if=lambda current: moves(current) and not (
             late and current and _after((current.get("history") or [{}])[-1].get("at"), manifest)))
         move(store, run_pointer(run_id), policy, "gate", only_if=moves)
         log.info("promoted %s iteration %s -> %s", run_id, iteration, policy["hf_uri"])
@@ -202,19 +222,19 @@ def _gate(store: ArtifactStore, bp: Blueprint, run_id: str, iteration, inputs: d
                     run_id, iteration, metric)
         return None
     start = start_score(store, run_id, metric)
-    if start is not None and not beats(value, start, bp):
+    if start is not None and not beats(value, start, pp):
         log.info("not promoted: %s iteration %s has %s=%s, not better than its start policy's %s=%s (evaluate[0]) "
                  "by more than promote.min_delta=%s (promote.mode %s); the latest pointers stay", run_id,
-                 iteration, metric, value, metric, start, bp.promote.min_delta, bp.promote.mode)
+                 iteration, metric, value, metric, start, pp.min_delta, pp.mode)
         return None
     if start is None and metric.startswith("eval/"):
         log.warning("%s has no evaluation of its start policy (evaluate[0]) with a finite %s: iteration %s is "
                     "compared with the best pointers only", run_id, metric, iteration)
     moved = False
-    for scope, latest, best_name in ((bp.name, blueprint_pointer(bp.name), blueprint_pointer(bp.name, "best")),
+    for scope, latest, best_name in ((pp.name, blueprint_pointer(pp.name), blueprint_pointer(pp.name, "best")),
                                      (run_id, run_pointer(run_id), run_pointer(run_id, "best"))):
         best, won = move(store, best_name, policy, "gate", metric, value, only_if=lambda best: moves(best) and (
-            better(value, best, bp) or (not late and _replaced(best, policy))))
+            better(value, best, pp) or (not late and _replaced(best, policy))))
         if won or (late and _names(best, policy)):  # late: this gate moved `best` before the run stopped
             move(store, latest, policy, "gate", metric, value, only_if=moves)
             log.info("promoted %s iteration %s (%s=%s, the best of %s so far) -> %s", run_id, iteration,
@@ -223,40 +243,39 @@ def _gate(store: ArtifactStore, bp: Blueprint, run_id: str, iteration, inputs: d
         else:
             log.info("not promoted for %s: %s iteration %s has %s=%s, not better than the best %s (%s iteration %s) "
                      "by more than promote.min_delta=%s (promote.mode %s)", scope, run_id, iteration, metric,
-                     value, best["value"], best["run_id"], best["iteration"], bp.promote.min_delta, bp.promote.mode)
+                     value, best["value"], best["run_id"], best["iteration"], pp.min_delta, pp.mode)
     return policy if moved else None
 
 
 # ---------- what the pointer says, in words: the summaries read it once the commits have landed, never guess
 
-def promotion_status(store: ArtifactStore, bp: Blueprint, run_id: str) -> str:
+def promotion_status(store: ArtifactStore, pp: PromotePolicy, run_id: str) -> str:
     """What `runs/<run>/latest` names now, in words: which policy, or why none."""
     pointer = store.get_pointer(run_pointer(run_id))
     if pointer is None:
-        return f"No policy promoted: {_why_none(store, bp, run_id)}"
+        return f"No policy promoted: {_why_none(store, pp, run_id)}"
     scored = f" ({pointer['metric']}={pointer['value']:.4g})" if pointer.get("metric") else ""
     by = (pointer.get("history") or [{}])[-1].get("by", "gate")
     by = f", by `verlflow {by}`" if by != "gate" else ""
     return f"Promoted policy: iteration {pointer['iteration']}{scored}{by}"
 
 
-def _why_none(store: ArtifactStore, bp: Blueprint, run_id: str) -> str:
-    metric = bp.promote.metric
-    if metric is None or not _an_export_committed(store, bp, run_id):
+def _why_none(store: ArtifactStore, pp: PromotePolicy, run_id: str) -> str:
+    metric = pp.metric
+    if metric is None or not _an_export_committed(store, pp, run_id):
         return "no export of this run has been committed yet"
     start = start_score(store, run_id, metric)
     if start is None:
         return f"no committed export of this run has a finite {metric}"
     return (f"no export of this run beat its start policy's {metric}={start:.4g} (evaluate[0]) by more than "
-            f"promote.min_delta={bp.promote.min_delta}, so the start policy stays the one to use")
+            f"promote.min_delta={pp.min_delta}, so the start policy stays the one to use")
 
 
-def _an_export_committed(store: ArtifactStore, bp: Blueprint, run_id: str) -> bool:
+def _an_export_committed(store: ArtifactStore, pp: PromotePolicy, run_id: str) -> bool:
     """Whether an export stage of the run's plan is committed (the latest first: usually the first read)."""
-    if bp.phases:  # its exports' iterations are its phases' to say; the gate has decided on something by then
+    if pp.exports is None:  # its exports' iterations are its phases' to say; the gate has decided on something by then
         return True
-    return any(store.read_manifest(stage_key(run_id, i, "export")) is not None
-               for i in range(bp.iterations, 0, -1) if bp.exports_at(i))
+    return any(store.read_manifest(stage_key(run_id, i, "export")) is not None for i in reversed(pp.exports))
 
 
 def export_verdict(store: ArtifactStore, run_id: str, iteration: int | str) -> str:
