@@ -49,6 +49,9 @@ install-dev: $(VENV)/.installed-dev
 tiny/qwen2/kit.json: $(VENV)/.installed
 	$(BIN)/verlflow make-tiny tiny/qwen2 --arch qwen2
 
+tiny/agent/kit.json: $(VENV)/.installed
+	$(BIN)/verlflow make-tiny tiny/agent --arch qwen2 --task calculator
+
 # The whole pipeline as a Prefect flow run (a temporary server unless PREFECT_API_URL is set); the history stays
 # in ~/.prefect, so `$(BIN)/prefect server start` shows it afterwards.
 demo: $(VENV)/.installed tiny/qwen2/kit.json

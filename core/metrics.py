@@ -77,6 +77,9 @@ ROLLOUT_KEYS = ("reward_mean", "reward_std", "reward_max", "response_len_mean", 
 # verlflow.core.stages.collect: DAPO's dynamic sampling and remax's greedy baseline, when configured
 FILTER_GROUPS_KEYS = ("rounds", "prompts_sampled", "informative_groups", "uniform_groups", "filled_with_uniform",
                       "samples_sampled")
+# verlflow.core.ml.agent_rollout.agent_stats, as rollout/agent/<key>: rollout.mode=agent
+AGENT_KEYS = ("turns_mean", "turns_max", "tool_calls_mean", "tool_errors_mean", "tool_timeouts", "truncated_frac",
+              "failed", "tool_success_frac", "env_s", "env_wait_s", "gen_s")
 UPDATE_KEYS = ("step", "pg_loss", "kl_loss", "entropy", "pg_clipfrac", "grad_norm", "tokens_per_s")
 # adv_estimator gae: the critic's (verl's critic/* names; vf_explained_var from verlflow.core.ml.ppo.prepare)
 CRITIC_KEYS = ("vf_loss", "vf_clipfrac", "vpred_mean", "vf_explained_var", "critic_grad_norm")
@@ -117,6 +120,8 @@ def _rl_names(bp) -> list[str]:
     names = [f"rollout/{k}" for k in ROLLOUT_KEYS] + [f"update/{k}" for k in UPDATE_KEYS]
     if bp.algorithm.filter_groups.enable:
         names += [f"rollout/filter_groups/{k}" for k in FILTER_GROUPS_KEYS]
+    if bp.rollout.mode == "agent":
+        names += [f"rollout/agent/{k}" for k in AGENT_KEYS]
     if bp.algorithm.greedy_baseline:
         names.append("rollout/remax/baseline_reward_mean")
     if bp.reward.overlong_buffer.enable:

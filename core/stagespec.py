@@ -72,9 +72,9 @@ SPECS: dict[str, StageSpec] = {s.name: s for s in (
               phase_kind=True,
               metric_prefix="eval", key_sections=(
                   "model", "reward", "seed", "data.max_prompt_length", "fsdp.mixed_precision", "rollout.engine",
-                  "rollout.batching", "rollout.micro_batch_size", "rollout.max_new_tokens", "eval.files",
-                  "eval.prompt_key", "eval.max_prompts", "eval.n", "eval.temperature", "eval.top_p",
-                  "eval.max_new_tokens", "eval.reward", "eval.threshold", "eval.pass_k", "eval.samples_shown")),
+                  "rollout.batching", "rollout.micro_batch_size", "rollout.max_new_tokens", "rollout.mode",
+                  "rollout.agent", "eval.files", "eval.prompt_key", "eval.max_prompts", "eval.n", "eval.temperature",
+                  "eval.top_p", "eval.max_new_tokens", "eval.reward", "eval.threshold", "eval.pass_k", "eval.samples_shown")),
     # export (HF folder, promotion): only what its bytes depend on; a changed retention or cadence field must not
     # re-export (and so reach for update checkpoints retention has pruned)
     StageSpec("export", inputs=("build", "update"), optional=("rollout", "evaluate"), checkpoint_inputs=("update",),

@@ -60,8 +60,9 @@ def cmd_validate_blueprint(args) -> int:
 def cmd_make_tiny(args) -> int:
     from verlflow.core.testing.tinykit import make_tiny
 
-    info = make_tiny(args.out, arch=args.arch, seed=args.seed)
-    print(f"tiny {args.arch} kit written to {args.out}: model {info.get('model_dir', Path(args.out) / 'model')}")
+    info = make_tiny(args.out, arch=args.arch, seed=args.seed, task=args.task)
+    print(f"tiny {args.arch} {args.task} kit written to {args.out}: model "
+          f"{info.get('model_dir', Path(args.out) / 'model')}")
     return 0
 
 
@@ -751,6 +752,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("out", help="output folder, e.g. tiny/qwen2")
     s.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--task", choices=["digits", "calculator"], default="digits",
+                   help="digits: the demo's task; calculator: tool calls for rollout.mode agent")
     s.set_defaults(fn=cmd_make_tiny)
 
     s = sub.add_parser("run", help="run the pipeline (validate, build, rollout/update/checkpoint x iterations)")

@@ -11,7 +11,7 @@ from verlflow.core.blueprint.blueprint import Blueprint
 from verlflow.core.blueprint.load import (MAX_YAML_BYTES, MAX_YAML_VALUES, apply_overrides, format_validation_error,
                                           json_schema, load_blueprint, parse_override, resolve_paths)
 from verlflow.core.blueprint.sections import (ADV_ESTIMATORS, DPO_LOSSES, KL_TYPES, PHASE_KINDS, POLICY_LOSSES,
-                                              AlgorithmSpec, DataSpec, EvalSpec, FilterGroupsSpec, FSDPSpec,
+                                              AgentSpec, AlgorithmSpec, DataSpec, EvalSpec, FilterGroupsSpec, FSDPSpec,
                                               KubernetesSpec, LoraSpec, ModelSpec, OptimSpec, OptionalText,
                                               OverlongBufferSpec, PhaseDataSpec, PhaseResourcesSpec, PhaseSpec,
                                               PromoteSpec, ResourcesSpec, RewardCombineSpec, RewardModelSpec,
@@ -20,7 +20,7 @@ from verlflow.core.blueprint.sections import (ADV_ESTIMATORS, DPO_LOSSES, KL_TYP
 
 __all__ = [
     "ADV_ESTIMATORS", "DPO_LOSSES", "KL_TYPES", "MAX_YAML_BYTES", "MAX_YAML_VALUES", "PHASE_KINDS", "POLICY_LOSSES",
-    "AlgorithmSpec", "Blueprint", "DataSpec", "EvalSpec", "FilterGroupsSpec", "FSDPSpec", "KubernetesSpec",
+    "AgentSpec", "AlgorithmSpec", "Blueprint", "DataSpec", "EvalSpec", "FilterGroupsSpec", "FSDPSpec", "KubernetesSpec",
     "LoraSpec", "ModelSpec", "OptimSpec", "OptionalText", "OverlongBufferSpec", "PhaseDataSpec", "PhaseResourcesSpec",
     "PhaseSpec", "PromoteSpec", "ResourcesSpec", "RewardCombineSpec", "RewardModelSpec", "RewardSpec", "RolloutSpec",
     "ScheduleSpec", "Section", "SlurmSpec", "StorageSpec", "SupervisedSpec", "TrackingSpec", "apply_overrides",

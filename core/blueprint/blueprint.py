@@ -107,6 +107,23 @@ class Blueprint(Section):
         return self
 
     @model_validator(mode="after")
+    def _agent_has_room(self):
+        """A trajectory holds its prompt and at least one model token within rollout.agent.max_total_tokens; the
+        evaluation's turns are capped as the rollout's are. (Whether the environment exists is a check,
+        core/checks/agent.py: the blueprint imports no environment.)"""
+        agent, longest = self.rollout.agent, self.data.max_prompt_length
+        if agent is None:
+            return self
+        if agent.max_total_tokens <= longest:
+            raise ValueError(f"rollout.agent.max_total_tokens={agent.max_total_tokens} leaves no room for a model "
+                             f"turn after a prompt of data.max_prompt_length={longest} tokens: raise "
+                             f"max_total_tokens above {longest} (prompt + every turn and tool result)")
+        if self.eval.max_new_tokens is not None and self.eval.max_new_tokens > agent.max_total_tokens:
+            raise ValueError(f"eval.max_new_tokens={self.eval.max_new_tokens} (one turn's cap in agent mode) is "
+                             f"above rollout.agent.max_total_tokens={agent.max_total_tokens}: lower it")
+        return self
+
+    @model_validator(mode="after")
     def _fused_backend_fits(self):
         a = self.algorithm
         if a.fused_kernels_backend == "triton" and not a.use_fused_kernels:

@@ -239,6 +239,8 @@ def resolve_paths(bp: Blueprint, base: Path | str) -> Blueprint:
     bp.storage.uri = fix(bp.storage.uri)
     if bp.reward.model is not None:
         bp.reward.model.path = fix(bp.reward.model.path)
+    if bp.rollout.agent is not None and bp.rollout.agent.tool_config:
+        bp.rollout.agent.tool_config = fix(bp.rollout.agent.tool_config)
     for ph in bp.phases:
         if ph.data is not None:
             ph.data.train_files = [fix(p) for p in ph.data.train_files]

@@ -360,8 +360,50 @@ class AlgorithmSpec(Section):
         return self
 
 
+class AgentSpec(Section):
+    """rollout.mode agent: each sample is a conversation of model turns and environment observations (tool
+    results), trained on the model's own tokens only."""
+    model_config = ConfigDict(title="agent")
+
+    environment: str = Field(
+        "calculator", min_length=1, description="The environment a trajectory talks to: a registered name "
+        "(calculator, python, verl_tools, or one registered by rollout.agent.module) or 'package.module:Class'.")
+    module: Optional[str] = Field(None, description="Module imported first; it may register environments "
+                                  "(@register_environment('name')).")
+    config: dict[str, Any] = Field({}, description="Settings handed to the environment's constructor (its own "
+                                   "keys).")
+    max_turns: int = Field(6, ge=1, le=256, description="Model turns per trajectory at most (each turn is "
+                           "rollout.max_new_tokens tokens at most).")
+    max_total_tokens: int = Field(2048, ge=2, description="Tokens of prompt + every turn and observation at most; "
+                                  "a trajectory that reaches it ends, marked truncated.")
+    tool_timeout_s: float = Field(10.0, gt=0.0, le=3600.0, description="Wall-clock seconds of one environment "
+                                  "step; past it the call is marked timed out and the trajectory goes on.")
+    max_failed_fraction: float = Field(0.1, ge=0.0, le=1.0, description="Share of a stage's trajectories whose "
+                                       "environment may raise (each fails alone, its traceback in the stage log); "
+                                       "above it the stage fails.")
+    tool_config: Optional[str] = Field(None, description="A verl tool config YAML (tools: [{class_name, config, "
+                                       "tool_schema}]), read by environment verl_tools.")
+
+    @field_validator("environment")
+    @classmethod
+    def _names_an_environment(cls, environment: str) -> str:
+        """A registered name or 'package.module:Class'; whether it exists is the checks' (core/checks/agent.py):
+        the blueprint imports no environment."""
+        module, colon, attr = environment.partition(":")
+        if environment != environment.strip() or (colon and (not module or not attr or ":" in attr)):
+            raise ValueError(f"'{environment}' is neither a registered environment name nor "
+                             "'package.module:Class'")
+        return environment
+
+
 class RolloutSpec(Section):
     model_config = ConfigDict(title="rollout")
+
+    mode: Literal["single", "agent"] = Field(
+        "single", description="single: one response per sample. agent: a multi-turn conversation with "
+        "rollout.agent's environment (tool calls and their results); only the model's tokens are trained.")
+    agent: Optional[AgentSpec] = Field(None, description="The environment and limits of rollout.mode agent "
+                                       "(required there, refused with mode single).")
 
     n: int = Field(4, ge=1, description="Samples per prompt (the GRPO group size).")
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy.")
@@ -392,6 +434,20 @@ class RolloutSpec(Section):
         "prompt's too, attends to the rounded keys and values, so it samples from a slightly different model and "
         "needs algorithm.rollout_correction or algorithm.old_logprobs=rollout, as rollout.weights=fp8 does. "
         "Evaluation keeps the model's cache.")
+
+    @model_validator(mode="after")
+    def _agent_fits_mode(self):
+        if self.mode == "agent" and self.agent is None:
+            raise ValueError("rollout.mode=agent needs rollout.agent (at least rollout.agent.environment, e.g. "
+                             "calculator)")
+        if self.mode == "single" and self.agent is not None:
+            raise ValueError("rollout.agent is read in rollout.mode=agent only: set rollout.mode=agent, or drop "
+                             "rollout.agent")
+        if self.agent is not None and self.agent.max_total_tokens < self.max_new_tokens:
+            raise ValueError(f"rollout.agent.max_total_tokens={self.agent.max_total_tokens} is below "
+                             f"rollout.max_new_tokens={self.max_new_tokens} (one turn's cap): raise "
+                             "max_total_tokens or lower max_new_tokens")
+        return self
 
 
 class FSDPSpec(Section):

@@ -215,12 +215,21 @@ def phase_checkpoints(bp: Blueprint) -> tuple[int, int]:
 def batch_bytes(bp: Blueprint) -> int:
     """batch.safetensors (int64 prompts and responses with their masks, padded to the limits; fp32 scores, int64
     groups) and samples.parquet (the response text, at most ~4 bytes a token before compression)."""
-    samples, prompt, response = bp.data.batch_size * bp.rollout.n, bp.data.max_prompt_length, bp.rollout.max_new_tokens
+    samples, prompt, response = bp.data.batch_size * bp.rollout.n, bp.data.max_prompt_length, response_tokens(bp)
     tensors = samples * ((2 * prompt + 2 * response) * 8 + 12)
+    if bp.rollout.agent is not None:  # loss_mask and token_rewards beside the responses
+        tensors += samples * response * 12
     if bp.algorithm.old_logprobs == "rollout":  # the rollout's fp32 log-probs of each response token
         tensors += samples * response * 4
     parquet = 4096 + samples * (response * 4 + 64)
     return tensors + 8 * SAFETENSORS_ENTRY + parquet
+
+
+def response_tokens(bp: Blueprint) -> int:
+    """A response's tokens at most: rollout.max_new_tokens, or in agent mode every turn and observation after the
+    prompt (rollout.agent.max_total_tokens bounds them)."""
+    agent = bp.rollout.agent
+    return agent.max_total_tokens if agent is not None else bp.rollout.max_new_tokens
 
 
 def eval_bytes(bp: Blueprint) -> int:
@@ -229,7 +238,7 @@ def eval_bytes(bp: Blueprint) -> int:
     (the preflight names them)."""
     ev = bp.eval
     prompts = sum(min(_parquet_rows(f), ev.max_prompts or 2**62) for f in ev.files)
-    response = ev.max_new_tokens or bp.rollout.max_new_tokens
+    response = response_tokens(bp) if bp.rollout.agent is not None else ev.max_new_tokens or bp.rollout.max_new_tokens
     return 4096 + prompts * ev.n * (response * 4 + 96) + 2048 * (1 + ev.samples_shown)
 
 

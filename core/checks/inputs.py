@@ -11,6 +11,7 @@ import difflib
 from pathlib import Path
 
 from verlflow.core.blueprint import Blueprint
+from verlflow.core.checks.agent import agent_problems
 from verlflow.core.checks.footprint import ModelSize
 from verlflow.core.checks.tracking import tracking_problems
 from verlflow.core.errors import InputError, VerlflowError
@@ -28,6 +29,7 @@ def missing_inputs(bp: Blueprint) -> list[str]:
     """Every problem of the blueprint's inputs at once (empty: all usable)."""
     problems = model_dir_problems(bp.model.path) + _engine_problems(bp)
     problems += _data_problems(bp)
+    problems += agent_problems(bp)
     problems += _reward_problems(bp)
     if bp.model.lora is not None and not model_dir_problems(bp.model.path):
         problems += _lora_problems(bp)

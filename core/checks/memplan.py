@@ -155,6 +155,9 @@ def _get(bp, dotted: str):
 
 
 def seq_len(bp) -> int:
+    """A sample's tokens at most: its prompt and response, or in agent mode the trajectory's whole budget."""
+    if bp.rollout.agent is not None:
+        return bp.rollout.agent.max_total_tokens
     return bp.data.max_prompt_length + bp.rollout.max_new_tokens
 
 

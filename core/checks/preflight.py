@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from itertools import combinations
 from pathlib import Path
 
+from verlflow.core.checks.agent import environment_tools, tool_template_problems
 from verlflow.core.checks.footprint import Footprint, ModelSize, estimate, human
 from verlflow.core.checks.inputs import missing_inputs
 from verlflow.core.errors import StoreError, VerlflowError
@@ -36,14 +37,19 @@ def check_blueprint(bp, run_id: str | None = None) -> "Preflight":
 
 
 def rollout_problems(bp, tok, prompts) -> list[str]:
-    """What the rollout would refuse: prompts over data.max_prompt_length, a reward that gives no number."""
-    return prompt_length_problems(tok, prompts, bp.data.max_prompt_length) + reward_problems(bp, prompts)
+    """What the rollout would refuse: a chat template without the tool support agent mode needs, prompts over
+    data.max_prompt_length (with the environment's tools in agent mode), a reward that gives no number."""
+    if problems := tool_template_problems(bp, tok):
+        return problems
+    return (prompt_length_problems(tok, prompts, bp.data.max_prompt_length, tools=environment_tools(bp))
+            + reward_problems(bp, prompts))
 
 
 def eval_problems(bp, tok, prompts) -> list[str]:
     """What the evaluate stage would refuse in eval.files' prompts: the same as the rollout, with its reward."""
     function, field = (bp.eval.reward, "eval.reward") if bp.eval.reward else (bp.reward.function, "reward.function")
-    return (prompt_length_problems(tok, prompts, bp.data.max_prompt_length, "eval.files")
+    return (prompt_length_problems(tok, prompts, bp.data.max_prompt_length, "eval.files",
+                                   tools=environment_tools(bp))
             + reward_problems(bp, prompts, function, field))
 
 
@@ -78,18 +84,20 @@ def phase_problems(bp, tok) -> list[str]:
     return problems
 
 
-def prompt_length_problems(tok, prompts, limit: int, files: str = "data.train_files") -> list[str]:
+def prompt_length_problems(tok, prompts, limit: int, files: str = "data.train_files",
+                           tools: list[dict] | None = None) -> list[str]:
     from verlflow.core.ml.generate import prompt_ids
 
     # The rollout's own encoding, checked here against the limit for every prompt (the rollout stops at the first).
     rows = list(range(len(prompts)))
-    lengths = [len(prompt_ids(tok, msgs)) for msgs in prompts.messages]
+    lengths = [len(prompt_ids(tok, msgs, tools)) for msgs in prompts.messages]
     over = [i for i in rows if lengths[i] > limit]
     if not over:
         return []
     longest = max(over, key=lengths.__getitem__)
+    template = "the chat template with the environment's tools" if tools else "the chat template"
     return [f"data.max_prompt_length={limit}: {len(over)} of {len(prompts)} prompts in {files} are longer "
-            f"after the chat template; the longest is {lengths[longest]} tokens (dataset row "
+            f"after {template}; the longest is {lengths[longest]} tokens (dataset row "
             f"{prompts.rows[longest]}). Raise data.max_prompt_length to {lengths[longest]} or filter the prompts over "
             f"{limit} tokens out of the data."]
 

@@ -132,6 +132,9 @@ def generate_share(model, tok, ev: EvalSpec, rollout: RolloutSpec, reward: Rewar
     if not mine:  # more ranks than samples
         return []
     p_idx = [j // n for j in mine]
+    if rollout.mode == "agent":
+        return _agent_share(model, tok, cfg, ev, reward, held, mine, p_idx, at, max_prompt_len=max_prompt_len,
+                            seed=eval_seed(seed, iteration) + mine.start, progress=progress)
     enc = encode_prompts(tok, [prompts.messages[p] for p in p_idx], max_prompt_len, [prompts.rows[p] for p in p_idx])
     if rollout.engine == "static":
         from verlflow.core.ml.fastgen import sample as sampler
@@ -144,11 +147,30 @@ def generate_share(model, tok, ev: EvalSpec, rollout: RolloutSpec, reward: Rewar
     for j, p, resp in zip(mine, p_idx, responses):
         text = tok.decode(resp, skip_special_tokens=True)
         score = score_of(prompts.data_source[p], text, prompts.ground_truth[p], prompts.extra_info[p])
-        out.append({"index": j, "prompt": p, "data_source": prompts.data_source[p], "file": held.file[p],
-                    "row": prompts.rows[p], "sample": j % n, "response": text,
-                    "ground_truth": prompts.ground_truth[p], "reward": score, "correct": score >= threshold,
-                    "response_len": len(resp)})
+        out.append(_scored(held, j, p, n, text, score, threshold, len(resp)))
     return out
+
+
+def _scored(held: HeldOut, j: int, p: int, n: int, text: str, score: float, threshold: float, length: int) -> dict:
+    prompts = held.prompts
+    return {"index": j, "prompt": p, "data_source": prompts.data_source[p], "file": held.file[p],
+            "row": prompts.rows[p], "sample": j % n, "response": text, "ground_truth": prompts.ground_truth[p],
+            "reward": score, "correct": score >= threshold, "response_len": length}
+
+
+def _agent_share(model, tok, cfg: RolloutSpec, ev: EvalSpec, reward: RewardSpec, held: HeldOut, mine: range,
+                 p_idx: list[int], at: Placement, *, max_prompt_len: int, seed: int, progress=None) -> list[dict]:
+    """rollout.mode=agent: a trajectory per sample, scored by its environment (a trajectory's reward: the sum of its
+    turns'); eval.reward, when set, is the reward function an environment that scores with one (verl_tools) gets.
+    The response shown is the whole trajectory, observations included."""
+    from verlflow.core.ml.agent_rollout import run_trajectories
+
+    if ev.reward:
+        reward = reward.model_copy(update={"function": ev.reward})
+    trajs, _ = run_trajectories(model, tok, cfg, reward, held.prompts, p_idx, at, max_prompt_len=max_prompt_len,
+                                seed=seed, progress=progress)
+    return [_scored(held, j, p, cfg.n, tok.decode(t.response_ids, skip_special_tokens=True), t.score, ev.threshold,
+                    len(t.response_ids)) for j, p, t in zip(mine, p_idx, trajs)]
 
 
 # --------------------------------------------------------------------------------------------------- reports

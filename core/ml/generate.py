@@ -11,9 +11,11 @@ from verlflow.core.errors import InputError
 log = logging.getLogger("verlflow.generate")
 
 
-def prompt_ids(tok, messages: list[dict]) -> list[int]:
-    """A prompt's tokens as the rollout feeds them: chat template, generation prompt."""
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def prompt_ids(tok, messages: list[dict], tools: list[dict] | None = None, *,
+               generation_prompt: bool = True) -> list[int]:
+    """A prompt's tokens as the rollout feeds them: chat template (with the tool schemas `tools`), generation
+    prompt."""
+    ids = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=True)
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
@@ -107,25 +109,38 @@ def sample(model, tok, prompts: list[list[int]], cfg: RolloutSpec, device: torch
     `timings["setup_s"]` is where an engine adds its set-up time; HF generate has none to add. `logprobs`: a list
     that gets each response's fp32 per-token log-probs under the sampling logits (log_softmax(logits / T) of the
     chosen token) when sampling is untruncated (top_p=1, top_k=0); else it stays empty."""
+    model.eval()
+    record = logprobs is not None and records_logprobs(cfg)
+    return in_micro_batches(hf_generator(model, tok, cfg, device, record), tok, prompts, cfg, seed, progress,
+                            logprobs if record else None)
+
+
+def records_logprobs(cfg: RolloutSpec) -> bool:
+    """HF generate's log-probs are those of the sampling logits only when sampling is untruncated."""
+    return cfg.top_p >= 1.0 and not cfg.top_k
+
+
+def hf_generator(model, tok, cfg: RolloutSpec, device: torch.device, record: bool):
+    """`generate(ids, mask, max_new_tokens=cfg.max_new_tokens) -> (new tokens, their log-probs or None)` of
+    model.generate over left-padded `ids`, sampling as `cfg` says; log-probs when `record`."""
     from transformers import LogitsProcessorList
 
-    model.eval()
-    record = logprobs is not None and cfg.top_p >= 1.0 and not cfg.top_k
-    gen_kw = dict(max_new_tokens=cfg.max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=sorted(eos_ids(tok)),
-                  use_cache=True, **NEUTRAL_SAMPLING)
+    gen_kw = dict(pad_token_id=tok.pad_token_id, eos_token_id=sorted(eos_ids(tok)), use_cache=True,
+                  **NEUTRAL_SAMPLING)
     if cfg.temperature > 0:  # a recorded sampler's temperature is the recorder's (HF then adds no warper of its own)
         gen_kw.update(do_sample=True, temperature=1.0 if record else cfg.temperature, top_p=cfg.top_p,
                       top_k=cfg.top_k or None)
     else:
         gen_kw.update(do_sample=False)
 
-    def generate(ids, mask):
+    def generate(ids, mask, max_new_tokens: int = cfg.max_new_tokens):
         rec = _TemperatureRecorder(cfg.temperature) if record else None
         extra = {"logits_processor": LogitsProcessorList([rec])} if rec is not None else {}
-        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **gen_kw, **extra)[:, ids.shape[1]:]
+        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                             **gen_kw, **extra)[:, ids.shape[1]:]
         return gen, (rec.result(gen[:, -1]) if rec is not None else None)
 
-    return in_micro_batches(generate, tok, prompts, cfg, seed, progress, logprobs if record else None)
+    return generate
 
 
 def eos_ids(tok) -> set[int]:

@@ -58,6 +58,24 @@ class PPOBatch:
     is_weights: torch.Tensor | None = None  # algorithm.rollout_correction: each token's truncated IS weight
 
 
+def trained(batch: dict) -> torch.Tensor:
+    """The response tokens the update trains on, [N, R] float: an agent batch's `loss_mask` (the model's own
+    tokens, not the observations between its turns), else every response token. The forward keeps
+    `response_mask` for attention and positions."""
+    return batch.get("loss_mask", batch["response_mask"]).float()
+
+
+def token_rewards(batch: dict, mask: torch.Tensor) -> torch.Tensor:
+    """Each response token's reward, [N, R]: an agent batch's per-turn rewards, else the score on the last
+    response token. Either way a sample's rewards sum to its score, which grpo, rloo, ... compare."""
+    if "token_rewards" in batch:
+        return batch["token_rewards"].float().clone()
+    last = (mask.sum(1).long() - 1).clamp(min=0)
+    rewards = torch.zeros_like(mask)
+    rewards[torch.arange(len(last)), last] = batch["scores"]
+    return rewards
+
+
 def micro_batches(a: AlgorithmSpec, batch: dict, ids, at: Placement, *, forward_only: bool = False
                   ) -> list[list[int]]:
     """This rank's micro-batches of the samples `ids`: fixed counts of ppo_micro_batch_size_per_gpu, or, packed,
@@ -121,7 +139,7 @@ def old_logprobs(policy, batch: dict, spec: PPOSpec, at: Placement) -> torch.Ten
     if "rollout_logp" not in batch:
         raise ValueError("algorithm.old_logprobs=rollout: the rollout batch has no rollout_logp (an older verlflow "
                          "made it); rerun its rollout or set algorithm.old_logprobs=recompute")
-    return batch["rollout_logp"] * batch["response_mask"]
+    return batch["rollout_logp"] * trained(batch)
 
 
 def advantages(a: AlgorithmSpec, batch: dict, old_logp, ref_logp, values=None
@@ -130,10 +148,8 @@ def advantages(a: AlgorithmSpec, batch: dict, old_logp, ref_logp, values=None
     from verl.trainer.config import AlgoConfig
     from verl.trainer.ppo import core_algos
 
-    mask = batch["response_mask"].float()
-    last = (mask.sum(1).long() - 1).clamp(min=0)
-    rewards = torch.zeros_like(mask)
-    rewards[torch.arange(len(last)), last] = batch["scores"]
+    mask = trained(batch)
+    rewards = token_rewards(batch, mask)
     metrics = {}
     if a.use_kl_in_reward:
         kl = core_algos.kl_penalty(old_logp, ref_logp, a.kl_penalty) * mask
@@ -167,7 +183,7 @@ def prepare(a: AlgorithmSpec, batch: dict, old_logp, ref_logp, values=None, *, i
     the advantage computation."""
     adv, ret, metrics = advantages(a, batch, old_logp, ref_logp, values)
     if values is not None:
-        metrics["vf_explained_var"] = explained_variance(values, ret, batch["response_mask"])
+        metrics["vf_explained_var"] = explained_variance(values, ret, trained(batch))
     weights = None
     if a.rollout_correction:
         weights, gap = rollout_correction(a, batch, old_logp)
@@ -206,7 +222,7 @@ def rollout_correction(a: AlgorithmSpec, batch: dict, old_logp: torch.Tensor) ->
         raise ValueError("algorithm.rollout_correction: the rollout batch has no rollout_logp (an older verlflow, or "
                          "a sampler that could not record them, made it); rerun its rollout or set "
                          "algorithm.rollout_correction=false")
-    mask = batch["response_mask"].float()
+    mask = trained(batch)
     proto, _, metrics = compute_rollout_correction_and_rejection_mask(
         old_log_prob=old_logp.float(), rollout_log_prob=batch["rollout_logp"].float(), response_mask=mask,
         rollout_is=a.rollout_is, rollout_is_threshold=a.rollout_is_band)
@@ -266,7 +282,7 @@ class _Update:
 
         self.spec, self.a, self.optim, self.data, self.at = spec, spec.algorithm, spec.algorithm.optim, data, at
         self.rows = Rows.of(data.tensors)
-        self.mask = data.tensors["response_mask"].float()
+        self.mask = trained(data.tensors)
         self.cfg = actor_config(self.a, spec.group_size)
         self.loss_fn = core_algos.get_policy_loss_fn(self.a.policy_loss)
         self.inject_nan = faults.requested("nan_loss")  # a fault point (reliability suite)

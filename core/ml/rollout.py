@@ -2,6 +2,10 @@
 
 The batch is stored as safetensors (no pickle): prompts left-padded, responses right-padded to max_new_tokens, and
 `rollout_logp`, each response token's fp32 log-prob under the sampling logits (algorithm.old_logprobs=rollout).
+An agent batch (rollout.mode=agent, core/ml/agent_rollout.py) holds every token after the prompt in `responses`
+(model turns and observations, right-padded to the longest trajectory) and two more [N, R] tensors: `loss_mask`
+(1 on the model's tokens: what the update trains; 0 for a trajectory whose environment failed) and
+`token_rewards` (each turn's reward on its last model token).
 """
 
 import hashlib
@@ -92,8 +96,13 @@ def save_batch(samples: list[dict], folder: Path, pad_id: int, max_new_tokens: i
     """batch.safetensors and samples.parquet of `samples`, and their statistics; `prompts_consumed` (how far the
     data cursor moves, when sampling rounds took more prompts than the batch holds) is kept in the batch."""
     samples = sorted(samples, key=lambda s: s["sample"])
+    agent, width = "loss_mask" in samples[0], max_new_tokens
+    if agent:  # trajectories are as long as their turns and observations: the longest one sets the width
+        from verlflow.core.ml.agent_rollout import AGENT_COUNTS, agent_stats  # it imports this module
+
+        width = max(1, *(len(s["response_ids"]) for s in samples))
     prompts, prompt_mask = left_pad([s["prompt_ids"] for s in samples], pad_id)
-    responses = torch.full((len(samples), max_new_tokens), pad_id, dtype=torch.long)
+    responses = torch.full((len(samples), width), pad_id, dtype=torch.long)
     response_mask = torch.zeros_like(responses)
     rollout_logp = torch.zeros(responses.shape, dtype=torch.float32)  # the sampler's, 0 on padding
     for i, s in enumerate(samples):
@@ -113,21 +122,38 @@ def save_batch(samples: list[dict], folder: Path, pad_id: int, max_new_tokens: i
         tensors["reward_baselines"] = torch.tensor([s["reward_baseline"] for s in samples], dtype=torch.float32)
     if prompts_consumed is not None:
         tensors["prompts_consumed"] = torch.tensor([prompts_consumed], dtype=torch.long)
+    if agent:
+        tensors.update(_agent_tensors(samples, width))
     save_file(tensors, str(folder / "batch.safetensors"))
-    pq.write_table(pa.table({k: [s[k] for s in samples] for k in ("sample", "group", "row", "response",
-                                                                 "ground_truth", "score")}),
-                   folder / "samples.parquet")
+    columns = {k: [s[k] for s in samples] for k in ("sample", "group", "row", "response", "ground_truth", "score")}
+    if agent:
+        columns.update({k: [s["agent"][k] for s in samples] for k in AGENT_COUNTS})
+    pq.write_table(pa.table(columns), folder / "samples.parquet")
     scores = tensors["scores"]
     lens = response_mask.sum(1).float()
+    made = torch.tensor([sum(s["loss_mask"]) for s in samples], dtype=torch.float) if agent else lens  # generated
     gen_s = max(s["gen_s"] for s in samples)  # the slowest rank's generation (set-up excluded)
     return {
         "reward_mean": round(scores.mean().item(), 6), "reward_std": round(scores.std().item(), 6),
         "reward_max": round(scores.max().item(), 6), "response_len_mean": round(lens.mean().item(), 3),
-        "samples": len(samples), "tokens": int(lens.sum().item()),
-        "tokens_per_s": round(lens.sum().item() / max(gen_s, 1e-9), 1), "sampling_s": round(gen_s, 4),
+        "samples": len(samples), "tokens": int(made.sum().item()),
+        "tokens_per_s": round(made.sum().item() / max(gen_s, 1e-9), 1), "sampling_s": round(gen_s, 4),
         "engine_setup_s": round(max(s.get("setup_s", 0.0) for s in samples), 4),
-        **_overlong_stats(samples),
+        **_overlong_stats(samples), **(agent_stats(samples) if agent else {}),
     }
+
+
+def _agent_tensors(samples: list[dict], width: int) -> dict[str, torch.Tensor]:
+    """loss_mask (model tokens; none of a failed trajectory: its environment, not the model, ended it) and
+    token_rewards (each turn's reward on its last model token) of agent samples, [N, width]."""
+    loss_mask = torch.zeros((len(samples), width), dtype=torch.float32)
+    token_rewards = torch.zeros((len(samples), width), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        if not s["agent"]["failed"]:
+            loss_mask[i, :len(s["loss_mask"])] = torch.tensor(s["loss_mask"], dtype=torch.float32)
+        for pos, value in s["turn_rewards"]:
+            token_rewards[i, pos] += value
+    return {"loss_mask": loss_mask, "token_rewards": token_rewards}
 
 
 def _overlong_stats(samples: list[dict]) -> dict:

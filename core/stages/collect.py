@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from verlflow.core.ml.data import Prompts, select
 from verlflow.core.ml.rollout import generate_share
+from verlflow.core.ml.agent_rollout import check_failures, generate_agent_share
 from verlflow.core.stages.common import StageContext
 
 
@@ -29,6 +30,18 @@ class Collected:
     samples: list[dict]
     prompts_consumed: int  # how far the data cursor moves: every round's prompts count, kept or not
     metrics: dict = field(default_factory=dict)
+
+
+def gather_samples(ctx: StageContext, model, tok, rollout, prompts: Prompts, iteration: int, **kw) -> list[dict]:
+    """Every rank's samples of `prompts`, on every rank: one response each (rollout.mode single) or an agent's
+    trajectory; an agent rollout whose environments failed too often fails here, on every rank alike."""
+    agent = rollout.mode == "agent"
+    share = generate_agent_share if agent else generate_share
+    samples = gather(ctx, share(model, tok, rollout, ctx.bp.reward, prompts, iteration, ctx.placement,
+                                max_prompt_len=ctx.bp.data.max_prompt_length, seed=ctx.bp.seed, **kw))
+    if agent:
+        check_failures(samples, rollout.agent.max_failed_fraction)
+    return samples
 
 
 def _groups(samples: list[dict]) -> list[list[dict]]:
@@ -56,9 +69,7 @@ def collect(ctx: StageContext, model, tok, data: Prompts, cursor: int, iteration
     sampled = 0
     for r in range(rounds):
         rows = select(len(data), cursor + r * B, B, order_seed, bp.data.shuffle).tolist()
-        samples = gather(ctx, generate_share(model, tok, bp.rollout, bp.reward, data.take(rows), it, ctx.placement,
-                                             max_prompt_len=bp.data.max_prompt_length, seed=bp.seed,
-                                             progress=progress, attempt=r))
+        samples = gather_samples(ctx, model, tok, bp.rollout, data.take(rows), it, progress=progress, attempt=r)
         sampled += len(samples)
         if not fg.enable:
             return _with_baseline(ctx, it, model, tok, data, Collected(samples, B))
@@ -84,8 +95,7 @@ def _with_baseline(ctx: StageContext, it: int, model, tok, data: Prompts, got: C
     groups = _groups(got.samples)
     prompts = data.take([g[0]["row"] for g in groups])
     one_greedy = bp.rollout.model_copy(update={"n": 1, "temperature": 0.0})
-    greedy = gather(ctx, generate_share(model, tok, one_greedy, bp.reward, prompts, it, ctx.placement,
-                                        max_prompt_len=bp.data.max_prompt_length, seed=bp.seed))
+    greedy = gather_samples(ctx, model, tok, one_greedy, prompts, it)
     baseline = {s["group"]: s["score"] for s in greedy}  # group p of `prompts` is group p of the batch
     samples = [{**s, "reward_baseline": baseline[p]} for p, g in enumerate(groups) for s in g]
     got.metrics["remax/baseline_reward_mean"] = round(sum(baseline.values()) / len(baseline), 6)

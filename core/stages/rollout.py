@@ -32,6 +32,12 @@ def run(ctx: StageContext) -> dict:
     ctx.timings.update(sampling_s=stats.pop("sampling_s"), engine_setup_s=stats.pop("engine_setup_s"))
     log.info("rollout[%s]: reward mean %.4f std %.4f, %d samples, %.0f tok/s", ctx.iteration, stats["reward_mean"],
              stats["reward_std"], stats["samples"], stats["tokens_per_s"])
+    if bp.rollout.mode == "agent":
+        log.info("rollout[%s]: agent: %.2f turns and %.2f tool calls per trajectory, %d timeouts, %.0f%% truncated, "
+                 "%d failed; tools %.1f s (the engine waited %.1f s of them), generation %.1f s", ctx.iteration,
+                 stats["agent/turns_mean"], stats["agent/tool_calls_mean"], stats["agent/tool_timeouts"],
+                 100 * stats["agent/truncated_frac"], stats["agent/failed"], stats["agent/env_s"],
+                 stats["agent/env_wait_s"], stats["agent/gen_s"])
     return stats
 
 

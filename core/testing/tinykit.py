@@ -18,6 +18,13 @@ the target digit, and a bonus for the exact answer. A random-init model's sample
 1.0) score 0.09 +- 0.125 on average, a third of them above zero, so most GRPO groups of 4 differ at once;
 in a plain GRPO loop (16 prompts x 4, lr 5e-3..1e-2) the mean reward climbs to ~0.3-0.4 in 10-12 steps.
 
+``make_tiny(out_dir, task="calculator")`` writes the agent mode's kit (blueprints/tiny-agent.yaml) instead: a
+128-token vocabulary (printable ASCII, a ``<|tool|>`` role, ``<tool_call>``/``</tool_call>`` as single tokens),
+a chat template that renders ``tools`` and tool messages, two-digit word problems ("A box holds 23 eggs. How many
+eggs are in 41 boxes?" -> 943, extra_info.expression "23*41") in train/test, and worked trajectories (call,
+result, answer) in data/sft.parquet. A random-init model never samples a whole right call (0 of 200 trajectories;
+14% of its turns open a ``<tool_call>``); after 2 sft epochs ~10% of trajectories call right, and GRPO raises that.
+
 Everything is a function of ``seed`` (and the library versions): the same seed gives byte-identical files.
 """
 
@@ -74,6 +81,68 @@ _FILLER = (
 )
 
 
+# -- the calculator kit (task="calculator"): the agent mode's tiny task ------------------------------------------
+TASKS = ("digits", "calculator")
+CALC_DATA_SOURCE = "tiny_calculator"
+TOOL_ROLE = "<|tool|>"
+TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"  # single ids, kept in decoded text (as in Qwen2.5)
+CALC_VOCAB_SIZE = 128  # 8 special tokens + 2 tool-call tags + 96 characters + 22 merges
+CALC_TOOLS_LINE = "Tools: calculator(expression)"  # how CALC_CHAT_TEMPLATE renders the calculator environment's tools
+
+# The tools rendered as one system line of signatures (`calculator(expression)`): a prompt of tens of tokens, not
+# the hundreds a JSON schema takes. Tool results are `<|tool|>...<|end|>` turns; an assistant message's OpenAI
+# `tool_calls` render as Hermes calls, as in Qwen2.5's template.
+CALC_CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none -%}"
+    "{%- if tools -%}"
+    "{{- '<|system|>' + (system + ' ' if system else '') + 'Tools:' -}}"
+    "{%- for tool in tools -%}"
+    "{%- set fn = tool['function'] if tool['function'] is defined else tool -%}"
+    "{%- set params = fn['parameters']['properties'] if fn['parameters'] is defined and "
+    "fn['parameters']['properties'] is defined else {} -%}"
+    "{{- ' ' + fn['name'] + '(' + (params | list | join(', ')) + ')' -}}"
+    "{%- endfor -%}"
+    "{{- eos_token -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
+    "{{- raise_exception('tiny chat template: role must be system, user, assistant or tool, got ' "
+    "+ message['role']) -}}"
+    "{%- endif -%}"
+    "{%- if not (loop.first and system is not none and tools) -%}"
+    "{{- '<|' + message['role'] + '|>' + (message['content'] or '') -}}"
+    "{%- for call in message['tool_calls'] or [] if message['role'] == 'assistant' -%}"
+    "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+    "{{- '<tool_call>' + ({'name': fn['name'], 'arguments': fn['arguments']} | tojson) + '</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- eos_token -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
+)
+
+# (question, operator): the numbers are two-digit, so the sure way to the answer is the calculator tool.
+CALC_PROBLEMS = (
+    ("Ann has {a} pens and gets {b} more. How many pens does she have?", "+"),
+    ("A shop sold {a} cups on Monday and {b} on Tuesday. How many cups in all?", "+"),
+    ("Tom had {a} coins and spent {b}. How many coins are left?", "-"),
+    ("A tank holds {a} liters; {b} leak out. How many liters remain?", "-"),
+    ("A box holds {a} eggs. How many eggs are in {b} boxes?", "*"),
+    ("Each bus seats {a} people. How many seats do {b} buses have?", "*"),
+)
+
+
+def calculator_task(rng: random.Random) -> tuple[str, str, str]:
+    """One (question, expression, answer) of the calculator task; the answer is the expression's value."""
+    question, op = CALC_PROBLEMS[rng.randrange(len(CALC_PROBLEMS))]
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    if op == "-" and a < b:
+        a, b = b, a
+    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return question.format(a=a, b=b), f"{a}{op}{b}", str(value)
+
+
 def tiny_task(rng: random.Random) -> tuple[str, str]:
     """One (prompt, ground truth) pair of the tiny digits task."""
     d = rng.randrange(10)
@@ -94,11 +163,16 @@ def make_tiny(
     n_test: int = 64,
     seed: int = 0,
     tie_word_embeddings: bool = False,
+    task: str = "digits",
 ) -> dict:
     """Write a tiny model folder, RL parquet data and kit.json under ``out_dir``; return kit.json's content
-    (plus absolute paths: ``model_dir``, ``train_file``, ``test_file``, ``kit_file``)."""
+    (plus absolute paths: ``model_dir``, ``train_file``, ``test_file``, ``kit_file``). `task`: digits (the tiny
+    digits task, sft and dpo data too), or calculator (rollout.mode agent: a tokenizer and chat template with
+    tools and the tool role, calculator word problems)."""
     if arch not in ARCHES:
         raise InputError(f"make_tiny: arch must be one of {', '.join(ARCHES)}, got {arch!r}")
+    if task not in TASKS:
+        raise InputError(f"make_tiny: task must be one of {', '.join(TASKS)}, got {task!r}")
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise InputError(
             f"make_tiny: hidden_size ({hidden_size}) must divide by num_heads ({num_heads}), "
@@ -119,22 +193,15 @@ def make_tiny(
     model_dir.mkdir(parents=True, exist_ok=True)
     data_dir.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer() if task == "digits" else build_calculator_tokenizer()
     _write_model(model_dir, tokenizer, arch, hidden_size, num_layers, num_heads, num_kv_heads, seed,
                  tie_word_embeddings)
     tokenizer.save_pretrained(str(model_dir))
-
-    rng = random.Random(f"tiny-data-{seed}")
-    train_file, test_file = data_dir / "train.parquet", data_dir / "test.parquet"
-    _write_parquet(train_file, [tiny_task(rng) for _ in range(n_train)], "train")
-    _write_parquet(test_file, [tiny_task(rng) for _ in range(n_test)], "test")
-    # The supervised phases' data (blueprint phases: sft, dpo) for the same task.
-    sft_file, dpo_file = data_dir / "sft.parquet", data_dir / "dpo.parquet"
-    _write_sft(sft_file, [tiny_task(rng) for _ in range(n_train)])
-    _write_dpo(dpo_file, [tiny_task(rng) for _ in range(n_train)], rng)
+    write_data = _write_digits_data if task == "digits" else _write_calculator_data
+    data = write_data(data_dir, seed, n_train, n_test)
 
     files = {}
-    written = [q for q in model_dir.rglob("*") if q.is_file()] + [train_file, test_file, sft_file, dpo_file]
+    written = [q for q in model_dir.rglob("*") if q.is_file()] + list(data.values())
     for p in sorted(written):
         files[p.relative_to(out).as_posix()] = {"sha256": _sha256(p), "size": p.stat().st_size}
     kit: dict[str, Any] = {
@@ -150,15 +217,9 @@ def make_tiny(
         "seed": seed,
         "n_train": n_train,
         "n_test": n_test,
-        "task": DATA_SOURCE,
-        "data_source": DATA_SOURCE,
-        "reward_function": REWARD_NAME,
-        "special_tokens": {"bos": BOS, "eos": EOS, "pad": PAD, "unk": UNK, "roles": list(ROLE_TOKENS)},
+        **_TASK_RECORDS[task],
         "model": "model",
-        "train": "data/train.parquet",
-        "test": "data/test.parquet",
-        "sft": "data/sft.parquet",
-        "dpo": "data/dpo.parquet",
+        **{name: path.relative_to(out).as_posix() for name, path in data.items()},
         "files": files,
     }
     kit_file = out / "kit.json"
@@ -166,12 +227,60 @@ def make_tiny(
     return {
         **kit,
         "model_dir": str(model_dir),
-        "train_file": str(train_file),
-        "test_file": str(test_file),
-        "sft_file": str(sft_file),
-        "dpo_file": str(dpo_file),
+        **{f"{name}_file": str(path) for name, path in data.items()},
         "kit_file": str(kit_file),
     }
+
+
+# What kit.json says of each task.
+_TASK_RECORDS = {
+    "digits": {"task": DATA_SOURCE, "data_source": DATA_SOURCE, "reward_function": REWARD_NAME,
+               "special_tokens": {"bos": BOS, "eos": EOS, "pad": PAD, "unk": UNK, "roles": list(ROLE_TOKENS)}},
+    "calculator": {"task": CALC_DATA_SOURCE, "data_source": CALC_DATA_SOURCE, "environment": "calculator",
+                   "special_tokens": {"bos": BOS, "eos": EOS, "pad": PAD, "unk": UNK,
+                                      "roles": [*ROLE_TOKENS, TOOL_ROLE], "tool_call": [TOOL_CALL, TOOL_CALL_END]}},
+}
+
+
+def _write_digits_data(data_dir: Path, seed: int, n_train: int, n_test: int) -> dict[str, Path]:
+    """The digits task's RL splits, and the supervised phases' data (blueprint phases: sft, dpo) for it."""
+    rng = random.Random(f"tiny-data-{seed}")
+    data = {name: data_dir / f"{name}.parquet" for name in ("train", "test", "sft", "dpo")}
+    _write_parquet(data["train"], [tiny_task(rng) for _ in range(n_train)], "train")
+    _write_parquet(data["test"], [tiny_task(rng) for _ in range(n_test)], "test")
+    _write_sft(data["sft"], [tiny_task(rng) for _ in range(n_train)])
+    _write_dpo(data["dpo"], [tiny_task(rng) for _ in range(n_train)], rng)
+    return data
+
+
+def _write_calculator_data(data_dir: Path, seed: int, n_train: int, n_test: int) -> dict[str, Path]:
+    """The calculator task's RL splits (verl's schema, the expression in extra_info: what a right call holds), and
+    worked trajectories for an sft phase: a random-init model never samples a whole right call (0 of 200
+    trajectories), so GRPO starts from a policy that has seen a few."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(f"tiny-calculator-{seed}")
+    data = {name: data_dir / f"{name}.parquet" for name in ("train", "test", "sft")}
+    for (name, path), n in zip(list(data.items())[:2], (n_train, n_test)):
+        problems = [calculator_task(rng) for _ in range(n)]
+        pq.write_table(pa.table({
+            "prompt": [[{"role": "user", "content": q}] for q, _, _ in problems],
+            "data_source": [CALC_DATA_SOURCE] * n,
+            "ability": ["arithmetic"] * n,
+            "reward_model": [{"style": "rule", "ground_truth": answer} for _, _, answer in problems],
+            "extra_info": [{"split": name, "index": i, "expression": e} for i, (_, e, _) in enumerate(problems)],
+        }), str(path))
+    pq.write_table(pa.table({"messages": [_worked(*calculator_task(rng)) for _ in range(n_train)]}), str(data["sft"]))
+    return data
+
+
+def _worked(question: str, expression: str, answer: str) -> list[dict]:
+    """A right trajectory as sft `messages`. The system turn is the line the template renders for the calculator
+    environment's tools: the sft phase's prompt is then the agent rollout's, token for token."""
+    return [{"role": "system", "content": CALC_TOOLS_LINE}, {"role": "user", "content": question},
+            {"role": "assistant", "content": f"{TOOL_CALL}{expression}{TOOL_CALL_END}"},
+            {"role": "tool", "content": answer}, {"role": "assistant", "content": answer}]
 
 
 def build_tokenizer(vocab_size: int = VOCAB_SIZE):
@@ -183,8 +292,28 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE):
     vocab and merges, ignoring the pipeline in tokenizer.json. Matching it makes both arches load the same
     tokenizer. All 256 bytes are in the vocabulary, so any text encodes (no unknown tokens).
     """
+    from tokenizers import pre_tokenizers
+
+    tok = _train_bpe(_tokenizer_corpus(), list(SPECIAL_TOKENS), vocab_size, pre_tokenizers.ByteLevel.alphabet())
+    return _fast(tok, list(ROLE_TOKENS), CHAT_TEMPLATE)
+
+
+def build_calculator_tokenizer(vocab_size: int = CALC_VOCAB_SIZE):
+    """The calculator kit's tokenizer: build_tokenizer's pipeline with a tool role, the tool-call tags as single
+    tokens, and an alphabet of printable ASCII and newline only (a small vocabulary: a random-init model then
+    samples a tag or a digit often enough for GRPO to find a right call). Another character is dropped."""
+    from tokenizers import AddedToken, pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    alphabet = sorted({byte_level.pre_tokenize_str(chr(c))[0][0] for c in [10, *range(32, 127)]})
+    tok = _train_bpe(_calculator_corpus(), [*SPECIAL_TOKENS, TOOL_ROLE], vocab_size - 2, alphabet)
+    # Not special (as in Qwen2.5): decoding with skip_special_tokens keeps them for the tool-call parser.
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in (TOOL_CALL, TOOL_CALL_END)])
+    return _fast(tok, [*ROLE_TOKENS, TOOL_ROLE], CALC_CHAT_TEMPLATE)
+
+
+def _train_bpe(corpus: list[str], specials: list[str], vocab_size: int, alphabet: list[str]):
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(
         models.BPE(
@@ -204,16 +333,20 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE):
         ]
     )
     tok.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=2,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=specials,
         initial_alphabet=alphabet,
         limit_alphabet=len(alphabet),
         show_progress=False,
     )
-    tok.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return tok
+
+
+def _fast(tok, roles: list[str], chat_template: str):
+    from transformers import PreTrainedTokenizerFast
 
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -221,13 +354,23 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE):
         eos_token=EOS,
         pad_token=PAD,
         unk_token=UNK,  # never produced; named so Qwen2Tokenizer does not add its default "<|endoftext|>"
-        extra_special_tokens=list(ROLE_TOKENS),
+        extra_special_tokens=roles,
         model_max_length=512,
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     return fast
+
+
+def _calculator_corpus() -> list[str]:
+    """The questions, calls and answers of the task, and the template's own text."""
+    rng = random.Random("tiny-calculator-corpus")
+    lines = [CALC_TOOLS_LINE] * 4
+    for _ in range(200):
+        question, expression, answer = calculator_task(rng)
+        lines += [question, expression, answer]
+    return lines
 
 
 def _tokenizer_corpus() -> list[str]:

@@ -83,7 +83,8 @@ case $plan in
     # the GPU image has no mlflow: tracking off (the blueprint's default backend would stop the run at validate).
     # The blueprint as shipped first (its first iteration pays the cold compiles, as on a fresh machine), then as
     # shipped on 2026-12-06 on the same card; each stage's measured peak beside the memory plan's
-    step e2e python infra/bench/e2e.py --configs shipped,shipped_2026_12_06 --iterations 2 --root /tmp/e2e \
+    step e2e python infra/bench/e2e.py --configs "${E2E_CONFIGS:-shipped,shipped_2026_12_06}" \
+      --iterations "${E2E_ITERATIONS:-2}" --root /tmp/e2e \
       --store /dev/shm/vf --set 'tracking.backends=[]' --json "$R/e2e.json" --log "$R/e2e"
     ;;
   tests)

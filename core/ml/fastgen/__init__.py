@@ -55,7 +55,7 @@ from verlflow.core.ml.fastgen.support import SUPPORTED_MODEL_TYPES
 # The engine's modules import torch (and triton on CUDA): loaded on first use, so that importing the package for
 # SUPPORTED_MODEL_TYPES (the driver's preflight) costs nothing.
 _LAZY = {
-    "engine": ("FastGen", "engine_for", "sample"),
+    "engine": ("FastGen", "engine_for", "sample", "sample_turns"),
     "options": ("EngineOptions", "Fp8Choices"),
     "kernels": ("HAVE_TRITON", "decode_attention_triton", "reference_decode_attention", "sample_logits_triton"),
     "sampling": ("SamplingConfig", "_Stats", "inverse_cdf", "nucleus_member", "sample_logits", "topk_filter",
@@ -72,6 +72,6 @@ def __getattr__(name: str):
     return value
 
 
-__all__ = ["FastGen", "EngineOptions", "Fp8Choices", "SamplingConfig", "sample", "engine_for", "sample_logits",
-           "sample_logits_triton", "decode_attention_triton", "reference_decode_attention", "nucleus_member",
-           "inverse_cdf", "topk_filter", "topk_values", "HAVE_TRITON", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["FastGen", "EngineOptions", "Fp8Choices", "SamplingConfig", "sample", "sample_turns", "engine_for",
+           "sample_logits", "sample_logits_triton", "decode_attention_triton", "reference_decode_attention",
+           "nucleus_member", "inverse_cdf", "topk_filter", "topk_values", "HAVE_TRITON", "SUPPORTED_MODEL_TYPES"]

@@ -1,12 +1,13 @@
 """The two ways of filling the engine's rows: ``micro_batch`` starts up to B prompts together and runs them until the
-last one ends; ``continuous`` hands each finished row the next waiting prompt. Both drive the engine through its
+last one ends; ``continuous`` hands each finished row the next waiting prompt (``continuous_turns``, the loop it
+runs, the next ready turn of a TurnSource: multi-turn agent rollouts). Both drive the engine through its
 hooks (``prepare``, ``_start_rows``, ``_kv_len``, ``_decode``) and read its decode state; each returns its stats
 (``FastGen.last_stats``) with its results."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -73,6 +74,54 @@ def micro_batch(eng: FastGen, input_ids: torch.Tensor, attention_mask: torch.Ten
     return st.out[:b].clone(), logprobs, stats
 
 
+class _Prompt(NamedTuple):  # a TurnSource's turn (core/agent/loop.py's Turn has these fields)
+    key: int
+    context: list[int]
+    budget: int
+
+
+class _PromptList:
+    """Fixed prompts as a turn source: each prompt is one turn, ready from the start; responses kept in order."""
+
+    def __init__(self, prompts: list[list[int]], budgets: list[int]):
+        self.waiting = [_Prompt(i, p, b) for i, (p, b) in enumerate(zip(prompts, budgets))][::-1]  # popped from the end
+        self.responses: list = [None] * len(prompts)
+        self.logprobs: list = [None] * len(prompts)
+
+    def ready(self, limit: int) -> list[_Prompt]:
+        return [self.waiting.pop() for _ in range(min(limit, len(self.waiting)))]
+
+    def done(self, turn: _Prompt, tokens: list[int], logprobs: list[float]):
+        self.responses[turn.key], self.logprobs[turn.key] = tokens, logprobs
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return False  # asked only once every prompt was handed out: nothing more will come
+
+
+def check_turn(max_prompt: int, turn):
+    n = len(turn.context)
+    if n > max_prompt:
+        raise ValueError(f"fastgen: turn of trajectory {turn.key} has a context of {n} tokens > the engine's "
+                         f"max_prompt_len {max_prompt} (a turn's context is its whole trajectory so far: build the "
+                         f"engine with max_prompt_len >= the trajectories' max_total_tokens)")
+    if n < 1:
+        raise ValueError(f"fastgen: turn of trajectory {turn.key} has an empty context")
+
+
+def _start_turns(eng: FastGen, rows: list[int], turns: list, pad_id: int, cfg: SamplingConfig) -> int:
+    """Prefill the turns' contexts into rows ``rows``, left-padded to one refill width (returned), and sample their
+    first tokens; each turn gets at most its budget of new tokens."""
+    st, dev = eng.state, eng.device
+    width = refill_width(st.max_prompt, max(len(t.context) for t in turns))
+    ids = torch.full((len(turns), width), int(pad_id), dtype=torch.long)
+    for j, t in enumerate(turns):
+        ids[j, width - len(t.context):] = torch.tensor(t.context, dtype=torch.long)
+    pad = torch.tensor([width - len(t.context) for t in turns], dtype=torch.long, device=dev)
+    budgets = torch.tensor([max(1, min(int(t.budget), st.max_new)) for t in turns], device=dev)
+    eng._start_rows(torch.tensor(rows, device=dev), ids.to(dev), pad, budgets, cfg)
+    return width
+
+
 @torch.no_grad()
 def continuous(eng: FastGen, prompts: list[list[int]], cfg: SamplingConfig, eos_ids, pad_id: int,
                limits: list[int] | None = None, refill_min: int | None = None, progress=None):
@@ -84,53 +133,74 @@ def continuous(eng: FastGen, prompts: list[list[int]], cfg: SamplingConfig, eos_
     holds a whole batch of short ones.
     Seed torch before the call for reproducible samples (they depend on the seed and the batch size).
     ``progress(line)`` gets a line whenever another batch's worth of responses has ended."""
+    check_prompts(eng.state.max_prompt, [len(p) for p in prompts])
+    source = _PromptList(prompts, [eng.state.max_new] * len(prompts) if limits is None else limits)
+    stats = continuous_turns(eng, source, cfg, eos_ids, pad_id, refill_min, progress,
+                             first_width=min((len(p) for p in prompts), default=1), total=len(prompts))
+    return source.responses, source.logprobs, stats
+
+
+@torch.no_grad()
+def continuous_turns(eng: FastGen, source, cfg: SamplingConfig, eos_ids, pad_id: int, refill_min: int | None = None,
+                     progress=None, first_width: int = 1, total: int | None = None) -> dict:
+    """Continuous batching over a TurnSource (core/agent/loop.py; ``continuous``'s prompt list is one): free rows
+    take the turns ``source.ready`` has (each turn's whole context prefilled into its row, at most ``turn.budget``
+    new tokens), a finished row hands its tokens and log-probs to ``source.done``, and only when no row is
+    generating and no turn is ready does the engine block in ``source.wait`` (it stops once that says False). So a
+    trajectory waiting for its tool holds no row: the others keep decoding. Returns the stats; ``first_width``
+    (the narrowest context expected) bounds the set-up's captures, ``total`` (the turns, where known) the
+    progress lines."""
     st, dev = eng.state, eng.device
-    n, B = len(prompts), st.B
-    check_prompts(st.max_prompt, [len(p) for p in prompts])
-    budgets = [st.max_new] * n if limits is None else [max(1, min(int(x), st.max_new)) for x in limits]
+    B = st.B
     refill_min = max(1, B // 32 if refill_min is None else int(refill_min))
-    setup_s = eng.prepare(eos_ids, pad_id, cfg, min((len(p) for p in prompts), default=1), every_slot=True)
+    setup_s = eng.prepare(eos_ids, pad_id, cfg, first_width, every_slot=True)
     st.reset()
     st.unfinished.fill_(False)
     st.out.fill_(int(pad_id))
-    owner = [-1] * B  # the prompt each row is generating, -1: free
-    waiting = list(range(n))[::-1]  # popped from the end: prompts in order
-    responses: list = [None] * n
-    logprobs: list = [None] * n
-    prefill_s = decode_s = 0.0
-    steps = refills = 0
+    owner: list = [None] * B  # the turn each row is generating, None: free
+    # Turns taken from the source, not started yet. Holding up to B + refill_min of them, the refill rule below sees
+    # the same as if it saw every waiting turn (so a prompt list refills as it always did).
+    pending: list = []
+    lookahead = B + refill_min
+    prefill_s = decode_s = wait_s = 0.0
+    steps = refills = waits = idle_row_steps = tokens = 0
     bound = 0  # an upper bound of every row's slot (the bucketed paths attend over slots [0, bound])
     ended = told = 0
     shapes: set = set()  # the refills' (rows, width)
     t_start = time.perf_counter()
     while True:
-        free = [r for r in range(B) if owner[r] < 0]
-        if waiting and free and (len(free) >= min(refill_min, len(waiting)) or len(free) == B):
+        if len(pending) < lookahead:
+            for turn in source.ready(lookahead - len(pending)):
+                check_turn(st.max_prompt, turn)
+                pending.append(turn)
+        free = [r for r in range(B) if owner[r] is None]
+        if pending and free and (len(free) >= min(refill_min, len(pending)) or len(free) == B):
             t0 = time.perf_counter()
             # Few distinct prefill shapes: per-shape work (an attention plan, say) is paid once a shape, 4 s of
-            # the H200's first call. So a multiple of refill_min rows while more prompts wait than rows are
+            # the H200's first call. So a multiple of refill_min rows while more turns wait than rows are
             # free (the rest at the next check), and the width rounded up to REFILL_WIDTH slots.
-            k = min(len(free), len(waiting))
-            if k < len(waiting):
+            k = min(len(free), len(pending))
+            if k < len(pending):
                 k = max(1, k // refill_min) * refill_min
-            take = free[:k]
-            idx = [waiting.pop() for _ in take]
-            width = refill_width(st.max_prompt, max(len(prompts[i]) for i in idx))
+            take, turns, pending = free[:k], pending[:k], pending[k:]
+            width = _start_turns(eng, take, turns, pad_id, cfg)
             shapes.add((len(take), width))
-            ids = torch.full((len(idx), width), int(pad_id), dtype=torch.long)
-            for j, i in enumerate(idx):
-                ids[j, width - len(prompts[i]):] = torch.tensor(prompts[i], dtype=torch.long)
-            pad = torch.tensor([width - len(prompts[i]) for i in idx], dtype=torch.long, device=dev)
-            eng._start_rows(torch.tensor(take, device=dev), ids.to(dev), pad,
-                            torch.tensor([budgets[i] for i in idx], device=dev), cfg)
-            for r, i in zip(take, idx):
-                owner[r] = i
+            for r, t in zip(take, turns):
+                owner[r] = t
             bound = max(bound, width)
             refills += 1
             sync(dev)
             prefill_s += time.perf_counter() - t0
-        if all(o < 0 for o in owner):
-            break
+        if all(o is None for o in owner):
+            t0 = time.perf_counter()
+            more = source.wait()  # every trajectory is waiting for its tool (or all ended)
+            wait_s += time.perf_counter() - t0
+            if not more:
+                break
+            waits += 1
+            continue
+        if not pending:  # rows free with no turn to take (tools' latency, or the work's end), not held by the rule
+            idle_row_steps += sum(o is None for o in owner) * eng.options.check_every
         t0 = time.perf_counter()
         for _ in range(eng.options.check_every):
             eng._decode(eng._kv_len(min(bound, st.T - 1)), cfg)
@@ -138,23 +208,22 @@ def continuous(eng: FastGen, prompts: list[list[int]], cfg: SamplingConfig, eos_
             steps += 1
         done = (~st.unfinished).tolist()  # syncs
         decode_s += time.perf_counter() - t0
-        rows = [r for r in range(B) if owner[r] >= 0 and done[r]]
+        rows = [r for r in range(B) if owner[r] is not None and done[r]]
         if rows:
             ix = torch.tensor(rows, device=dev)
             cols, out, logp = st.col[ix].tolist(), st.out[ix].cpu(), st.out_logp[ix].cpu()
             for j, r in enumerate(rows):
-                responses[owner[r]] = out[j, :cols[j]].tolist()
-                logprobs[owner[r]] = logp[j, :cols[j]].tolist()
-                owner[r] = -1
+                turn, owner[r] = owner[r], None
+                source.done(turn, out[j, :cols[j]].tolist(), logp[j, :cols[j]].tolist())
+                tokens += cols[j]
             ended += len(rows)
-            if progress and (ended - told >= B or ended == n):
+            if progress and (ended - told >= B or ended == total):
                 told = ended
                 dt = time.perf_counter() - t_start
-                tokens = sum(len(responses[i]) for i in range(n) if responses[i] is not None)
-                progress(f"generated {ended}/{n} sequences, {tokens} tokens, {tokens / max(dt, 1e-9):.0f} tok/s")
+                what = f"{ended}/{total} sequences" if total is not None else f"{ended} turns"
+                progress(f"generated {what}, {tokens} tokens, {tokens / max(dt, 1e-9):.0f} tok/s")
         bound = int(st.slot.max())
-    tokens = sum(len(r) for r in responses)
-    stats = {"setup_s": setup_s, "prefill_s": prefill_s, "decode_s": decode_s, "steps": steps,
-             "decode_ms_per_step": 1e3 * decode_s / max(steps, 1), "batch": B, "refills": refills,
-             "refill_shapes": len(shapes), "tokens": tokens, "occupancy": tokens / max(steps * B, 1)}
-    return responses, logprobs, stats
+    return {"setup_s": setup_s, "prefill_s": prefill_s, "decode_s": decode_s, "steps": steps,
+            "decode_ms_per_step": 1e3 * decode_s / max(steps, 1), "batch": B, "refills": refills,
+            "refill_shapes": len(shapes), "tokens": tokens, "occupancy": tokens / max(steps * B, 1),
+            "turns": ended, "wait_s": wait_s, "waits": waits, "idle_row_steps": idle_row_steps}

@@ -137,6 +137,14 @@ class FastGen:
                                                                        refill_min, progress)
         return responses, logprobs
 
+    def generate_turns(self, source, cfg: SamplingConfig, eos_ids, pad_id: int, refill_min: int | None = None,
+                       progress=None) -> dict:
+        """Continuous batching over a TurnSource (see ``batching.continuous_turns``: each turn's tokens and log-probs
+        go to ``source.done``), with the decode attention timed for it. Returns the stats."""
+        with self.tuned.ragged():
+            self.last_stats = batching.continuous_turns(self, source, cfg, eos_ids, pad_id, refill_min, progress)
+        return self.last_stats
+
     # ---- the parts' hooks, through the engine (batching calls them; tests and benchmarks wrap and call them)
 
     def _start_rows(self, rows, ids, pad, limits, cfg: SamplingConfig):
@@ -220,6 +228,19 @@ def engine_for(model, batch_size: int, max_prompt_len: int, max_new_tokens: int,
     return eng
 
 
+def _rollout_engine(model, tok, cfg, rows: int, width: int) -> tuple[FastGen, SamplingConfig, list[int], float]:
+    """(engine, sampling config, EOS ids, seconds taken to build or reuse the engine) for a RolloutSpec ``cfg``:
+    ``rows`` rows, prompts up to ``width`` tokens."""
+    from verlflow.core.ml.generate import eos_ids as end_ids
+
+    model.eval()
+    scfg = SamplingConfig(temperature=float(cfg.temperature), top_p=float(cfg.top_p), top_k=int(cfg.top_k or 0))
+    t0 = time.perf_counter()
+    asked = EngineOptions(weights=getattr(cfg, "weights", "model"), kv_cache=getattr(cfg, "kv_cache", "model"))
+    eng = engine_for(model, rows, width, cfg.max_new_tokens, asked)
+    return eng, scfg, sorted(end_ids(tok)), time.perf_counter() - t0
+
+
 @torch.no_grad()
 def sample(model, tok, prompts: list[list[int]], cfg, device, seed: int, progress=None,
            timings: dict | None = None, logprobs: list | None = None) -> list[list[int]]:
@@ -230,17 +251,12 @@ def sample(model, tok, prompts: list[list[int]], cfg, device, seed: int, progres
     top_k=0 means off.
     The engine's set-up (building it, compiling, capturing graphs) is added to ``timings["setup_s"]``;
     ``logprobs`` (a list) gets each response's fp32 log-probs under the sampling logits, as from HF's path."""
-    from verlflow.core.ml.generate import eos_ids as end_ids, in_micro_batches
+    from verlflow.core.ml.generate import in_micro_batches
 
-    model.eval()
-    eos_ids = sorted(end_ids(tok))
-    scfg = SamplingConfig(temperature=float(cfg.temperature), top_p=float(cfg.top_p), top_k=int(cfg.top_k or 0))
     mb = min(cfg.micro_batch_size, max(1, len(prompts)))
     width = max((len(p) for p in prompts), default=1)
-    t0 = time.perf_counter()
-    asked = EngineOptions(weights=getattr(cfg, "weights", "model"), kv_cache=getattr(cfg, "kv_cache", "model"))
-    eng = engine_for(model, mb, width, cfg.max_new_tokens, asked)
-    setup_s = [time.perf_counter() - t0]
+    eng, scfg, eos_ids, built_s = _rollout_engine(model, tok, cfg, mb, width)
+    setup_s = [built_s]
 
     def generate(ids, mask):
         out = eng.generate(ids, mask, scfg, eos_ids, tok.pad_token_id)
@@ -258,3 +274,19 @@ def sample(model, tok, prompts: list[list[int]], cfg, device, seed: int, progres
     if timings is not None:
         timings["setup_s"] = timings.get("setup_s", 0.0) + setup_s[0]
     return responses
+
+
+@torch.no_grad()
+def sample_turns(model, tok, source, cfg, device, seed: int, max_context: int, timings: dict | None = None,
+                 progress=None) -> dict:
+    """Serve a TurnSource (core/agent/loop.py: multi-turn agent rollouts) on the static engine, by continuous
+    batching: each turn's sampled ids (EOS kept) and their fp32 log-probs go to ``source.done``, as ``sample``
+    gives them. ``max_context``: the longest context a turn may have (the trajectories' max_total_tokens): the
+    engine's prompt width, a turn's whole trajectory being prefilled into its row. cfg and ``timings`` as for
+    ``sample`` (each turn at most cfg.max_new_tokens, or its own smaller budget). Returns the engine's stats."""
+    eng, scfg, eos_ids, built_s = _rollout_engine(model, tok, cfg, cfg.micro_batch_size, max_context)
+    torch.manual_seed(seed)
+    stats = eng.generate_turns(source, scfg, eos_ids, tok.pad_token_id, progress=progress)
+    if timings is not None:
+        timings["setup_s"] = timings.get("setup_s", 0.0) + built_s + stats["setup_s"]
+    return stats
