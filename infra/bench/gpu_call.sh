@@ -10,11 +10,11 @@
 # Plans: next (fp8's projections, the A/Bs, 7B fp8, ragged), attention (the decode attention's micro-benchmarks beside
 # a read of the same bytes, and the engine's timing of its kernels), families (the other families at their real sizes),
 # big (7B and Qwen3-8B, fp8 and the fp8 cache), e2e (the pipeline: the shipped blueprint, today's and the previous),
-# tests (the CUDA tests). BUDGET_S (default 560) is the call's seconds: a command may run 600.
+# tests (the CUDA tests), agent (multi-turn rollouts against single-turn). BUDGET_S (default 560) is the call's seconds: a command may run 600.
 set -uo pipefail
 print=0
 if [ "${1:-}" = --print ]; then print=1; shift; fi
-plans="next attention families big e2e tests"
+plans="next attention families big e2e tests agent"
 plan=${1:?usage: gpu_call.sh [--print] PLAN, one of: $plans}
 case " $plans " in
   *" $plan "*) ;;
@@ -86,6 +86,10 @@ case $plan in
     step e2e python infra/bench/e2e.py --configs "${E2E_CONFIGS:-shipped,shipped_2026_12_06}" \
       --iterations "${E2E_ITERATIONS:-2}" --root /tmp/e2e \
       --store /dev/shm/vf --set 'tracking.backends=[]' --json "$R/e2e.json" --log "$R/e2e"
+    ;;
+  agent)
+    # issue 40: agent-mode tok/s against single-turn at the same model-token count, tool latency 0/50/500 ms
+    step agent python infra/bench/agent.py --json "$R/agent.json"
     ;;
   tests)
     # the engine's CUDA tests (named *cuda*), then every test of the Triton kernels' file (none is named cuda: they
