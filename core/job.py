@@ -53,6 +53,9 @@ class JobSpec(_Spec):
     pending_inputs: list[str] = Field(default_factory=list)
     # What the run's retention passes keep for the plan (pipeline.checkpoint_reads): the driver knows the plan.
     checkpoint_reads: list[tuple[str | None, str]] = Field(default_factory=list)
+    # The runner's one retry after an out-of-memory error (resources.oom_retry): the stage's micro-batches at half
+    # (core/checks/memplan.py at_half).
+    oom_retry: bool = False
 
     @property
     def name(self) -> str:

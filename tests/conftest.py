@@ -76,6 +76,27 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: order[item.path])  # stable: tests keep their order in a file
 
 
+# What the order above gave: each xdist worker's seconds in tests and the files it ran last (a worker that ends
+# long before the other idles a core), on the controller at the end of `make test`.
+_WORKERS: dict[str, dict[str, float]] = {}
+
+
+def pytest_runtest_logreport(report):
+    node = getattr(report, "node", None)  # set by xdist on the controller
+    if node is not None:
+        files = _WORKERS.setdefault(node.gateway.id, {})
+        file = report.nodeid.split("::")[0]
+        files[file] = files.pop(file, 0.0) + report.duration  # insertion order: the order it ran them
+
+
+def pytest_terminal_summary(terminalreporter):
+    if len(_WORKERS) > 1:
+        terminalreporter.write_sep("-", "xdist workers: seconds in tests, the last three files")
+        for worker, files in sorted(_WORKERS.items()):
+            last = ", ".join(f"{f.removeprefix('tests/')} {s:.0f} s" for f, s in list(files.items())[-3:])
+            terminalreporter.write_line(f"{worker}: {sum(files.values()):.0f} s in {len(files)} files; last: {last}")
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Torch on one thread for a module of tiny-shape tests (more threads only spin, and CI runs two workers on two

@@ -92,7 +92,7 @@ def test_cancel_in_the_ui_of_a_served_run_under_load(prefect_server, serve, tiny
         time.sleep(0.2)
 
     assert api(prefect_server, SLOTS)["active_slots"]  # the run's pool holds its device slots...
-    with browser(tmp_path) as ws:
+    with cpu_hog, browser(tmp_path) as ws:  # the load from here: the serve's and the pool's start only took longer
         flow_page = f"{prefect_server.ui}/v2/runs/flow-run/{run.id}"
         shows(ws, flow_page, "cancel-running.png", "Running", "hanging in validate")
         click(ws, "document.querySelector('button[aria-haspopup=menu]')", "the flow run's menu")
@@ -109,7 +109,7 @@ def test_cancel_in_the_ui_of_a_served_run_under_load(prefect_server, serve, tiny
         cancelled_s = (ended or float("inf")) - t0
         watch.join(120)
         dead_s = (job_dead.get("at") or float("inf")) - t0
-        print(f"\nCancel in the UI, served run, validate in a 2-rank warm pool, {cpu_hog} CPU hog(s) on "
+        print(f"\nCancel in the UI, served run, validate in a 2-rank warm pool, {cpu_hog.n} CPU hog(s) on "
               f"{psutil.cpu_count()} cores: job dead {dead_s:.1f} s, flow {state.name} {cancelled_s:.1f} s after "
               "the click")
         page = shows(ws, f"{flow_page}?tab=TaskRuns", "cancel-cancelled.png", "validate[init]", "Cancelled")

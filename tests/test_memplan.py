@@ -182,32 +182,103 @@ def test_ppo_max_token_len_auto_needs_packed_micro_batches():
 # ------------------------------------------------------------------------------------------- out of memory
 
 
-def test_out_of_memory_names_the_stage_work_card_and_setting_and_is_classified_oom(tiny_kit):
-    """An OOM inside a stage (the stage worker wraps its run in memplan.watched) becomes one paragraph: the stage,
-    the micro-batch's tokens (ppo notes each one), the card, the plan's peak and the setting that lowers it; the
-    launcher's diagnosis classifies it OOM and shows it without the traceback."""
+def _oom_message(bp, stage="update", phase=None, oom_retry=False) -> str:
+    """The error a stage (memplan.watched, as run_job wraps it) makes of an OOM on its micro-batch of 31,234 tokens."""
     from types import SimpleNamespace
 
     import torch
 
-    from verlflow.core.orchestrate.diagnose import FailureKind, StageFailure, classify
-
-    bp = load_blueprint(None, [f"model.path={tiny_kit['model_dir']}", "algorithm.use_remove_padding=true",
-                               "algorithm.ppo_max_token_len_per_gpu=auto", "resources.device=cpu"])
-    job = SimpleNamespace(name="update[3]", stage="update", blueprint=bp, inputs={"build": "b", "policy": "u2"})
-    ctx = SimpleNamespace(job=job, bp=memplan.resolved(bp, torch.device("cpu")), rank=1, device=torch.device("cpu"))
+    job = SimpleNamespace(name=f"{stage}[3]", stage=stage, blueprint=bp, inputs={"build": "b", "policy": "u2"},
+                          phase=phase, oom_retry=oom_retry)
+    resolved = memplan.resolved(bp, torch.device("cpu"))
+    if oom_retry:
+        resolved, _ = memplan.at_half(resolved, stage, phase)
+    ctx = SimpleNamespace(job=job, bp=resolved, rank=1, device=torch.device("cpu"))
     with pytest.raises(memplan.DeviceOutOfMemory) as got:
         with memplan.watched(ctx):
             memplan.note(micro_batch_tokens=31234, samples=30)
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 532.00 MiB. GPU 0 has ...")
-    msg = str(got.value)
+    return str(got.value)
+
+
+def test_out_of_memory_names_the_stage_work_card_and_setting_and_is_classified_oom(tiny_kit):
+    """An OOM inside a stage (the stage worker wraps its run in memplan.watched) becomes one paragraph: the stage,
+    the micro-batch's tokens (the forward notes each one), the card, the plan's peak and each setting that lowers
+    it with its value now and one to try, then whether the runner runs it again at half (resources.oom_retry); the
+    launcher's diagnosis classifies it OOM and shows it without the traceback."""
+    from verlflow.core.orchestrate.diagnose import FailureKind, StageFailure, classify
+
+    kit = [f"model.path={tiny_kit['model_dir']}", "resources.device=cpu", "data.max_prompt_length=1024",
+           "rollout.max_new_tokens=1024", "algorithm.use_remove_padding=true"]
+    bp = load_blueprint(None, [*kit, "algorithm.ppo_max_token_len_per_gpu=auto"])
+    msg = _oom_message(bp)
+    budget = memplan.resolved(bp, "cpu").algorithm.ppo_max_token_len_per_gpu
     assert msg.startswith("out of memory in update[3] on rank 1, cpu (")
     assert "while working on micro batch tokens 31,234, samples 30" in msg
     assert "the memory plan predicted" in msg and "GiB for update" in msg
-    assert "Lower it with algorithm.ppo_max_token_len_per_gpu (auto: the largest that fits) or " \
-           "fsdp.activation_checkpointing: true (algorithm.ppo_max_token_len_per_gpu is " in msg
+    assert (f"Lower it with algorithm.ppo_max_token_len_per_gpu (now {budget} (auto's choice); try {budget // 2}) "
+            "or fsdp.activation_checkpointing (now false; try true).") in msg
+    assert f"{memplan.RETRYING}algorithm.ppo_max_token_len_per_gpu: {budget // 2}." in msg
     assert "torch: CUDA out of memory. Tried to allocate 532.00 MiB" in msg
     line = f"DeviceOutOfMemory: {msg}"
     assert classify(line) is FailureKind.OOM
     shown = str(StageFailure(classify(line), f"rank 1 failed (exit code 1): {line}", traceback="Traceback ..."))
     assert "Traceback" not in shown and "[OOM, not retryable]" in shown
+
+    # the runner's retry says so; a budget at one whole sample (2,048 tokens) has no half; the switch off: no retry
+    retried = _oom_message(bp, oom_retry=True)
+    assert f"(now {budget // 2}; try {budget // 4})" in retried and memplan.RETRYING not in retried
+    assert "This was the one retry, at half the micro-batch (resources.oom_retry)." in retried
+    floor = _oom_message(load_blueprint(None, [*kit, "algorithm.ppo_max_token_len_per_gpu=2048"]))
+    assert "(now 2048; its smallest)" in floor and memplan.RETRYING not in floor
+    assert "No retry: algorithm.ppo_max_token_len_per_gpu is at its smallest (2048)." in floor
+    off = _oom_message(load_blueprint(None, [*kit, "algorithm.ppo_max_token_len_per_gpu=4096",
+                                             "resources.oom_retry=false"]))
+    assert "(now 4096; try 2048)" in off and memplan.RETRYING not in off and "retry" not in off
+    padded = _oom_message(load_blueprint(None, [*kit, "algorithm.use_remove_padding=false",
+                                                "fsdp.activation_checkpointing=true"]))
+    assert "Lower it with algorithm.ppo_micro_batch_size_per_gpu (now 4; try 2). " in padded
+    assert f"{memplan.RETRYING}algorithm.ppo_micro_batch_size_per_gpu: 2." in padded
+    rollout = _oom_message(load_blueprint(None, [*kit, "rollout.micro_batch_size=64"]), stage="rollout")
+    assert "Lower it with rollout.micro_batch_size (now 64; try 32). torch:" in rollout
+
+
+def test_the_runner_retries_an_oom_once_where_the_rank_says_half_can_help(tmp_path):
+    """run_stage runs a stage again (at half: JobSpec.oom_retry) only after an OOM whose message says it will
+    (memplan.RETRYING), once, on one torchrun job of its own, with its inputs committed."""
+    from types import SimpleNamespace
+
+    from verlflow.core.orchestrate.diagnose import FailureKind, StageFailure
+    from verlflow.core.orchestrate.runner import _retries_oom
+
+    bp = load_blueprint(None, [f"storage.uri={tmp_path}"])
+    committed = {"runs/r/1/rollout": {"key": "k"}}
+    ctx = SimpleNamespace(bp=bp, store=SimpleNamespace(read_manifest=committed.get))
+    run = SimpleNamespace(stage="update", inputs={"rollout": "runs/r/1/rollout"}, oom_retry=False)
+    says = StageFailure(FailureKind.OOM, f"rank 1 failed: DeviceOutOfMemory: ... {memplan.RETRYING}x: 2.")
+    assert _retries_oom(ctx, run, says)
+    assert not _retries_oom(ctx, run, StageFailure(FailureKind.OOM, "rank 1 failed: DeviceOutOfMemory: ..."))
+    assert not _retries_oom(ctx, run, StageFailure(FailureKind.USER_ERROR, f"... {memplan.RETRYING}x: 2."))
+    assert not _retries_oom(ctx, SimpleNamespace(**{**vars(run), "oom_retry": True}), says)  # once
+    assert not _retries_oom(ctx, SimpleNamespace(**{**vars(run), "inputs": {"rollout": "runs/r/1/gone"}}), says)
+    multi = bp.model_copy(update={"resources": bp.resources.model_copy(update={"nnodes": 2})})
+    assert not _retries_oom(SimpleNamespace(**{**vars(ctx), "bp": multi}), run, says)
+
+
+def test_a_retry_halves_what_sizes_the_micro_batches_down_to_its_floor(tiny_kit):
+    """memplan.at_half: the update's packed budget (and its forward-only one) down to one whole sample, its samples
+    per micro-batch (padded, or at the default budget) down to one; a phase's rows per micro-batch."""
+    base = [f"model.path={tiny_kit['model_dir']}", "data.max_prompt_length=64", "rollout.max_new_tokens=8"]
+    packed = load_blueprint(None, [*base, "algorithm.use_remove_padding=true",
+                                   "algorithm.ppo_max_token_len_per_gpu=100",
+                                   "algorithm.log_prob_max_token_len_per_gpu=1000"])
+    half, recorded = memplan.at_half(packed, "update", None)
+    assert recorded == {"oom_retries": 1, "ppo_max_token_len_per_gpu": 72}  # 50 is below a 72-token sample
+    assert half.algorithm.log_prob_max_token_len_per_gpu == 500 and packed.algorithm.ppo_max_token_len_per_gpu == 100
+    assert memplan.micro_batch("update", half).half is None  # at its floor: no second halving
+    default = load_blueprint(None, [*base, "algorithm.use_remove_padding=true", "data.batch_size=10",
+                                    "algorithm.ppo_mini_batch_size=5", "rollout.n=2",
+                                    "algorithm.ppo_micro_batch_size_per_gpu=5"])
+    # 5 samples a rank, in micro-batches of a divisor of 5
+    assert memplan.at_half(default, "update", None)[1] == {"oom_retries": 1, "ppo_micro_batch_size_per_gpu": 1}
+    assert memplan.micro_batch("update", memplan.at_half(default, "update", None)[0]).half is None

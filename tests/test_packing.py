@@ -239,3 +239,46 @@ def test_compiled_layers_trace_once_for_every_micro_batch_length(models, packed)
         assert compiles[0] > 0 and compiles[2:] == [0, 0], compiles
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_step_at_half_the_micro_batch_has_the_same_gradients(models, packed):
+    """The runner's retry after an out-of-memory error (resources.oom_retry) runs the update with memplan.at_half's
+    blueprint: more, smaller micro-batches (packed: half the token budget, down to one whole sample; padded: half
+    the samples). Each micro-batch's loss is scaled by the whole mini-batch, so the step's gradients are the same."""
+    from verlflow.core.checks import memplan
+
+    bp, model = models[packed]
+    if packed:
+        bp = tiny_blueprint_with(bp, ppo_max_token_len_per_gpu=2 * memplan.seq_len(bp))
+    half, recorded = memplan.at_half(bp, "update", None)
+    field = "ppo_max_token_len_per_gpu" if packed else "ppo_micro_batch_size_per_gpu"
+    assert recorded == {"oom_retries": 1, field: getattr(bp.algorithm, field) // 2}
+    b = ragged_batch(model.config.vocab_size, n=16, P=40, R=9, seed=2)
+    b["group"] = torch.arange(16) // bp.rollout.n
+    at = Placement(0, 1, "cpu")
+    grads, splits, rows = {}, {}, {}
+    for name, blueprint in (("full", bp), ("half", half)):
+        m = copy.deepcopy(model)
+        old = ppo.score_all(m, b, ppo_spec(blueprint), at)
+        data, _ = ppo.prepare(blueprint.algorithm, b, old, old + 0.01 * b["response_mask"], iteration=1)
+        splits[name] = len(ppo.micro_batches(blueprint.algorithm, b, range(8), at))
+        hist = ppo.train(ppo_spec(blueprint), ppo.Models(ppo.Trainee(m, _NoStep(m.parameters(), lr=1.0))), data, at)
+        grads[name] = {k: p.grad for k, p in m.named_parameters()}  # the last mini-batch's, clipped
+        rows[name] = hist[-1]
+    assert splits["half"] > splits["full"]  # the retry's step is split finer
+    for k in ("grad_norm", "pg_loss", "kl_loss", "entropy"):  # the norm before the clip: the same scale
+        assert rows["half"][k] == pytest.approx(rows["full"][k], rel=1e-5, abs=1e-7), k
+    for k, g in grads["full"].items():
+        torch.testing.assert_close(grads["half"][k], g, atol=1e-6, rtol=1e-4)
+
+
+class _NoStep(torch.optim.SGD):
+    """Leaves the weights alone: the gradients of a step are what the test compares."""
+
+    def step(self, closure=None):
+        return None
+
+
+def tiny_blueprint_with(bp, **algorithm):
+    return bp.model_copy(update={"algorithm": bp.algorithm.model_copy(update=algorithm)})

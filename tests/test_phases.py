@@ -589,3 +589,20 @@ def test_the_space_estimate_covers_what_a_phased_run_keeps(phased):
     fp = estimate(bp)
     assert fp.term("phase checkpoints").count == 4  # sft's epoch, dpo's last, the one being written, the model's build
     assert held <= fp.total <= 3 * held, (fp.describe(), held)
+
+
+def test_an_sft_or_dpo_step_retried_after_an_oom_runs_at_half_its_micro_batch(tiny_kit, tmp_path):
+    """resources.oom_retry for a phase (memplan.at_half): its rows per micro-batch at half, the other phases and
+    the rl sections as they were; the OOM error names the phase's field."""
+    from verlflow.core.checks import memplan
+
+    bp = phased_blueprint(tiny_kit, tmp_path)
+    for kind in ("sft", "dpo"):
+        i = next(i for i, ph in enumerate(bp.phases) if ph.kind == kind)
+        half, recorded = memplan.at_half(bp, kind, i)
+        assert recorded == {"oom_retries": 1, "micro_batch_size_per_gpu": 4}
+        assert half.phases[i].algorithm.micro_batch_size_per_gpu == 4
+        assert [p.model_dump() for j, p in enumerate(half.phases) if j != i] == \
+               [p.model_dump() for j, p in enumerate(bp.phases) if j != i]
+        assert half.algorithm == bp.algorithm
+        assert memplan.micro_batch(kind, bp, i).field == f"phases[{i}].algorithm.micro_batch_size_per_gpu"

@@ -8,7 +8,7 @@ shared test server has it off) and `verlflow serve` running the deployment.
   alone does not make a run id: these ids are random, the random part of the id does).
 - A schedule added in the UI survives a restart of `verlflow serve`.
 - Runs of a deployment with init_from: previous take turns (flows/common.py: take_turn): the rules of who goes
-  first, the deployment's concurrency limit, and five runs queued behind a long one under a process worker.
+  first, the deployment's concurrency limit, and three runs queued behind a long one under a process worker.
 """
 
 import datetime as dt
@@ -242,9 +242,9 @@ def at(iso: str) -> dt.datetime:
     return dt.datetime.fromisoformat(iso)
 
 
-def test_five_runs_queued_behind_a_long_one_wait_as_scheduled_and_each_runs_in_order(sched_server, tmp_path):
-    """Runs of a deployment with schedule.init_from: previous take turns on the SQLite server: five runs come due
-    (out of creation order, some at the same second) while a long one holds the turn, and a process worker
+def test_three_runs_queued_behind_a_long_one_wait_as_scheduled_and_each_runs_in_order(sched_server, tmp_path):
+    """Runs of a deployment with schedule.init_from: previous take turns on the SQLite server: three runs come due
+    (out of creation order, two at the same second) while a long one holds the turn, and a process worker
     (`verlflow deploy`'s setup) at its --limit of two runs them. While waiting none is Pending or Running (no
     process, no polling);
     every one of them runs, none crashes, and each starts after the one scheduled before it has ended. The runs
@@ -278,8 +278,9 @@ def test_five_runs_queued_behind_a_long_one_wait_as_scheduled_and_each_runs_in_o
             assert time.monotonic() < deadline, "the long run never started"
             time.sleep(0.5)
         soon = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=3)
-        # created latest first, two pairs due at the same second
-        queued = [create(soon + dt.timedelta(seconds=s), hold_s=0) for s in (2, 1, 1, 0, 0)]
+        # created latest first, a pair due at the same second (their order: by id); with the long one, more runs
+        # than the worker's --limit (five cost 18 CPU-s more: a flow process each)
+        queued = [create(soon + dt.timedelta(seconds=s), hold_s=0) for s in (1, 0, 0)]
         deadline, seen = time.monotonic() + 400, []
         while not all((runs := snapshot())[i]["state_type"] in FINAL for i in [long, *queued]):
             assert time.monotonic() < deadline, {i: r["state_name"] for i, r in runs.items()}
@@ -288,7 +289,7 @@ def test_five_runs_queued_behind_a_long_one_wait_as_scheduled_and_each_runs_in_o
     finally:
         worker.stop()
     order = sorted(queued, key=lambda i: (at(runs[i]["expected_start_time"]), i))
-    assert [runs[i]["state_name"] for i in [long, *order]] == ["Completed"] * 6, worker.log.read_text()[-3000:]
+    assert [runs[i]["state_name"] for i in [long, *order]] == ["Completed"] * 4, worker.log.read_text()[-3000:]
     for snap in seen:
         active = sorted(r["name"] for r in snap.values() if r["state_type"] in ("PENDING", "RUNNING", "CANCELLING"))
         assert len(active) <= 1, active  # one run holds the turn; the others wait as Scheduled

@@ -23,7 +23,6 @@ pytestmark = pytest.mark.stages
 HERE = Path(__file__).resolve().parent
 
 
-@pytest.fixture(autouse=True)
 def _triton():
     try:
         import triton  # noqa: F401
@@ -31,15 +30,36 @@ def _triton():
         unavailable("Triton is not installed (`make install-dev` installs it on CPU machines)")
 
 
-def interpreted(check: str) -> dict:
+@pytest.fixture(autouse=True)
+def triton_installed():
+    _triton()
+
+
+CHECKS = ("attention", "attention_fp8_cache", "engine_fp8_cache", "nucleus", "engine", "picking")
+
+
+@pytest.fixture(scope="module")
+def checked() -> dict:
+    """Every check of tests/triton_interpreted.py in one interpreter process (a process each paid the imports of
+    torch, Triton and transformers six times: 15 CPU-s)."""
+    _triton()
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, str(HERE / "triton_interpreted.py"), check], env=env, capture_output=True,
-                       text=True, timeout=600)
+    p = subprocess.run([sys.executable, str(HERE / "triton_interpreted.py"), *CHECKS], env=env, capture_output=True,
+                       text=True, timeout=590)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def test_every_timed_attention_configuration_equals_the_reference():
+@pytest.fixture
+def interpreted(checked):
+    def result(check: str) -> dict:
+        res = checked[check]
+        assert "error" not in res, res.get("error")
+        return res
+    return result
+
+
+def test_every_timed_attention_configuration_equals_the_reference(interpreted):
     """Each configuration attn="auto" may keep, the bounded ones (which skip blocks with no valid slot) and the
     ranged ones (loops bounded by each row's slots, some splits empty) among them, at slots and pads on and beside
     block edges, with windows and soft-capping."""
@@ -52,7 +72,7 @@ def test_every_timed_attention_configuration_equals_the_reference():
     assert not bad, bad
 
 
-def test_every_timed_attention_configuration_reads_an_fp8_cache_as_the_reference():
+def test_every_timed_attention_configuration_reads_an_fp8_cache_as_the_reference(interpreted):
     """rollout.kv_cache=fp8: the kernel loads e4m3 keys and values and their per-slot scales (K's after the dot, V's
     on the probabilities before it), at slots whose sizes span four decades."""
     from verlflow.core.ml.fastgen import FastGen
@@ -63,14 +83,14 @@ def test_every_timed_attention_configuration_reads_an_fp8_cache_as_the_reference
     assert not bad, bad
 
 
-def test_engine_reads_its_fp8_cache_with_the_triton_kernel_and_checks_it():
+def test_engine_reads_its_fp8_cache_with_the_triton_kernel_and_checks_it(interpreted):
     res = interpreted("engine_fp8_cache")
     assert res["cache"] == "torch.float8_e4m3fn" and res["greedy_equals_hf"]
     assert res["self_check_keeps"] == "triton"
     assert res["self_check_after_breaking_the_scales"] == "sdpa"
 
 
-def test_two_pass_nucleus_test_picks_the_one_pass_and_torch_samplers_tokens():
+def test_two_pass_nucleus_test_picks_the_one_pass_and_torch_samplers_tokens(interpreted):
     """The first pass settles most rows (its candidate is accepted); the rest take the second pass. Either way the
     token is the first accepted candidate: the one-pass kernel's and the torch sampler's, for the same uniforms."""
     for case in interpreted("nucleus")["cases"]:
@@ -79,7 +99,7 @@ def test_two_pass_nucleus_test_picks_the_one_pass_and_torch_samplers_tokens():
         assert case["distinct"] > case["rows"] // 2, case  # real draws
 
 
-def test_engine_on_the_triton_paths_and_its_self_check():
+def test_engine_on_the_triton_paths_and_its_self_check(interpreted):
     res = interpreted("engine")
     assert res["greedy_equals_hf"]  # bounded attention under continuous batching, a sliding-window layer
     assert res["greedy_equals_hf_ranged"]  # ranged: loops bounded by each refilled row's own pad and slot
@@ -90,7 +110,7 @@ def test_engine_on_the_triton_paths_and_its_self_check():
     assert res["self_check_after_breaking_attention"] == ["sdpa", "torch"]  # attention over one split of many
 
 
-def test_attention_choice_per_batching_mode_and_its_record():
+def test_attention_choice_per_batching_mode_and_its_record(interpreted):
     res = interpreted("picking")
     assert len(res["timed"]) == 2 and all(f"triton{res['broken_index']}" not in t for t in res["timed"])
     assert all("sdpa" in t and len(t) == res["broken_index"] + 1 for t in res["timed"])  # every good one, and sdpa

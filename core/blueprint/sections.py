@@ -574,6 +574,12 @@ class ResourcesSpec(Section):
         1800, ge=1, description="A stage job is stopped after this many seconds, every rank's Python stack printed "
         "first (a hang shows where each rank waits); it then fails as TIMEOUT (retryable).")
     retries: int = Field(1, ge=0, description="Retries of a stage whose failure is retryable (timeouts, kills).")
+    oom_retry: bool = Field(
+        True, description="A training stage (update, sft, dpo) that runs out of device memory runs again once with "
+        "its micro-batches at half (the update's ppo_max_token_len_per_gpu, or its ppo_micro_batch_size_per_gpu; a "
+        "phase's micro_batch_size_per_gpu), where they can be halved. The maths stay the same (only the sums' order "
+        "changes); its metrics record it (oom_retries and the setting it ran with), which then is the one to set. "
+        "false: the stage fails with the error, which names that setting.")
     warm_workers: bool = Field(
         False, description="backend local, one node only (refused otherwise): keep one torchrun job alive for a "
         "whole pipeline and run each stage in it (no spawn or imports per stage; each stage still commits its own "

@@ -150,6 +150,9 @@ def auto_fields(bp) -> list[str]:
 
 
 def _get(bp, dotted: str):
+    if dotted.startswith("phases["):  # phases[<i>].algorithm.<name>
+        index, name = dotted[len("phases["):].split("].algorithm.")
+        return getattr(bp.phases[int(index)].algorithm, name)
     section, name = dotted.split(".")
     return getattr(getattr(bp, section), name)
 
@@ -568,27 +571,92 @@ def note(**what) -> None:
     _AT.update(what)
 
 
-# The setting that lowers each stage's peak (the OOM error names it).
-LOWER = {
-    "update": "algorithm.ppo_max_token_len_per_gpu (auto: the largest that fits) or fsdp.activation_checkpointing: "
-              "true",
-    "monolithic": "algorithm.ppo_max_token_len_per_gpu (auto: the largest that fits) or "
-                  "fsdp.activation_checkpointing: true",
-    "rollout": "rollout.micro_batch_size (auto: the rows that fit)",
-    "evaluate": "rollout.micro_batch_size (auto: the rows that fit)",
-    "sft": "the phase's algorithm.micro_batch_size_per_gpu or fsdp.activation_checkpointing: true",
-    "dpo": "the phase's algorithm.micro_batch_size_per_gpu or fsdp.activation_checkpointing: true",
-}
+# The settings that lower each stage's peak (the OOM error names them, with their values now and ones to try).
 LOWER_DEFAULT = "more GPUs (resources.nproc_per_node), model.lora or fsdp.cpu_offload: true"
+TRAINERS = ("update", "monolithic", "sft", "dpo")
+RETRIED = ("update", "sft", "dpo")  # resources.oom_retry (monolithic, a whole run in one job, is not)
+# What the out-of-memory error of a stage the runner will run again says (the runner reads it: the rank knows the
+# resolved settings and their floor, the driver does not).
+RETRYING = "resources.oom_retry: the stage runs again once with "
 
 
-def _current(stage: str, bp) -> str:
+@dataclass(frozen=True)
+class MicroBatch:
+    """The setting that sizes a trainer stage's micro-batches: its dotted name, its value and its smallest."""
+    field: str
+    value: int
+    floor: int
+    divides: bool = False  # samples a rank splits its share into: the blueprint wants them to divide the share
+
+    @property
+    def half(self) -> int | None:
+        """Half its value (not below its floor; a divisor of it where it `divides`, so it divides the share too);
+        None where it is at its floor already."""
+        half = max(self.floor, self.value // 2)
+        if self.divides:
+            half = max(d for d in range(1, half + 1) if self.value % d == 0)
+        return half if half < self.value else None
+
+
+def micro_batch(stage: str, bp, phase: int | None = None) -> MicroBatch | None:
+    """What sizes a trainer stage's micro-batches (`bp` resolved): the update's packed token budget (a micro-batch
+    holds a whole sample at least) or its samples per micro-batch (padded, or packed at the default budget, which
+    is that many of the batch's longest sample); a phase's rows per micro-batch. None for other stages."""
     if stage in ("update", "monolithic"):
-        return f"algorithm.ppo_max_token_len_per_gpu is {bp.algorithm.ppo_max_token_len_per_gpu}, " \
-               f"fsdp.activation_checkpointing {bp.fsdp.activation_checkpointing}"
+        a = bp.algorithm
+        if a.use_remove_padding and isinstance(a.ppo_max_token_len_per_gpu, int):
+            return MicroBatch("algorithm.ppo_max_token_len_per_gpu", a.ppo_max_token_len_per_gpu, seq_len(bp))
+        return MicroBatch("algorithm.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu, 1, True)
+    if stage in ("sft", "dpo") and phase is not None:
+        return MicroBatch(f"phases[{phase}].algorithm.micro_batch_size_per_gpu",
+                          bp.phases[phase].algorithm.micro_batch_size_per_gpu, 1, True)
+    return None
+
+
+def at_half(bp, stage: str, phase: int | None) -> tuple[object, dict]:
+    """The runner's one retry after an out-of-memory error (resources.oom_retry, JobSpec.oom_retry): the blueprint
+    with the stage's micro-batches at half (the update's forward-only budget too, when set), and the metrics that
+    record it. Only how the step is split changes: each micro-batch's loss is scaled by the whole mini-batch's
+    size, so the gradients are the same up to the order of the sums."""
+    mb = micro_batch(stage, bp, phase)
+    out = bp.model_copy(deep=True)
+    if mb.field.startswith("phases["):
+        out.phases[phase].algorithm.micro_batch_size_per_gpu = mb.half
+    else:
+        setattr(out.algorithm, mb.field.split(".")[1], mb.half)
+    if stage == "update" and (forward_only := bp.algorithm.log_prob_max_token_len_per_gpu):
+        out.algorithm.log_prob_max_token_len_per_gpu = max(seq_len(bp), forward_only // 2)
+    return out, {"oom_retries": 1, mb.field.rsplit(".", 1)[1]: mb.half}
+
+
+def _lower(stage: str, job, bp) -> str:
+    """The settings that lower `stage`'s peak, each with its value now and one to try."""
+    mb = micro_batch(stage, bp, job.phase)
+    tries = []
+    if mb is not None:
+        auto = " (auto's choice)" if _get(job.blueprint, mb.field) == "auto" and not job.oom_retry else ""
+        tries.append(f"{mb.field} (now {mb.value}{auto}; " + (f"try {mb.half})" if mb.half else "its smallest)"))
+    if stage in TRAINERS and bp.fsdp.activation_checkpointing is False:
+        tries.append("fsdp.activation_checkpointing (now false; try true)")
     if stage in ("rollout", "evaluate"):
-        return f"rollout.micro_batch_size is {bp.rollout.micro_batch_size}"
-    return ""
+        rows = bp.rollout.micro_batch_size
+        auto = " (auto's choice)" if job.blueprint.rollout.micro_batch_size == "auto" else ""
+        tries.append(f"rollout.micro_batch_size (now {rows}{auto}; try {max(1, rows // 2)})")
+    return " or ".join(tries) or LOWER_DEFAULT
+
+
+def _retry(stage: str, job, bp) -> str:
+    """What follows the error: the runner's retry at half (RETRYING), or why there is none."""
+    mb = micro_batch(stage, bp, job.phase)
+    if stage not in RETRIED or mb is None:
+        return ""
+    if job.oom_retry:
+        return " This was the one retry, at half the micro-batch (resources.oom_retry)."
+    if not bp.resources.oom_retry:
+        return ""
+    if mb.half is None:
+        return f" No retry: {mb.field} is at its smallest ({mb.floor})."
+    return f" {RETRYING}{mb.field}: {mb.half}."
 
 
 class Watch:
@@ -634,14 +702,13 @@ class Watch:
         capacity, name = card(ctx.device)
         stage = ctx.job.stage
         work = ", ".join(f"{k.replace('_', ' ')} {v:,}" if isinstance(v, int) else f"{k} {v}" for k, v in _AT.items())
-        current = _current(stage, ctx.bp)
         first = str(exc).splitlines()[0] if str(exc) else ""
         return (f"out of memory in {ctx.job.name} on rank {ctx.rank}, {name} ({gib(capacity)})"
                 + (f": {gib(peak)} was allocated at the peak" if peak is not None else "")
                 + (f" while working on {work}" if work else "")
                 + (f"; the memory plan predicted {gib(planned)} for {stage}" if planned else "")
-                + f". Lower it with {LOWER.get(stage, LOWER_DEFAULT)}" + (f" ({current})" if current else "")
-                + f". torch: {first}")
+                + f". Lower it with {_lower(stage, ctx.job, ctx.bp)}.{_retry(stage, ctx.job, ctx.bp)}"
+                + f" torch: {first}")
 
 
 def watched(ctx) -> Watch:

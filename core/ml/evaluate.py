@@ -163,14 +163,14 @@ def _agent_share(model, tok, cfg: RolloutSpec, ev: EvalSpec, reward: RewardSpec,
     """rollout.mode=agent: a trajectory per sample, scored by its environment (a trajectory's reward: the sum of its
     turns'); eval.reward, when set, is the reward function an environment that scores with one (verl_tools) gets.
     The response shown is the whole trajectory, observations included."""
-    from verlflow.core.ml.agent_rollout import run_trajectories
+    from verlflow.core.ml.agent_rollout import run_trajectories, trajectory_text
 
     if ev.reward:
         reward = reward.model_copy(update={"function": ev.reward})
     trajs, _ = run_trajectories(model, tok, cfg, reward, held.prompts, p_idx, at, max_prompt_len=max_prompt_len,
                                 seed=seed, progress=progress)
-    return [_scored(held, j, p, cfg.n, tok.decode(t.response_ids, skip_special_tokens=True), t.score, ev.threshold,
-                    len(t.response_ids)) for j, p, t in zip(mine, p_idx, trajs)]
+    return [_scored(held, j, p, cfg.n, trajectory_text(tok, t), t.score, ev.threshold, len(t.response_ids))
+            for j, p, t in zip(mine, p_idx, trajs)]
 
 
 # --------------------------------------------------------------------------------------------------- reports

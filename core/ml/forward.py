@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from verlflow.core import faults
 from verlflow.core.ml import packing
 
 
@@ -40,8 +41,9 @@ def forward(model, rows: Rows, idx, device, *, temperature: float = 1.0, packed:
     `packed`: one padding-free row (core/ml/packing.py), zeros on response padding."""
     from verlflow.core.checks import memplan
 
-    # an out-of-memory error names the micro-batch (core/checks/memplan.py Watch)
-    memplan.note(micro_batch_tokens=int(rows.inputs["attention_mask"][idx].sum()), samples=len(idx))
+    tokens = int(rows.inputs["attention_mask"][idx].sum())
+    memplan.note(micro_batch_tokens=tokens, samples=len(idx))  # an out-of-memory error names it (memplan.Watch)
+    faults.oom_point(tokens)  # VERLFLOW_FAULT=oom_rank<N>_above<T>
     if packed:
         return _forward_packed(model, rows, idx, device, temperature, critic, pi2)
     return _forward(model, rows, idx, device, temperature, critic, pi2)

@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Callable
 
 from verlflow.core.cachedir import cache_root, compile_cache_env
+from verlflow.core.checks.memplan import RETRYING
 from verlflow.core.blueprint import Blueprint
 from verlflow.core.errors import StoreError
 from verlflow.core.job import InputRecord, InputRef, JobSpec, ManifestDraft
 from verlflow.core.orchestrate.backends import launcher_for, scratch_root
-from verlflow.core.orchestrate.launcher import LaunchSpec
+from verlflow.core.orchestrate.launcher import FailureKind, LaunchSpec, StageFailure
 from verlflow.core.orchestrate.pool import Committing, WarmPool, WarmPools
 from verlflow.core.stagespec import SPECS, spec
 from verlflow.core.store.artifacts import ArtifactStore, open_store, stage_key
@@ -140,6 +141,7 @@ class _Attempt:
     manifests: dict[str, dict]
     t0: float
     launched_at: float = 0.0  # when its job was launched (a pool's start-up counts from here, timed apart)
+    oom_retry: bool = False  # the one retry after an out-of-memory error (JobSpec.oom_retry)
 
     @property
     def name(self) -> str:
@@ -168,9 +170,32 @@ def run_stage(ctx: RunContext, stage: str, iteration, inputs: dict[str, str], *,
         if existing is not None or force:
             ctx.store.uncommit(out)  # invisible first, then replaced
         ctx.store.rm(out)
+    try:
+        return _launch(ctx, run, follower)
+    except StageFailure as e:
+        if not _retries_oom(ctx, run, e):
+            raise
+        ctx.on_line(f"[verlflow] {run.name} ran out of memory: {e.summary}")
+        ctx.on_line(f"[verlflow] {run.name}: running it again once with its micro-batches at half "
+                    "(resources.oom_retry)")
+    run.oom_retry = True
+    return _launch(ctx, run, follower)
+
+
+def _launch(ctx: RunContext, run: _Attempt, follower: bool) -> StageResult:
     run.launched_at = time.time()
     pool = None if follower else _warm_pool(ctx)
     return _run_in_pool(ctx, run, pool) if pool is not None else _run_fresh(ctx, run, leader=not follower)
+
+
+def _retries_oom(ctx: RunContext, run: _Attempt, failure: StageFailure) -> bool:
+    """Whether a failed stage runs again once with its micro-batches at half (resources.oom_retry): it ran out of
+    device memory and its rank said that half can help (memplan.RETRYING: the rank knows the resolved settings);
+    its inputs are committed (a warm pool's background commits land before an OOM ends it); and it is one
+    torchrun job of this agent's (a static multi-node run's agents would each relaunch it)."""
+    return (failure.kind is FailureKind.OOM and RETRYING in failure.summary and not run.oom_retry
+            and not _multi_node(ctx.bp.resources, run.stage)
+            and all(ctx.store.read_manifest(skey) is not None for skey in run.inputs.values()))
 
 
 def _not_reusable(ctx: RunContext, run: _Attempt, existing: dict) -> str | None:
@@ -192,11 +217,14 @@ def _not_reusable(ctx: RunContext, run: _Attempt, existing: dict) -> str | None:
 
 
 def _committed_after(a: dict, b: dict) -> bool:
-    """Whether manifest `a` was committed after manifest `b` (a warm pool's pending manifest has no time yet)."""
+    """Whether manifest `a` was committed after manifest `b`. A warm pool's pending manifest has no time yet: it
+    commits now, after any committed one (a stage recomputed in this run, its commit still in the background)."""
     import datetime as dt
 
-    if not a.get("committed_at") or not b.get("committed_at"):
+    if not b.get("committed_at"):
         return False
+    if not a.get("committed_at"):
+        return True
     return dt.datetime.fromisoformat(a["committed_at"]) > dt.datetime.fromisoformat(b["committed_at"])
 
 
@@ -329,6 +357,7 @@ def _job_spec(ctx: RunContext, run: _Attempt, scratch: Path) -> JobSpec:
     return JobSpec(
         stage=run.stage, run_id=ctx.run_id, iteration=run.iteration, output=run.out, scratch=str(scratch),
         blueprint=bp, phase=ctx.phase, inputs=inputs, launched_at=run.launched_at, checkpoint_reads=ctx.reads,
+        oom_retry=run.oom_retry,
         input_manifests={n: InputRecord(key=m["key"], metrics=m.get("metrics", {}), lineage=m.get("lineage", []))
                          for n, m in manifests.items()},
         manifest=ManifestDraft(
@@ -378,8 +407,6 @@ def _committed(ctx: RunContext, run: _Attempt) -> StageResult:
 
 def _await_commit(ctx: RunContext, run: _Attempt) -> StageResult:
     """A follower node (node_rank > 0) of a static multi-node run: node 0 runs a single-process stage alone."""
-    from verlflow.core.orchestrate.launcher import FailureKind
-
     timeout_s = ctx.bp.resources.stage_timeout_s
     ctx.on_line(f"[verlflow] {run.name} runs on node 0 only: waiting for its commit at {ctx.store.uri(run.out)}")
 
@@ -396,8 +423,6 @@ def _await_commit(ctx: RunContext, run: _Attempt) -> StageResult:
 
 def _raises(kind, message: str):
     """An on_cancel/on_timeout of wait_until: the StageFailure this wait ends with."""
-    from verlflow.core.orchestrate.launcher import StageFailure
-
     def fail():
         raise StageFailure(kind, message)
 

@@ -126,6 +126,9 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
     job = JobSpec.read(job_file)
     rank, world, local_rank, device = _init_process_group(job.blueprint)
     bp = memplan.resolved(job.blueprint, device)  # its `auto` settings, by the memory plan for this card
+    retried = {}
+    if job.oom_retry:  # the runner's retry after an out-of-memory error (resources.oom_retry)
+        bp, retried = memplan.at_half(bp, job.stage, job.phase)
     setup_logging(rank)
     _seed(bp, job.iteration, rank)
     store = open_store(bp.storage)
@@ -145,7 +148,7 @@ def run_job(job_file: Path, run: Callable[[StageContext], dict],
     compiles = compiletime.Meter()
     with commit.no_space_named(ctx), memplan.watched(ctx) as memory:  # an OOM names the stage, peak, card and setting
         metrics = run(ctx) or {}
-    metrics.update(memory.metrics)
+    metrics.update(memory.metrics, **retried)
     n, seconds, parts = compiles.read()
     if n:  # a first iteration's excess: how much of it was torch.compile (its other timings include it)
         ctx.timings["compile_s"] = round(seconds, 3)

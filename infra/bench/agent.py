@@ -77,7 +77,8 @@ def single_turn(model, tok, args, dev) -> dict:
         out = fastgen.sample(model, tok, enc, cfg, dev, 0, timings=timings)
         wall = time.perf_counter() - t0 - timings["setup_s"]
     tokens = sum(len(r) for r in out)
-    return {"mode": "single", "tokens": tokens, "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 1)}
+    return {"mode": "single", "tokens": tokens, "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 1),
+            "prefill_tokens": sum(len(p) for p in enc)}
 
 
 def agent(model, tok, args, dev, latency_s: float) -> dict:
@@ -100,7 +101,20 @@ def agent(model, tok, args, dev, latency_s: float) -> dict:
             "tok_s": round(tokens / wall, 1), "turns_mean": sum(t.turns for t in recs) / len(recs),
             "context_tokens": sum(len(t.prompt_ids) + len(t.response_ids) for t in recs),
             "wait_s": round(loop.wait_s, 3), "occupancy": round(stats.get("occupancy", 0.0), 3),
-            "refills": stats.get("refills")}
+            "refills": stats.get("refills"), "prefill_s": round(stats.get("prefill_s", 0.0), 3),
+            "decode_s": round(stats.get("decode_s", 0.0), 3), "steps": stats.get("steps"),
+            "prefill_tokens": _prefill_tokens(recs)}
+
+
+def _prefill_tokens(recs) -> int:
+    """Tokens prefilled over all turns: each turn prefills its whole context again (prompt, earlier turns and
+    observations), so a trajectory of t turns pays about t/2 times its final length."""
+    total = 0
+    for t in recs:
+        m = t.loss_mask
+        starts = [i for i, x in enumerate(m) if x and (i == 0 or not m[i - 1])]  # where each model turn begins
+        total += sum(len(t.prompt_ids) + i for i in starts)
+    return total
 
 
 def main(argv=None) -> dict:
@@ -136,10 +150,12 @@ def main(argv=None) -> dict:
         res["runs"].append(agent(model, tok, args, dev, ms / 1e3))
         res["runs"][-1]["vs_single"] = round(res["runs"][-1]["tok_s"] / res["runs"][0]["tok_s"], 3)
         say(json.dumps(res["runs"][-1]))
-    say(f"| mode | tool latency | model tokens | wall s | tok/s | vs single-turn |  ({res['device']}, {args.shape}, "
+    say(f"| mode | tool latency | model tokens | prefilled tokens | wall s | tok/s | vs single-turn |  "
+        f"({res['device']}, {args.shape}, "
         f"{args.samples} samples, {args.rows} rows, {args.turns} turns x {args.turn_tokens} tokens)")
     for r in res["runs"]:
-        say(f"| {r['mode']} | {r.get('latency_ms', '-')} ms | {r['tokens']:,} | {r['wall_s']} | {r['tok_s']:,.0f} | "
+        say(f"| {r['mode']} | {r.get('latency_ms', '-')} ms | {r['tokens']:,} | {r['prefill_tokens']:,} | {r['wall_s']} | "
+            f"{r['tok_s']:,.0f} | "
             f"{r.get('vs_single', 1.0):.2f} |")
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))

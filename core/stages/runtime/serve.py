@@ -43,6 +43,7 @@ def main() -> None:
         import torch
         import torch.distributed as dist
 
+        from verlflow.core.checks.memplan import DeviceOutOfMemory
         from verlflow.core.stagespec import SPECS, spec
         from verlflow.core.stages.runtime import committer as committers
         from verlflow.core.stages.common import run_job
@@ -60,8 +61,14 @@ def main() -> None:
                     committers.drain_pool()  # a failed background commit fails the pool, and so the run
                     return
                 stage = importlib.import_module(spec(msg["stage"]).module)
-                done = run_job(Path(msg["job"]), stage.main.run, stage.main.after_commit, in_pool=True,
-                               pool_ready_at=ready_at if n == 1 else None)
+                try:
+                    done = run_job(Path(msg["job"]), stage.main.run, stage.main.after_commit, in_pool=True,
+                                   pool_ready_at=ready_at if n == 1 else None)
+                except DeviceOutOfMemory:
+                    # The earlier stages' background commits land first (on their own group, while the other
+                    # ranks wait in this stage's collectives): the runner's retry (resources.oom_retry) reads them.
+                    committers.drain_pool()
+                    raise
                 gc.collect()  # the stage's models are garbage now; give their memory back before the next
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
