@@ -24,7 +24,9 @@ def test_async_rollouts_overlap_the_update_sample_the_policy_they_claim_and_are_
 
     for i in (1, 2):  # rollout[i+1] ran while update[i] trained, each on its own two ranks
         (r0, r1), (u0, u1) = _span(done[f"rollout[{i + 1}]"]), _span(done[f"update[{i}]"])
-        assert max(r0, u0) < min(r1, u1), f"rollout[{i + 1}] {r0:.1f}-{r1:.1f} s, update[{i}] {u0:.1f}-{u1:.1f} s"
+        t = min(r0, u0)
+        assert max(r0, u0) < min(r1, u1), (f"rollout[{i + 1}] ran {r0 - t:.1f}-{r1 - t:.1f} s, "
+                                           f"update[{i}] {u0 - t:.1f}-{u1 - t:.1f} s")
     assert {done[n]["world_size"] for n in done if n[:-3] in ("rollout", "update")} == {2}
 
     # lineage: each rollout names the policy it sampled, one update older than the one its update trains
