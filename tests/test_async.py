@@ -22,11 +22,12 @@ def test_async_rollouts_overlap_the_update_sample_the_policy_they_claim_and_are_
     done = {f"{s.stage}[{s.iteration}]": r.manifest
             for s, r in zip(_steps(bp), run_pipeline(bp, "a", on_line=lambda line: None))}
 
-    for i in (1, 2):  # rollout[i+1] ran while update[i] trained, each on its own two ranks
-        (r0, r1), (u0, u1) = _span(done[f"rollout[{i + 1}]"]), _span(done[f"update[{i}]"])
-        t = min(r0, u0)
-        assert max(r0, u0) < min(r1, u1), (f"rollout[{i + 1}] ran {r0 - t:.1f}-{r1 - t:.1f} s, "
-                                           f"update[{i}] {u0 - t:.1f}-{u1 - t:.1f} s")
+    # rollout[2] ran while update[1] trained, each on its own two ranks. (rollout[3] waits for update[1]'s
+    # background commit, which update[2] takes from memory: at these tiny sizes the two may just miss each other.)
+    (r0, r1), (u0, u1) = _span(done["rollout[2]"]), _span(done["update[1]"])
+    t = min(r0, u0)
+    assert max(r0, u0) < min(r1, u1), (f"rollout[2] ran {r0 - t:.2f}-{r1 - t:.2f} s, "
+                                       f"update[1] {u0 - t:.2f}-{u1 - t:.2f} s")
     assert {done[n]["world_size"] for n in done if n[:-3] in ("rollout", "update")} == {2}
 
     # lineage: each rollout names the policy it sampled, one update older than the one its update trains

@@ -312,19 +312,22 @@ def _lane_context(ctx: RunContext, lane: str) -> RunContext:
 def _run_lanes(ctx: RunContext, steps: list[Step], forced: list[bool], hooks: "PipelineHooks",
                finished: Callable[[Step, StageResult], None]) -> list[StageResult]:
     """rollout.async: each step starts once the steps it reads and the earlier steps of its lane are done, so the
-    two lanes run side by side (rollout[i+1] beside update[i]). A failure starts nothing more, lets the running
-    step end, and raises. Returns the results in the plan's order."""
+    two lanes run side by side (rollout[i+1] beside update[i]). A failed step starts nothing more, lets the other
+    lane's step end, and raises; a Cancel or Ctrl-C raises at once (warm_pools kills the pools on the way out).
+    Returns the results in the plan's order."""
     made = {stage_key(ctx.run_id, s.iteration, s.stage): i for i, s in enumerate(steps)}
     lanes = [lane_of(ctx.bp, s) for s in steps]
     contexts = {lane: _lane_context(ctx, lane) for lane in set(lanes)}
     results: list[StageResult | None] = [None] * len(steps)
 
     def ready(i: int) -> bool:
-        before = [j for j in range(i) if lanes[j] == lanes[i]] + [made[k] for k in steps[i].inputs.values() if k in made]
+        reads = [made[k] for k in steps[i].inputs.values() if k in made]
+        before = [j for j in range(i) if lanes[j] == lanes[i]] + reads
         return all(results[j] is not None for j in before)
 
     waiting, running, error = list(range(len(steps))), {}, None
-    with ThreadPoolExecutor(max_workers=len(contexts), thread_name_prefix="verlflow-lane") as lanes_pool:
+    lanes_pool = ThreadPoolExecutor(max_workers=len(contexts), thread_name_prefix="verlflow-lane")
+    try:
         while running or (waiting and error is None):
             for i in [i for i in waiting if ready(i)] if error is None else []:
                 waiting.remove(i)
@@ -337,8 +340,10 @@ def _run_lanes(ctx: RunContext, steps: list[Step], forced: list[bool], hooks: "P
                 try:
                     results[i] = future.result()
                     finished(steps[i], results[i])
-                except BaseException as e:  # noqa: BLE001 - raised once the other lane's step has ended
+                except Exception as e:  # raised once the other lane's step has ended
                     error = error or e
+    finally:  # a Cancel or Ctrl-C (BaseException) returns at once: warm_pools then kills the lanes' pools
+        lanes_pool.shutdown(wait=False, cancel_futures=True)
     if error is not None:
         raise error
     return results
