@@ -117,17 +117,20 @@ def is_cancel(exc: BaseException, flow_run_id) -> bool:
       retry_condition_fn=retryable)
 def run_stage_task(stage: str, iteration, inputs: dict[str, str], bp: Blueprint, run_id: str,
                    force: bool = False, pools: WarmPools | None = None,
-                   reads: list | None = None) -> "StageResult | State":
+                   reads: list | None = None, lane: str | None = None, lane_ranks: int | None = None
+                   ) -> "StageResult | State":
     """`pools`: the flow's warm pools (verlflow.core.orchestrate.pool), for a blueprint with warm workers;
-    `reads`: the plan's checkpoint reads (RunContext.reads)."""
+    `reads`: the plan's checkpoint reads (RunContext.reads); `lane`, `lane_ranks`: rollout.async's lane and its
+    share of the node's ranks (RunContext.lane, .ranks)."""
     log = get_run_logger()
-    ranks = 1 if spec(stage).single_process else bp.resources.nproc_per_node
     store, out = open_store(bp.storage), stage_key(run_id, iteration, stage)
     # Every line to the stage's log file; a rank's traceback as one ERROR record in the task's logs.
     sink = LineSink(stage_log_path(store, run_id, stage, iteration), log.log)
     try:
         with cancel_requested() as cancel, sink:
-            ctx = RunContext(bp, run_id, on_line=sink, cancel=cancel, pools=pools, store=store, reads=reads or [])
+            ctx = RunContext(bp, run_id, on_line=sink, cancel=cancel, pools=pools, store=store, reads=reads or [],
+                             lane=lane, ranks=lane_ranks)
+            ranks = 1 if spec(stage).single_process else ctx.nproc
             # Slurm and Kubernetes allocate devices themselves; a reused stage needs none; a warm pool's slots are
             # held by its flow (pipeline_slots).
             if bp.resources.backend != "local" or bp.resources.warm_pool or (
@@ -168,7 +171,8 @@ def run_step_as_task(ctx: RunContext, step: Step, force: bool) -> StageResult:
     with its phase's blueprint."""
     ctx = step.context(ctx)
     return stage_task(step.stage, step.iteration, ctx.bp)(step.stage, step.iteration, step.inputs, ctx.bp,
-                                                          ctx.run_id, force, pools=ctx.pools, reads=ctx.reads)
+                                                          ctx.run_id, force, pools=ctx.pools, reads=ctx.reads,
+                                                          lane=ctx.lane, lane_ranks=ctx.ranks)
 
 
 def stage_task(stage: str, iteration, bp: Blueprint) -> "StageTask":

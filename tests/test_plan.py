@@ -77,3 +77,33 @@ def test_retention_reads_of_each_input_what_its_spec_says():
             assert retention.reads_checkpoint(name, given) == (spec.reads_everything or given in spec.checkpoint_inputs)
     assert retention.reads_checkpoint("export", "update") and not retention.reads_checkpoint("export", "rollout")
     assert retention.reads_checkpoint("checkpoint", "update")  # a manifest of an earlier release's export stage
+
+
+ASYNC = ("resources.nproc_per_node=4", "rollout.async.staleness=1", "algorithm.rollout_correction=true")
+
+
+def test_an_async_rollout_samples_an_older_policy_on_its_own_lane_and_refuses_an_uncorrected_update(tmp_path):
+    from verlflow.core.orchestrate.pipeline import lane_of
+
+    bp = tiny_blueprint(NOWHERE, tmp_path / "store", *ASYNC, iterations=3)
+    steps = {s.name: s for s in plan(bp, "a")}
+    assert [steps[f"rollout[{i}]"].inputs["policy"] for i in (1, 2, 3)] == [
+        "runs/a/init/build", "runs/a/init/build", "runs/a/1/update"]
+    assert steps["update[3]"].inputs["policy"] == "runs/a/2/update"  # it trains the newest, on older samples
+    assert {s.name for s in steps.values() if lane_of(bp, s) == "rollout"} == {"rollout[1]", "rollout[2]", "rollout[3]"}
+    assert ("runs/a/3/rollout", "runs/a/1/update") in retention_reads(steps.values())  # kept until it sampled
+    # the staleness is part of the rollout's and the update's keys; how the node is split is not
+    split = tiny_blueprint(NOWHERE, tmp_path / "store", *ASYNC, "resources.nproc_per_node=6",
+                           "rollout.async.devices=4", iterations=3)
+    on_policy = tiny_blueprint(NOWHERE, tmp_path / "store", iterations=3)
+    assert bp.section_hash("rollout") == split.section_hash("rollout") != on_policy.section_hash("rollout")
+    with pytest.raises(BlueprintError, match="algorithm.rollout_correction=true .* or algorithm.policy_loss=bypass"):
+        tiny_blueprint(NOWHERE, tmp_path / "store", *ASYNC[:2])
+    with pytest.raises(BlueprintError, match="give each at least one"):
+        tiny_blueprint(NOWHERE, tmp_path / "store", *ASYNC, "rollout.async.devices=4")
+
+
+def retention_reads(steps) -> list:
+    from verlflow.core.orchestrate.pipeline import checkpoint_reads
+
+    return checkpoint_reads(list(steps), "a")

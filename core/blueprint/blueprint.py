@@ -41,9 +41,17 @@ class Blueprint(Section):
 
     @model_validator(mode="after")
     def _batches_fit_world(self):
-        world = self.resources.world_size
+        world, ranks = self.resources.world_size, "resources.nnodes x nproc_per_node"
         a, r, d = self.algorithm, self.rollout, self.data
         problems = []
+        if r.async_ is not None:  # the update's ranks take its mini-batches; the rollout's share its samples
+            rollout_world, world = r.async_.split(self.resources.nproc_per_node)
+            if min(rollout_world, world) < 1:
+                return self  # an empty side: _async_rollout_fits says so
+            ranks = "the update's: resources.nproc_per_node - rollout.async.devices"
+            if (d.batch_size * r.n) % rollout_world:
+                problems.append(f"data.batch_size x rollout.n = {d.batch_size * r.n} must divide across the "
+                                f"rollout's {rollout_world} ranks (rollout.async.devices)")
         if d.batch_size % a.ppo_mini_batch_size:
             problems.append(
                 f"algorithm.ppo_mini_batch_size={a.ppo_mini_batch_size} must divide data.batch_size={d.batch_size}"
@@ -52,7 +60,7 @@ class Blueprint(Section):
         if mini_samples % world:
             problems.append(
                 f"algorithm.ppo_mini_batch_size x rollout.n = {mini_samples} samples must divide across "
-                f"{world} ranks (resources.nnodes x nproc_per_node)"
+                f"{world} ranks ({ranks})"
             )
         elif (mini_samples // world) % a.ppo_micro_batch_size_per_gpu:
             problems.append(
@@ -104,6 +112,35 @@ class Blueprint(Section):
             raise ValueError(f"rollout.weights=fp8 on CUDA samples from a bf16 model (the fp8 matmul writes bf16), "
                              f"and fsdp.mixed_precision={self.fsdp.mixed_precision} makes the inference copy "
                              f"{self.fsdp.mixed_precision}: set fsdp.mixed_precision=bf16, or rollout.weights=model")
+        return self
+
+    @model_validator(mode="after")
+    def _async_rollout_fits(self):
+        """rollout.async: two lanes of one local node, and an update that corrects for the older policy that
+        sampled (refused, not set: the loss is the user's to choose, and it is part of the update's key)."""
+        r, a, res = self.rollout, self.algorithm, self.resources
+        if r.async_ is None:
+            return self
+        rollout_ranks, update_ranks = r.async_.split(res.nproc_per_node)
+        if rollout_ranks < 1 or update_ranks < 1:
+            raise ValueError(f"rollout.async splits resources.nproc_per_node={res.nproc_per_node} ranks between the "
+                             f"rollout and the update, got rollout.async.devices={rollout_ranks}: give each at least "
+                             "one (nproc_per_node >= 2, devices below it)")
+        if res.backend != "local" or res.nnodes > 1:
+            raise ValueError(f"rollout.async runs the rollout and the update side by side on one local node (got "
+                             f"resources.backend={res.backend}, nnodes={res.nnodes}): use backend local with nnodes 1, "
+                             "or drop rollout.async")
+        if self.phases:
+            raise ValueError("rollout.async is for a blueprint without phases (its rollout -> update iterations); "
+                             "drop rollout.async or the phases")
+        if not a.rollout_correction and a.policy_loss != "bypass_mode":
+            raise ValueError(
+                f"rollout.async.staleness={r.async_.staleness}: a rollout samples from a policy {r.async_.staleness} "
+                "update(s) older than the one the update trains, so the update must correct for it: set "
+                "algorithm.rollout_correction=true (with algorithm.old_logprobs=recompute: the truncated importance "
+                "ratio of the current policy to the sampling one), or algorithm.policy_loss=bypass_mode with "
+                "algorithm.old_logprobs=rollout (the PPO ratio against the sampling policy, with truncated "
+                "importance weights)")
         return self
 
     @model_validator(mode="after")
@@ -252,9 +289,12 @@ class Blueprint(Section):
         if "phase" in names and phase is None:
             raise ValueError("section_hash: 'phase' is the step's phase, but no phase was given")
         data = {n: _dump(self.phases[phase] if n == "phase" else _field(self, n)) for n in names}
-        for n, fields in _PER_AGENT.items():  # the agents of one multi-node job must agree on every key
+        for n, fields in _UNKEYED.items():
             for f in fields if n in data else ():
-                data[n].pop(f, None)
+                *outer, last = f.split(".")
+                _inner(data[n], outer).pop(last, None)
+        if "rollout" in data and data["rollout"].get("async") is None:  # on-policy keys as before rollout.async
+            data["rollout"].pop("async", None)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def hash(self) -> str:
@@ -283,8 +323,16 @@ def _user_stage_problems(ph: PhaseSpec, where: str, earlier: set[str], after_rl:
             f"{sorted(known)} here{'' if after_rl else ' (rollout: after an rl phase)'}"] if bad else []
 
 
-# Fields that differ between the agents of one job (each node passes its own): not part of any stage key.
-_PER_AGENT = {"resources": ("node_rank",)}
+# Not part of any stage key: what differs between the agents of one job (each node passes its own), and how the
+# node's ranks are split between an async rollout and the update (a checkpoint reshards).
+_UNKEYED = {"resources": ("node_rank",), "rollout": ("async.devices",)}
+
+
+def _inner(d: dict, path: list[str]) -> dict:
+    """The dict at `path` in a section's dump ({} where a part is missing or None)."""
+    for part in path:
+        d = d.get(part) or {}
+    return d
 
 
 def _field(obj: Any, dotted: str) -> Any:

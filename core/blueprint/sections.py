@@ -396,14 +396,40 @@ class AgentSpec(Section):
         return environment
 
 
+class AsyncRolloutSpec(Section):
+    """rollout.async: one-step-off rollouts. rollout[i+1] samples from update[i-1]'s policy on its own ranks while
+    update[i] trains on the others; the update corrects for the stale policy (algorithm.rollout_correction or
+    policy_loss bypass_mode)."""
+    model_config = ConfigDict(title="async")
+
+    staleness: int = Field(1, ge=1, description="Updates a rollout's policy lags behind: rollout[i] samples from "
+                           "update[i-1-staleness]'s policy (the build's for the first ones). Part of the rollout's "
+                           "and the update's keys.")
+    devices: Optional[int] = Field(
+        None, ge=1, description="Ranks (GPUs on cuda) of the node that serve the rollout; the update, and every other "
+        "stage (validate, build, evaluate, export), runs on the other resources.nproc_per_node - devices. None: half "
+        "the node. Not part of any key: a checkpoint reshards, so a run may resume at another split.")
+
+    def split(self, nproc: int) -> tuple[int, int]:
+        """(the rollout's ranks, the update's) on a node of `nproc` ranks."""
+        rollout = self.devices if self.devices is not None else nproc // 2
+        return rollout, nproc - rollout
+
+
 class RolloutSpec(Section):
-    model_config = ConfigDict(title="rollout")
+    model_config = ConfigDict(title="rollout", validate_by_name=True, validate_by_alias=True,
+                              serialize_by_alias=True)
 
     mode: Literal["single", "agent"] = Field(
         "single", description="single: one response per sample. agent: a multi-turn conversation with "
         "rollout.agent's environment (tool calls and their results); only the model's tokens are trained.")
     agent: Optional[AgentSpec] = Field(None, description="The environment and limits of rollout.mode agent "
                                        "(required there, refused with mode single).")
+
+    async_: Optional[AsyncRolloutSpec] = Field(
+        None, alias="async", description="One-step-off asynchronous rollouts: the next rollout samples from an "
+        "older policy on its own ranks while the update trains (rollout.async.staleness, .devices). None: on-policy, "
+        "every stage on every rank, one after the other.")
 
     n: int = Field(4, ge=1, description="Samples per prompt (the GRPO group size).")
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy.")

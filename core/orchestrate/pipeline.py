@@ -4,12 +4,19 @@ evaluate step (held-out prompts, eval.files) before training and every eval.ever
 
 Inputs are store paths known in advance, so the plan is fixed before anything runs; the CLI and the Prefect
 flow both run it through the one loop here (`run_pipeline`), the flow with its hooks (tasks, slots, its Retry).
+
+With rollout.async the plan is a graph run on two lanes of the node's ranks: rollout[i] samples from
+update[i-1-staleness]'s policy, so rollout[i+1] runs on the rollout's ranks while update[i] trains on the others
+(`_run_lanes`). The steps' order is still one the sequential loop could run: a rerun, `--from` and the keys
+read it as before.
 """
 
+import contextvars
 import hashlib
 import json
 import re
 import threading
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -111,7 +118,7 @@ def _rl_steps(bp: Blueprint, run_id: str, build: str, phase_bp: Blueprint | None
     for i in range(1, bp.iterations + 1):
         rollout, update = stage_key(run_id, i, "rollout"), stage_key(run_id, i, "update")
         steps += [
-            Step("rollout", i, {"build": build, "policy": policy}, phase_bp, phase),
+            Step("rollout", i, {"build": build, "policy": sampling_policy(bp, run_id, build, i)}, phase_bp, phase),
             Step("update", i, {"build": build, "policy": policy, "rollout": rollout}, phase_bp, phase),
         ]
         evaluated = {}
@@ -123,6 +130,21 @@ def _rl_steps(bp: Blueprint, run_id: str, build: str, phase_bp: Blueprint | None
                               phase_bp, phase))
         policy = update
     return steps
+
+
+def sampling_policy(bp: Blueprint, run_id: str, build: str, iteration: int) -> str:
+    """The policy rollout[iteration] samples from: the last update's, or with rollout.async the one `staleness`
+    updates older (the build's before the first)."""
+    lag = bp.rollout.async_.staleness if bp.rollout.async_ is not None else 0
+    older = iteration - 1 - lag
+    return stage_key(run_id, older, "update") if older >= 1 else build
+
+
+def lane_of(bp: Blueprint, step: Step) -> str | None:
+    """rollout.async: the rollouts run on the rollout's ranks, every other step on the update's; None: one lane."""
+    if bp.rollout.async_ is None:
+        return None
+    return "rollout" if step.stage == "rollout" else "update"
 
 
 def _phase_steps(bp: Blueprint, run_id: str, build: str) -> list[Step]:
@@ -269,6 +291,64 @@ def run_here(ctx: RunContext, step: Step, force: bool) -> StageResult:
     return run_stage(step.context(ctx), step.stage, step.iteration, step.inputs, force=force)
 
 
+def _run_steps(ctx: RunContext, steps: list[Step], forced: list[bool], hooks: "PipelineHooks",
+               finished: Callable[[Step, StageResult], None]) -> list[StageResult]:
+    """The steps one after the other; with rollout.async, on two lanes side by side (_run_lanes)."""
+    if ctx.bp.rollout.async_ is not None:
+        return _run_lanes(ctx, steps, forced, hooks, finished)
+    results = []
+    for step, force in zip(steps, forced):
+        results.append(hooks.run_step(ctx, step, force))
+        finished(step, results[-1])
+    return results
+
+
+def _lane_context(ctx: RunContext, lane: str) -> RunContext:
+    """The run's context for one lane: its share of the node's ranks (rollout.async.devices), its own warm pool."""
+    rollout, update = ctx.bp.rollout.async_.split(ctx.bp.resources.nproc_per_node)
+    return replace(ctx, lane=lane, ranks=rollout if lane == "rollout" else update)
+
+
+def _run_lanes(ctx: RunContext, steps: list[Step], forced: list[bool], hooks: "PipelineHooks",
+               finished: Callable[[Step, StageResult], None]) -> list[StageResult]:
+    """rollout.async: each step starts once the steps it reads and the earlier steps of its lane are done, so the
+    two lanes run side by side (rollout[i+1] beside update[i]). A failed step starts nothing more, lets the other
+    lane's step end, and raises; a Cancel or Ctrl-C raises at once (warm_pools kills the pools on the way out).
+    Returns the results in the plan's order."""
+    made = {stage_key(ctx.run_id, s.iteration, s.stage): i for i, s in enumerate(steps)}
+    lanes = [lane_of(ctx.bp, s) for s in steps]
+    contexts = {lane: _lane_context(ctx, lane) for lane in set(lanes)}
+    results: list[StageResult | None] = [None] * len(steps)
+
+    def ready(i: int) -> bool:
+        reads = [made[k] for k in steps[i].inputs.values() if k in made]
+        before = [j for j in range(i) if lanes[j] == lanes[i]] + reads
+        return all(results[j] is not None for j in before)
+
+    waiting, running, error = list(range(len(steps))), {}, None
+    lanes_pool = ThreadPoolExecutor(max_workers=len(contexts), thread_name_prefix="verlflow-lane")
+    try:
+        while running or (waiting and error is None):
+            for i in [i for i in waiting if ready(i)] if error is None else []:
+                waiting.remove(i)
+                job = contextvars.copy_context().run  # a Prefect task run sees its flow run's context
+                running[lanes_pool.submit(job, hooks.run_step, contexts[lanes[i]], steps[i], forced[i])] = i
+            if not running:
+                raise AssertionError(f"rollout.async: no step of {[steps[i].name for i in waiting]} can start")
+            for future in wait(running, return_when=FIRST_COMPLETED).done:
+                i = running.pop(future)
+                try:
+                    results[i] = future.result()
+                    finished(steps[i], results[i])
+                except Exception as e:  # raised once the other lane's step has ended
+                    error = error or e
+    finally:  # a Cancel or Ctrl-C (BaseException) returns at once: warm_pools then kills the lanes' pools
+        lanes_pool.shutdown(wait=False, cancel_futures=True)
+    if error is not None:
+        raise error
+    return results
+
+
 @dataclass(frozen=True)
 class PipelineHooks:
     """What an orchestrator adds to the one loop (the Prefect flow: verlflow.flows.common.flow_hooks)."""
@@ -290,19 +370,22 @@ def run_pipeline(bp: Blueprint, run_id: str, *, on_line: Callable[[str], None] =
     forced = [first_forced is not None and i >= first_forced and not hooks.recomputed(s) for i, s in enumerate(steps)]
     store = open_store(bp.storage)
     check_not_pruned(store, run_id, steps, steps_that_run(store, bp, run_id, steps, forced))
-    results = []
     with tracked(bp, run_id, store, enabled=not _follows(bp.resources)) as tracker:  # node 0 tracks
         with warm_pools() as pools, hooks.hold():  # pools: for stages whose blueprint sets resources.warm_workers
             ctx = RunContext(bp, run_id, on_line=on_line, cancel=cancel, pools=pools, store=store,
                              reads=checkpoint_reads(steps, run_id))
-            for step, force in zip(steps, forced):
-                res = hooks.run_step(ctx, step, force)
-                if not results and not _follows(bp.resources):  # the run has a stage: a refused one leaves nothing
+
+            ended: list[Step] = []
+
+            def finished(step: Step, res: StageResult) -> None:
+                if not ended and not _follows(bp.resources):  # the run has a stage: a refused one leaves nothing
                     record_plan(store, bp, run_id, steps)
-                results.append(res)
+                ended.append(step)
                 tracker.step(step.stage, step.iteration, res.manifest)
                 if on_step:
                     on_step(step, res)
+
+            results = _run_steps(ctx, steps, forced, hooks, finished)
         # The pools have closed, so every background commit has landed (or warm_pools raised): report the manifests.
         if not _follows(bp.resources):  # a follower node leaves the store to node 0
             # also finishes what a crash mid-prune left, if every step was reused

@@ -106,10 +106,18 @@ class RunContext:
     # The plan's checkpoint reads (pipeline.checkpoint_reads, once per run), which retention passes keep; a stage
     # run outside a pipeline has none to keep beyond the run's last N, best and pointers.
     reads: list[tuple[str | None, str]] = field(default_factory=list)
+    # rollout.async: the node's ranks this step's lane holds ("rollout" or "update", pipeline.lane_of); None: all
+    lane: str | None = None
+    ranks: int | None = None
 
     def __post_init__(self):
         if self.store is None:
             self.store = open_store(self.bp.storage)
+
+    @property
+    def nproc(self) -> int:
+        """Ranks per node of this context's stage jobs: its lane's, or the node's."""
+        return self.ranks or self.bp.resources.nproc_per_node
 
 
 def stage_status(ctx: RunContext, stage: str, iteration, inputs: dict[str, str], *, read_output: bool = True):
@@ -319,7 +327,7 @@ def _run_in_pool(ctx: RunContext, run: _Attempt, pool: WarmPool) -> StageResult:
     scratch = _scratch(res, run.stage)
     try:
         job_file = _write_job(ctx, run, scratch, pool)
-        _say_launch(ctx, run, res.nproc_per_node, 1, f"{res.backend}, warm pool")
+        _say_launch(ctx, run, ctx.nproc, 1, f"{res.backend}, warm pool{f', {ctx.lane} lane' * bool(ctx.lane)}")
         with _nothing_left_on_failure(ctx, run):
             later = pool.run(run.stage, job_file, Committing(run.name, run.out, ctx.store, scratch, ctx.on_line),
                              cancel=ctx.cancel, timeout_s=res.stage_timeout_s)
@@ -370,7 +378,7 @@ def _job_spec(ctx: RunContext, run: _Attempt, scratch: Path) -> JobSpec:
 def _launch_spec(ctx: RunContext, run: _Attempt, job_file: Path, scratch: Path) -> LaunchSpec:
     res = ctx.bp.resources
     single, multi = spec(run.stage).single_process, _multi_node(res, run.stage)
-    nproc = 1 if single else res.nproc_per_node
+    nproc = 1 if single else ctx.nproc
     return LaunchSpec(module=spec(run.stage).module, args=[str(job_file)], job_arg=0, nproc_per_node=nproc,
                       nnodes=1 if single else res.nnodes, timeout_s=res.stage_timeout_s,
                       node_rank=res.node_rank if multi else 0, rdzv_endpoint=res.rdzv_endpoint if multi else None,
@@ -435,7 +443,7 @@ def _warm_pool(ctx: RunContext) -> WarmPool | None:
     res = ctx.bp.resources
     if ctx.pools is None or not res.warm_pool or ctx.env:
         return None
-    nproc = res.nproc_per_node
+    nproc = ctx.nproc
 
     def make() -> WarmPool:
         env, held = _worker_env(nproc), ExitStack()
@@ -446,7 +454,7 @@ def _warm_pool(ctx: RunContext) -> WarmPool | None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
         return WarmPool(nproc, env, scratch_root(res), ctx.on_line, commit_timeout_s=res.stage_timeout_s, held=held)
 
-    return ctx.pools.acquire((nproc, res.device, str(scratch_root(res))), make)
+    return ctx.pools.acquire((nproc, res.device, str(scratch_root(res)), ctx.lane), make)  # a lane: its own ranks
 
 
 @contextmanager

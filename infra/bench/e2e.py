@@ -64,6 +64,11 @@ CONFIGS = {  # blueprint overrides per config, on top of the GPU blueprint
     # (update/rollout_corr/* in the manifest: the gap the fp8 rollout opens against the bf16 policy)
     "fp8_corrected": {"algorithm.old_logprobs": "recompute", "rollout.weights": "fp8",
                       "algorithm.rollout_correction": "true", "algorithm.rollout_is": "token"},
+    # issue 42: one-step-off rollouts on half the GPUs beside the update on the other half, against on-policy with
+    # the same loss on all of them (the correction's weights are 1 there); --gpus is the node's split
+    "onpolicy_corrected": {"algorithm.old_logprobs": "recompute", "algorithm.rollout_correction": "true"},
+    "async": {"algorithm.old_logprobs": "recompute", "algorithm.rollout_correction": "true",
+              "rollout.async.staleness": 1},
 }
 ITER_STAGES = ("rollout", "update", "export")
 T0 = time.perf_counter()

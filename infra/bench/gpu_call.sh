@@ -10,11 +10,13 @@
 # Plans: next (fp8's projections, the A/Bs, 7B fp8, ragged), attention (the decode attention's micro-benchmarks beside
 # a read of the same bytes, and the engine's timing of its kernels), families (the other families at their real sizes),
 # big (7B and Qwen3-8B, fp8 and the fp8 cache), e2e (the pipeline: the shipped blueprint, today's and the previous),
-# tests (the CUDA tests), agent (multi-turn rollouts against single-turn). BUDGET_S (default 560) is the call's seconds: a command may run 600.
+# tests (the CUDA tests), agent (multi-turn rollouts against single-turn), async (issue 42: one-step-off rollouts
+# against on-policy on 2 and on 8 GPUs, kind nvidia-h100-x8 or nvidia-h200-x8; ASYNC_GPUS picks the counts).
+# BUDGET_S (default 560) is the call's seconds: a command may run 600.
 set -uo pipefail
 print=0
 if [ "${1:-}" = --print ]; then print=1; shift; fi
-plans="next attention families big e2e tests agent"
+plans="next attention families big e2e tests agent async"
 plan=${1:?usage: gpu_call.sh [--print] PLAN, one of: $plans}
 case " $plans " in
   *" $plan "*) ;;
@@ -86,6 +88,18 @@ case $plan in
     step e2e python infra/bench/e2e.py --configs "${E2E_CONFIGS:-shipped,shipped_2026_12_06}" \
       --iterations "${E2E_ITERATIONS:-2}" --root /tmp/e2e \
       --store /dev/shm/vf --set 'tracking.backends=[]' --json "$R/e2e.json" --log "$R/e2e"
+    ;;
+  async)
+    mkdir -p /dev/shm/vf 2> /dev/null
+    # issue 42: tok/s/GPU of one-step-off rollouts (half the node's GPUs sample update[i-1]'s policy while the other
+    # half train update[i]) against on-policy with the same loss on all of them, at 1.5B; 3 iterations, so that two
+    # overlap. The model is random (rewards ~0): whether rewards still rise needs the real model, a longer run.
+    # One GPU count per call when the budget is short: ASYNC_GPUS=2, then ASYNC_GPUS=8.
+    for g in ${ASYNC_GPUS:-2 8}; do
+      step "async_${g}gpu" python infra/bench/e2e.py --configs onpolicy_corrected,async --gpus "$g" \
+        --iterations "${E2E_ITERATIONS:-3}" --root /tmp/e2e --store /dev/shm/vf --set 'tracking.backends=[]' \
+        --json "$R/async_${g}gpu.json" --log "$R/async_${g}gpu"
+    done
     ;;
   agent)
     # issue 40: agent-mode tok/s against single-turn at the same model-token count, tool latency 0/50/500 ms

@@ -67,6 +67,7 @@ def finish(ctx: "StageContext", metrics: dict, t_start: float,
     """Commit the stage. Returns None once it is committed, or, when the commit went to the pool's background,
     what the driver is told: {"pending": True, "manifest": the manifest to come (key, metrics, timings)}."""
     committer = ctx.write.committer
+    ctx.timings["started_at"] = round(t_start, 3)  # wall clock: which stages overlapped (rollout.async's lanes)
     # Whether a commit is still running is a per-rank fact (one rank's committer thread may lag under load); the
     # path taken decides which group's collectives follow, so every rank must take the same one.
     if committer is None or not any_rank(committer.pending()):
