@@ -11,12 +11,13 @@
 # a read of the same bytes, and the engine's timing of its kernels), families (the other families at their real sizes),
 # big (7B and Qwen3-8B, fp8 and the fp8 cache), e2e (the pipeline: the shipped blueprint, today's and the previous),
 # tests (the CUDA tests), agent (multi-turn rollouts against single-turn), async (issue 42: one-step-off rollouts
-# against on-policy on 2 and on 8 GPUs, kind nvidia-h100-x8 or nvidia-h200-x8; ASYNC_GPUS picks the counts).
+# against on-policy on 2 and on 8 GPUs, kind nvidia-h100-x8 or nvidia-h200-x8; ASYNC_GPUS picks the counts), multi
+# (issue 42: the shipped blueprint on 1/2/4/8 GPUs and 7B on 8, for the memory and scaling tables).
 # BUDGET_S (default 560) is the call's seconds: a command may run 600.
 set -uo pipefail
 print=0
 if [ "${1:-}" = --print ]; then print=1; shift; fi
-plans="next attention families big e2e tests agent async"
+plans="next attention families big e2e tests agent async multi"
 plan=${1:?usage: gpu_call.sh [--print] PLAN, one of: $plans}
 case " $plans " in
   *" $plan "*) ;;
@@ -88,6 +89,22 @@ case $plan in
     step e2e python infra/bench/e2e.py --configs "${E2E_CONFIGS:-shipped,shipped_2026_12_06}" \
       --iterations "${E2E_ITERATIONS:-2}" --root /tmp/e2e \
       --store /dev/shm/vf --set 'tracking.backends=[]' --json "$R/e2e.json" --log "$R/e2e"
+    ;;
+  multi)
+    mkdir -p /dev/shm/vf 2> /dev/null
+    # issue 42 section 1: the shipped blueprint on 1, 2, 4, 8 GPUs of one node (validate's fsdp_shard and gradient
+    # checks on NCCL; each stage's per-card memory in its manifest; tok/s/GPU for the scaling table), then 7B full
+    # fine-tune on 8. One count per call when the budget is short: MULTI_GPUS="4 8", MULTI_7B=0.
+    for g in ${MULTI_GPUS:-1 2 4 8}; do
+      step "shipped_${g}gpu" python infra/bench/e2e.py --configs shipped --gpus "$g" --iterations "${E2E_ITERATIONS:-2}" \
+        --root /tmp/e2e --store "/dev/shm/vf/g$g" --set 'tracking.backends=[]' --json "$R/shipped_${g}gpu.json" \
+        --log "$R/shipped_${g}gpu"
+    done
+    if [ "${MULTI_7B:-1}" = 1 ]; then
+      step shipped_7b_8gpu python infra/bench/e2e.py --configs shipped --shape 7b --gpus 8 --iterations 2 \
+        --root /tmp/e2e --store /dev/shm/vf/7b --set 'tracking.backends=[]' --json "$R/shipped_7b_8gpu.json" \
+        --log "$R/shipped_7b_8gpu"
+    fi
     ;;
   async)
     mkdir -p /dev/shm/vf 2> /dev/null
