@@ -294,3 +294,25 @@ def test_agent_rollout_end_to_end_and_its_logprobs_are_the_updates(tok, model, t
     trained = b["loss_mask"].bool()
     torch.testing.assert_close(logp[trained], b["rollout_logp"][trained], atol=1e-4, rtol=1e-4)
     assert (b["rollout_logp"][~trained] == 0).all()
+
+
+def test_an_environment_reads_every_column_of_its_dataset_row(tmp_path):
+    """verl's agent data has top-level columns beside the RL schema (agent_name); reset(row) sees them, through a
+    batch's take() and the held-out split alike."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from verlflow.core.blueprint.sections import EvalSpec
+    from verlflow.core.ml.agent_rollout import env_row
+    from verlflow.core.ml.data import load_prompts
+    from verlflow.core.ml.evaluate import load_held_out
+
+    f = tmp_path / "agent.parquet"
+    pq.write_table(pa.table({
+        "prompt": [[{"role": "user", "content": f"q{i}"}] for i in range(3)], "data_source": ["calc"] * 3,
+        "reward_model": [{"ground_truth": str(i)} for i in range(3)], "extra_info": [{"index": i} for i in range(3)],
+        "agent_name": ["tool_agent", "tool_agent", "other"]}), f)
+    row = env_row(load_prompts([str(f)]).take([2, 0]), 0)
+    assert row["agent_name"] == "other" and row["reward_model"] == {"ground_truth": "2"} and row["index"] == 2
+    held = load_held_out(EvalSpec(files=[str(f)]))
+    assert env_row(held.prompts, 1)["agent_name"] == "tool_agent"

@@ -64,8 +64,10 @@ def run_trajectories(model, tok, rollout: RolloutSpec, reward: RewardSpec, promp
 
 
 def env_row(prompts: Prompts, p: int) -> dict:
-    """Prompt p's dataset columns as an environment's reset(row) reads them (verl's schema)."""
-    return {"prompt": prompts.messages[p], "data_source": prompts.data_source[p],
+    """Prompt p's dataset columns as an environment's reset(row) reads them (verl's schema, and every other top-level
+    column of the row: verl's agent_name, say)."""
+    return {**(prompts.columns[p] if prompts.columns else {}), "prompt": prompts.messages[p],
+            "data_source": prompts.data_source[p],
             "reward_model": {"ground_truth": prompts.ground_truth[p]}, "extra_info": prompts.extra_info[p],
             "index": prompts.rows[p]}
 

@@ -19,13 +19,15 @@ class Prompts:
     ground_truth: list[str]
     extra_info: list[dict]
     rows: list[int]
+    columns: list[dict] | None = None  # each row's other top-level columns (verl's agent_name): environments read them
 
     def __len__(self) -> int:
         return len(self.messages)
 
     def take(self, idx) -> "Prompts":
         return Prompts(*([col[i] for i in idx] for col in (self.messages, self.data_source, self.ground_truth,
-                                                           self.extra_info, self.rows)))
+                                                           self.extra_info, self.rows)),
+                       columns=None if self.columns is None else [self.columns[i] for i in idx])
 
 
 def missing_file_problems(files: list[str], field: str = "data.train_files") -> list[str]:
@@ -42,6 +44,7 @@ def load_prompts(files: list[str], prompt_key: str = "prompt", field: str = "dat
         raise InputError(" ".join(missing))
     key_field = f"{field.split('.', 1)[0]}.prompt_key"
     cols: dict[str, list] = {k: [] for k in (prompt_key, *REQUIRED, "extra_info")}
+    others: list[dict] = []
     for f in files:
         try:
             table = pq.read_table(f)
@@ -71,8 +74,9 @@ def load_prompts(files: list[str], prompt_key: str = "prompt", field: str = "dat
             cols["data_source"].append(str(r["data_source"]))
             cols["reward_model"].append(str(rm["ground_truth"]))
             cols["extra_info"].append(r.get("extra_info") or {})
+            others.append({k: v for k, v in r.items() if k not in cols})
     return Prompts(cols[prompt_key], cols["data_source"], cols["reward_model"], cols["extra_info"],
-                   list(range(len(cols[prompt_key]))))
+                   list(range(len(cols[prompt_key]))), others)
 
 
 def select(n_rows: int, cursor: int, batch_size: int, seed: int, shuffle: bool) -> np.ndarray:

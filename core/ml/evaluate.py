@@ -78,7 +78,8 @@ def load_held_out(ev: EvalSpec) -> HeldOut:
         raise InputError(" ".join(problems))
     cols = [[x for p in sets for x in getattr(p, name)] for name in ("messages", "data_source", "ground_truth",
                                                                       "extra_info", "rows")]
-    return HeldOut(Prompts(*cols), [i for i, p in enumerate(sets) for _ in range(len(p))])
+    others = [x for p in sets for x in (p.columns or [{}] * len(p))]
+    return HeldOut(Prompts(*cols, columns=others), [i for i, p in enumerate(sets) for _ in range(len(p))])
 
 
 def source_counts(held: HeldOut) -> dict[str, int]:
