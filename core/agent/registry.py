@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 
 from verlflow.core.agent.env import Environment
 from verlflow.core.errors import BlueprintError
+from verlflow.core.plugins import ident, import_user_module
 
 _REGISTRY: dict[str, type] = {}
 
@@ -35,10 +36,10 @@ def register_environment(name: str, *, overwrite: bool = False) -> Callable[[typ
     def deco(cls: type) -> type:
         _check_class(cls, f"register_environment({name!r})")
         old = _REGISTRY.get(name)
-        if old is not None and not overwrite and _ident(old) != _ident(cls):
+        if old is not None and not overwrite and ident(old) != ident(cls):
             raise BlueprintError(
-                f"register_environment({name!r}): the name is already taken by {_ident(old)}; "
-                f"{_ident(cls)} cannot take it. Pick another name or pass overwrite=True."
+                f"register_environment({name!r}): the name is already taken by {ident(old)}; "
+                f"{ident(cls)} cannot take it. Pick another name or pass overwrite=True."
             )
         _REGISTRY[name] = cls
         return cls
@@ -94,17 +95,5 @@ def _check_class(obj: Any, where: str) -> None:
         )
 
 
-def _ident(obj: Any) -> str:
-    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
-
-
 def _import(name: str, *, field: str, what: str):
-    try:
-        return importlib.import_module(name)
-    except ImportError as e:
-        raise BlueprintError(
-            f"{what}: {type(e).__name__}: {e}. Check that {field} names a module on the Python path "
-            f"(installed, or its folder in PYTHONPATH). " + _HOW_TO_REGISTER
-        ) from e
-    except Exception as e:  # the user's module raised while being imported
-        raise BlueprintError(f"{what}: importing it raised {type(e).__name__}: {e}") from e
+    return import_user_module(name, field=field, what=what, how_to_register=_HOW_TO_REGISTER)

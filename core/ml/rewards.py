@@ -19,12 +19,12 @@ This module imports nothing heavy: verl (3-6 s to import, and it configures the 
 only when ``verl_default`` is first called.
 """
 
-import importlib
 import math
 import re
 from typing import Any, Callable, Optional
 
 from verlflow.core.errors import BlueprintError, NonFiniteError
+from verlflow.core.plugins import ident, import_user_module
 
 RewardFn = Callable[..., Any]
 
@@ -51,10 +51,10 @@ def register_reward(name: str, *, overwrite: bool = False) -> Callable[[RewardFn
         if not callable(fn):
             raise BlueprintError(f"register_reward({name!r}) must decorate a function, got {fn!r}")
         old = _REGISTRY.get(name)
-        if old is not None and not overwrite and _ident(old) != _ident(fn):
+        if old is not None and not overwrite and ident(old) != ident(fn):
             raise BlueprintError(
-                f"register_reward({name!r}): the name is already taken by {_ident(old)}; "
-                f"{_ident(fn)} cannot take it. Pick another name or pass overwrite=True."
+                f"register_reward({name!r}): the name is already taken by {ident(old)}; "
+                f"{ident(fn)} cannot take it. Pick another name or pass overwrite=True."
             )
         _REGISTRY[name] = fn
         return fn
@@ -131,20 +131,8 @@ def overlong_penalty(response_len: int, max_len: int, buffer_len: int, factor: f
 
 
 # ---------------------------------------------------------------------------------------------------
-def _ident(fn: Any) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-
-
 def _import(name: str, *, field: str, what: str):
-    try:
-        return importlib.import_module(name)
-    except ImportError as e:
-        raise BlueprintError(
-            f"{what}: {type(e).__name__}: {e}. Check that {field} names a module on the Python path "
-            f"(installed, or its folder in PYTHONPATH). " + _HOW_TO_REGISTER
-        ) from e
-    except Exception as e:  # the user's module raised while being imported
-        raise BlueprintError(f"{what}: importing it raised {type(e).__name__}: {e}") from e
+    return import_user_module(name, field=field, what=what, how_to_register=_HOW_TO_REGISTER)
 
 
 def to_score(name: str, value: Any) -> float:
