@@ -282,3 +282,23 @@ def test_a_retry_halves_what_sizes_the_micro_batches_down_to_its_floor(tiny_kit)
     # 5 samples a rank, in micro-batches of a divisor of 5
     assert memplan.at_half(default, "update", None)[1] == {"oom_retries": 1, "ppo_micro_batch_size_per_gpu": 1}
     assert memplan.micro_batch("update", memplan.at_half(default, "update", None)[0]).half is None
+
+
+def test_async_lanes_are_sized_by_their_own_ranks(tmp_path):
+    """rollout.async on 8 GPUs, 4 of them sampling: the update's state is sharded over its 4 GPUs, not 8, and each
+    sampling GPU holds twice the 8 GPUs' share of the rows: a plan by the node's world would promise room that is
+    not there."""
+    model = config_folder(tmp_path, "1.5b")
+    shape = memplan.Shape.of(model)
+    lanes = gpu_bp(model, "resources.nproc_per_node=8", "rollout.async.staleness=1", "rollout.async.devices=4",
+                   "algorithm.old_logprobs=recompute", "algorithm.rollout_correction=true",
+                   "rollout.micro_batch_size=640")
+    whole = gpu_bp(model, "resources.nproc_per_node=4", "algorithm.old_logprobs=recompute",
+                   "rollout.micro_batch_size=640")
+    assert memplan.lane_worlds(lanes) == (4, 4)
+    choice = memplan.Choice(True, 16384, 640)
+    got, want = memplan.terms(lanes, shape, choice)["update"], memplan.terms(whole, shape, choice)["update"]
+    for name in ("policy weights", "AdamW state", "gradients", "reference"):
+        assert got.term(name).bytes == want.term(name).bytes, name
+    assert memplan.samples_per_rank(lanes) == 1280 // 4
+    assert memplan.mini_batch_tokens(lanes) == memplan.mini_batch_tokens(whole)

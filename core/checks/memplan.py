@@ -164,13 +164,23 @@ def seq_len(bp) -> int:
     return bp.data.max_prompt_length + bp.rollout.max_new_tokens
 
 
+def lane_worlds(bp) -> tuple[int, int]:
+    """(the rollout's ranks, the training stages' ranks): the whole world, or rollout.async's two lanes of the node.
+    The plan sizes each side by its own ranks and lays both sides' terms on one card, an upper bound of either."""
+    res, a = bp.resources, bp.rollout.async_
+    if a is None:
+        return res.world_size, res.world_size
+    rollout, train = a.split(res.nproc_per_node)
+    return max(1, rollout) * res.nnodes, max(1, train) * res.nnodes
+
+
 def samples_per_rank(bp) -> int:
-    return max(1, bp.data.batch_size * bp.rollout.n // bp.resources.world_size)
+    return max(1, bp.data.batch_size * bp.rollout.n // lane_worlds(bp)[0])
 
 
 def mini_batch_tokens(bp) -> int:
     """The most tokens a micro-batch can hold: a rank's share of a mini-batch, every sample at its longest."""
-    return max(1, bp.algorithm.ppo_mini_batch_size * bp.rollout.n // bp.resources.world_size) * seq_len(bp)
+    return max(1, bp.algorithm.ppo_mini_batch_size * bp.rollout.n // lane_worlds(bp)[1]) * seq_len(bp)
 
 
 def given_budget(bp) -> int:
@@ -242,7 +252,7 @@ def _shards(bp) -> int:
         return 1
     if f.version == 1 and f.sharding_strategy == "HYBRID_SHARD":
         return res.nproc_per_node
-    return res.world_size
+    return lane_worlds(bp)[1]
 
 
 def act_per_token(shape: Shape, compiled: bool, checkpointing: bool, cdt: int) -> float:
