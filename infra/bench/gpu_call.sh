@@ -120,7 +120,7 @@ case $plan in
     ;;
   agent)
     # issue 40: agent-mode tok/s against single-turn at the same model-token count, tool latency 0/50/500 ms
-    step agent python infra/bench/agent.py --json "$R/agent.json"
+    [ "${AGENT_4X256:-1}" = 1 ] && step agent python infra/bench/agent.py --json "$R/agent.json"
     # the same tokens in 2 turns of 512: half the turns, so about half the contexts prefilled again
     step agent_2x512 python infra/bench/agent.py --turns 2 --turn-tokens 512 --latency-ms 50 --json "$R/agent_2x512.json"
     ;;
