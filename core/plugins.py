@@ -24,3 +24,20 @@ def import_user_module(name: str, *, field: str, what: str, how_to_register: str
         ) from e
     except Exception as e:  # the user's module raised while being imported
         raise BlueprintError(f"{what}: importing it raised {type(e).__name__}: {e}") from e
+
+
+def check_name(decorator: str, name: Any) -> None:
+    """A registry name: a non-empty string without ':' (which marks `package.module:attr`)."""
+    if not isinstance(name, str) or not name or ":" in name:
+        raise BlueprintError(f"{decorator}: the name must be a non-empty string without ':', got {name!r}")
+
+
+def register_into(table: dict, decorator: str, name: str, obj: Any, overwrite: bool) -> None:
+    """table[name] = obj. The same object again (a module imported twice) is fine; another one needs `overwrite`."""
+    old = table.get(name)
+    if old is not None and not overwrite and ident(old) != ident(obj):
+        raise BlueprintError(
+            f"{decorator}({name!r}): the name is already taken by {ident(old)}; "
+            f"{ident(obj)} cannot take it. Pick another name or pass overwrite=True."
+        )
+    table[name] = obj

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 from verlflow.core.agent.env import Environment
 from verlflow.core.errors import BlueprintError
-from verlflow.core.plugins import ident, import_user_module
+from verlflow.core.plugins import check_name, import_user_module, register_into
 
 _REGISTRY: dict[str, type] = {}
 
@@ -30,18 +30,11 @@ def register_environment(name: str, *, overwrite: bool = False) -> Callable[[typ
     Re-registering the same class (a module imported twice) is fine; taking a name held by another class needs
     ``overwrite=True``.
     """
-    if not isinstance(name, str) or not name or ":" in name:
-        raise BlueprintError(f"register_environment: the name must be a non-empty string without ':', got {name!r}")
+    check_name("register_environment", name)
 
     def deco(cls: type) -> type:
         _check_class(cls, f"register_environment({name!r})")
-        old = _REGISTRY.get(name)
-        if old is not None and not overwrite and ident(old) != ident(cls):
-            raise BlueprintError(
-                f"register_environment({name!r}): the name is already taken by {ident(old)}; "
-                f"{ident(cls)} cannot take it. Pick another name or pass overwrite=True."
-            )
-        _REGISTRY[name] = cls
+        register_into(_REGISTRY, "register_environment", name, cls, overwrite)
         return cls
 
     return deco

@@ -24,7 +24,7 @@ import re
 from typing import Any, Callable, Optional
 
 from verlflow.core.errors import BlueprintError, NonFiniteError
-from verlflow.core.plugins import ident, import_user_module
+from verlflow.core.plugins import check_name, import_user_module, register_into
 
 RewardFn = Callable[..., Any]
 
@@ -44,19 +44,12 @@ def register_reward(name: str, *, overwrite: bool = False) -> Callable[[RewardFn
     Re-registering the same function (same module and qualified name, e.g. a module imported twice) is
     fine; taking a name held by another function needs ``overwrite=True``.
     """
-    if not isinstance(name, str) or not name or ":" in name:
-        raise BlueprintError(f"register_reward: the name must be a non-empty string without ':', got {name!r}")
+    check_name("register_reward", name)
 
     def deco(fn: RewardFn) -> RewardFn:
         if not callable(fn):
             raise BlueprintError(f"register_reward({name!r}) must decorate a function, got {fn!r}")
-        old = _REGISTRY.get(name)
-        if old is not None and not overwrite and ident(old) != ident(fn):
-            raise BlueprintError(
-                f"register_reward({name!r}): the name is already taken by {ident(old)}; "
-                f"{ident(fn)} cannot take it. Pick another name or pass overwrite=True."
-            )
-        _REGISTRY[name] = fn
+        register_into(_REGISTRY, "register_reward", name, fn, overwrite)
         return fn
 
     return deco
