@@ -222,8 +222,9 @@ def test_warm_up_covers_every_cache_length_a_generation_decodes_at(models, monke
 
 def test_compiled_advance_updates_the_decode_state_as_eager_does():
     """The step's bookkeeping (emit the tokens and log-probs of the live rows, advance their column, position and
-    slot, finish rows at an EOS or their budget) runs compiled on CUDA; it mutates the engine's state in place.
-    Compiled by inductor (here for the CPU), every state tensor equals eager's after every step."""
+    slot, finish rows at an EOS or their budget; feed resumed rows their known tokens, EOS ids among them, before
+    they emit) runs compiled on CUDA; it mutates the engine's state in place. Compiled by inductor (here for the
+    CPU), every state tensor equals eager's after every step."""
     from verlflow.core.ml.fastgen.state import _advance_rows
 
     compiled = torch.compile(_advance_rows, fullgraph=True)
@@ -234,7 +235,9 @@ def test_compiled_advance_updates_the_decode_state_as_eager_does():
                     out=torch.full((B, N), PAD, dtype=torch.long), out_logp=torch.zeros(B, N),
                     col=torch.tensor([0, 1, 4, 2, 3, 0]), pos=torch.tensor([5, 6, 9, 7, 8, 5]),
                     slot=torch.tensor([7, 8, 11, 9, 10, 7]), limit=torch.tensor([5, 5, 5, 5, 4, 1]),
-                    eos=torch.tensor([EOS, 6, -1, -1]), pad_id=torch.tensor(PAD), tok=torch.zeros(B, dtype=torch.long))
+                    eos=torch.tensor([EOS, 6, -1, -1]), pad_id=torch.tensor(PAD), tok=torch.zeros(B, dtype=torch.long),
+                    force=torch.tensor([[0] * 3, [EOS, 9, 6], [0] * 3, [0] * 3, [0] * 3, [EOS, 8, 0]]),
+                    fidx=torch.tensor([0, 1, 0, 0, 0, 1]), flen=torch.tensor([0, 3, 0, 0, 0, 2]))
 
     eager, comp = state(), state()
     g = torch.Generator().manual_seed(0)
@@ -244,6 +247,7 @@ def test_compiled_advance_updates_the_decode_state_as_eager_does():
         compiled(nxt, logp, **comp, max_new=N)
         assert all(torch.equal(eager[k], comp[k]) for k in eager), {k: (eager[k], comp[k]) for k in eager}
     assert not eager["live"].any() and (eager["out"] != PAD).any()  # rows finished, by EOS or budget, and emitted
+    assert eager["fidx"].tolist() == [0, 3, 0, 0, 0, 2]  # the resumed rows were fed all they were given
 
 
 def test_compiled_engine_compiles_the_decode_step_once_for_every_cache_bucket(models):

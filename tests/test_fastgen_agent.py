@@ -49,6 +49,7 @@ class ToolSource:
         self.events: list = []
         self.finished: list = []  # (turn, tokens, logprobs)
         self.threads: list = []
+        self.gone: set = set()  # trajectories ended() named
 
     def ready(self, limit: int) -> list[Turn]:
         with self.cv:
@@ -79,6 +80,12 @@ class ToolSource:
             self.queue.append(Turn(turn.key, turn.context + tokens + observation, self.budgets[n % len(self.budgets)]))
             self.cv.notify_all()
 
+    def ended(self) -> list[int]:
+        with self.cv:
+            keys = [k for k, n in self.left.items() if not n and k not in self.gone]
+            self.gone.update(keys)
+            return keys
+
     def wait(self, timeout: float | None = None) -> bool:
         with self.cv:
             if not self.cv.wait_for(lambda: self.queue or not any(self.left.values()), timeout or PATIENCE_S):
@@ -99,16 +106,25 @@ def alone(eng: FastGen, context: list[int], budget: int, eos=(EOS,)) -> tuple[li
     return row[:n], eng.last_logprobs[0, :n].tolist()
 
 
-def test_every_turn_is_what_the_engine_gives_its_context_alone(model):
+@pytest.mark.parametrize("turn_cache", [False, True], ids=["prefilled", "turn_cache"])
+def test_every_turn_is_what_the_engine_gives_its_context_alone(model, turn_cache):
     """7 trajectories of 3 turns through 3 rows, tools answering from threads: rows are refilled beside running ones
     with contexts that grow turn by turn (prompt, turns, observations), and every turn's tokens are the greedy
-    micro-batch's for that context alone, token for token, with its log-probs."""
+    micro-batch's for that context alone, token for token, with its log-probs. With the turn cache, later turns go
+    on in the rows their trajectories left (fed the last sampled token and the observation, EOS ids among them)
+    or, when another turn took that row, are prefilled: both give the same."""
     prompts = prompts_of([5, 11, 3, 16, 8, 1, 9], seed=4)
     source = ToolSource(prompts, turns=3)
-    eng = FastGen(model, 3, 64, 12, EngineOptions(bucket=8, check_every=2))
+    # a prefilled slot priced as a row of a decode step: resuming is the cheaper here (not so on a CPU, measured)
+    eng = FastGen(model, 3, 64, 12, EngineOptions(bucket=8, check_every=2, turn_cache=turn_cache, prefill_cost=1.0))
     stats = eng.generate_turns(source, GREEDY, [EOS], PAD, refill_min=1)
     assert len(source.finished) == stats["turns"] == 21
-    assert stats["refills"] >= 8 and stats["tokens"] == sum(len(t) for _, t, _ in source.finished)
+    assert stats["tokens"] == sum(len(t) for _, t, _ in source.finished)
+    if turn_cache:  # every prompt is prefilled once; most later turns resume
+        assert stats["resumed"] >= 7 and stats["refills"] >= 3 and stats["forced_tokens"] >= 4 * stats["resumed"]
+        assert stats["refills"] + stats["resumed"] <= 21
+    else:
+        assert stats["refills"] >= 8 and "resumed" not in stats
     assert max(len(turn.context) for turn, _, _ in source.finished) > 16 + 3  # later turns: longer than any prompt
     assert len({len(t) for _, t, _ in source.finished}) >= 4  # ragged: rows finished apart
     for turn, tokens, logprobs in source.finished:

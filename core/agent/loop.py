@@ -59,6 +59,10 @@ class TurnSource(Protocol):
     def wait(self, timeout: float | None = None) -> bool:
         """Block until a turn is ready (or `timeout` passed); False once every trajectory ended."""
 
+    def ended(self) -> list[int]:
+        """The trajectories that ended since the last call: they take no more turns (an engine may free what it
+        kept for them)."""
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -140,6 +144,7 @@ class AgentLoop:
         self._live = len(rows)
         self._calls: list[_Call] = []  # heap by deadline
         self._closers: list[threading.Thread] = []
+        self._ended: list[int] = []  # since the last ended()
         self.wait_s = 0.0  # time the engine spent blocked in wait(): waiting for environments
         for t, row in zip(self.trajs, rows):
             self._start(t, make_env, row, max_prompt_len)
@@ -198,6 +203,11 @@ class AgentLoop:
                 return False
             finally:
                 self.wait_s += time.monotonic() - t0
+
+    def ended(self) -> list[int]:
+        with self._cond:
+            keys, self._ended = self._ended, []
+            return keys
 
     # ----------------------------------------------------------------------------------------- results
 
@@ -318,6 +328,7 @@ class AgentLoop:
 
     def _end(self, t: Trajectory, *, truncated: bool) -> None:
         t.ended, t.truncated = True, truncated
+        self._ended.append(t.key)
         self._live -= 1
         self._cond.notify_all()
         closer = threading.Thread(target=self._close, args=(t,), daemon=True, name=f"agent-close-{t.key}")

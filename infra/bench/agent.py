@@ -81,12 +81,16 @@ def single_turn(model, tok, args, dev) -> dict:
             "prefill_tokens": sum(len(p) for p in enc)}
 
 
-def agent(model, tok, args, dev, latency_s: float) -> dict:
+def agent(model, tok, args, dev, latency_s: float, turn_cache: bool) -> dict:
+    import dataclasses
+
     from verlflow.core.ml import fastgen
 
     limits = Limits(max_turns=args.turns, max_total_tokens=args.max_context, max_new_tokens=args.turn_tokens,
                     tool_timeout_s=60.0)
     cfg = rollout_cfg(args.rows, args.turn_tokens)
+    eng = fastgen.engine_for(model, args.rows, args.max_context, args.turn_tokens)  # the one sample_turns takes
+    eng.options = dataclasses.replace(eng.options, turn_cache=turn_cache)
     for _ in range(2):
         loop = AgentLoop(tok, lambda: SleepEnv({"latency_s": latency_s, "turns": args.turns}), prompts(args.samples),
                          limits, ordered=False, max_prompt_len=args.max_context)
@@ -97,24 +101,16 @@ def agent(model, tok, args, dev, latency_s: float) -> dict:
         loop.shutdown(timeout=5)
     recs = loop.records()
     tokens = sum(sum(t.loss_mask) for t in recs)
-    return {"mode": "agent", "latency_ms": int(latency_s * 1e3), "tokens": tokens, "wall_s": round(wall, 3),
+    return {"mode": "agent" + (", turn cache" if turn_cache else ", prefilled"), "latency_ms": int(latency_s * 1e3),
+            "tokens": tokens, "wall_s": round(wall, 3),
             "tok_s": round(tokens / wall, 1), "turns_mean": sum(t.turns for t in recs) / len(recs),
             "context_tokens": sum(len(t.prompt_ids) + len(t.response_ids) for t in recs),
             "wait_s": round(loop.wait_s, 3), "occupancy": round(stats.get("occupancy", 0.0), 3),
             "refills": stats.get("refills"), "prefill_s": round(stats.get("prefill_s", 0.0), 3),
             "decode_s": round(stats.get("decode_s", 0.0), 3), "steps": stats.get("steps"),
-            "prefill_tokens": _prefill_tokens(recs)}
-
-
-def _prefill_tokens(recs) -> int:
-    """Tokens prefilled over all turns: each turn prefills its whole context again (prompt, earlier turns and
-    observations), so a trajectory of t turns pays about t/2 times its final length."""
-    total = 0
-    for t in recs:
-        m = t.loss_mask
-        starts = [i for i, x in enumerate(m) if x and (i == 0 or not m[i - 1])]  # where each model turn begins
-        total += sum(len(t.prompt_ids) + i for i in starts)
-    return total
+            "prefill_tokens": stats.get("prefilled_slots", 0), "resumed": stats.get("resumed", 0),
+            "forced_tokens": stats.get("forced_tokens", 0), "evicted": stats.get("evicted", 0),
+            "idle_row_steps": stats.get("idle_row_steps", 0)}
 
 
 def main(argv=None) -> dict:
@@ -125,6 +121,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--turn-tokens", type=int, default=256)
     ap.add_argument("--latency-ms", default="0,50,500")
+    ap.add_argument("--turn-cache", default="on,off", help="the engine's turn cache in agent mode: on, off or both")
     ap.add_argument("--smoke", action="store_true", help="CPU-sized: tiny shape, 8 samples, 3 turns of 4 tokens")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -147,14 +144,15 @@ def main(argv=None) -> dict:
            "runs": [single_turn(model, tok, args, dev)]}
     say(json.dumps(res["runs"][-1]))
     for ms in (float(x) for x in args.latency_ms.split(",")):
-        res["runs"].append(agent(model, tok, args, dev, ms / 1e3))
-        res["runs"][-1]["vs_single"] = round(res["runs"][-1]["tok_s"] / res["runs"][0]["tok_s"], 3)
-        say(json.dumps(res["runs"][-1]))
-    say(f"| mode | tool latency | model tokens | prefilled tokens | wall s | tok/s | vs single-turn |  "
+        for cache in args.turn_cache.split(","):
+            res["runs"].append(agent(model, tok, args, dev, ms / 1e3, cache == "on"))
+            res["runs"][-1]["vs_single"] = round(res["runs"][-1]["tok_s"] / res["runs"][0]["tok_s"], 3)
+            say(json.dumps(res["runs"][-1]))
+    say(f"| mode | tool latency | model tokens | prefilled slots | turns resumed | wall s | tok/s | vs single-turn |  "
         f"({res['device']}, {args.shape}, "
         f"{args.samples} samples, {args.rows} rows, {args.turns} turns x {args.turn_tokens} tokens)")
     for r in res["runs"]:
-        say(f"| {r['mode']} | {r.get('latency_ms', '-')} ms | {r['tokens']:,} | {r['prefill_tokens']:,} | {r['wall_s']} | "
+        say(f"| {r['mode']} | {r.get('latency_ms', '-')} ms | {r['tokens']:,} | {r['prefill_tokens']:,} | {r.get('resumed', '-')} | {r['wall_s']} | "
             f"{r['tok_s']:,.0f} | "
             f"{r.get('vs_single', 1.0):.2f} |")
     if args.json:

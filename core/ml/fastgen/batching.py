@@ -13,6 +13,7 @@ import torch
 
 from verlflow.core.ml.fastgen.graphs import sync
 from verlflow.core.ml.fastgen.sampling import SamplingConfig
+from verlflow.core.ml.fastgen.turncache import TurnCache
 
 if TYPE_CHECKING:
     from verlflow.core.ml.fastgen.engine import FastGen
@@ -87,12 +88,19 @@ class _PromptList:
         self.waiting = [_Prompt(i, p, b) for i, (p, b) in enumerate(zip(prompts, budgets))][::-1]  # popped from the end
         self.responses: list = [None] * len(prompts)
         self.logprobs: list = [None] * len(prompts)
+        self._ended: list[int] = []
 
     def ready(self, limit: int) -> list[_Prompt]:
         return [self.waiting.pop() for _ in range(min(limit, len(self.waiting)))]
 
     def done(self, turn: _Prompt, tokens: list[int], logprobs: list[float]):
         self.responses[turn.key], self.logprobs[turn.key] = tokens, logprobs
+        self._ended.append(turn.key)
+
+    def ended(self) -> list[int]:
+        """Every prompt is a trajectory of one turn: those done have ended."""
+        keys, self._ended = self._ended, []
+        return keys
 
     def wait(self, timeout: float | None = None) -> bool:
         return False  # asked only once every prompt was handed out: nothing more will come
@@ -140,6 +148,27 @@ def continuous(eng: FastGen, prompts: list[list[int]], cfg: SamplingConfig, eos_
     return source.responses, source.logprobs, stats
 
 
+def _resume_turns(eng: FastGen, resumed: list, pad_id: int):
+    """Resumed turns ((row, tokens to feed, turn) each) go on in their rows' caches."""
+    st, dev = eng.state, eng.device
+    forced = torch.full((len(resumed), st.force.shape[1]), int(pad_id), dtype=torch.long)
+    for j, (_, new, _) in enumerate(resumed):
+        forced[j, :len(new)] = torch.tensor(new, dtype=torch.long)
+    lens = torch.tensor([len(new) for _, new, _ in resumed], dtype=torch.long)
+    budgets = torch.tensor([max(1, min(int(t.budget), st.max_new)) for _, _, t in resumed], dtype=torch.long)
+    st.resume(torch.tensor([r for r, _, _ in resumed], device=dev), forced.to(dev), lens.to(dev), budgets.to(dev))
+
+
+def _prefill_cost(eng: FastGen, prefill_s: float, prefilled: int, decode_s: float, steps: int) -> float:
+    """A prefilled cache slot's cost in row-steps (one row of one decode step): the engine's option, or measured so
+    far (1 before both were)."""
+    if eng.options.prefill_cost is not None:
+        return eng.options.prefill_cost
+    if not (prefilled and steps and decode_s > 0):
+        return 1.0
+    return (prefill_s / prefilled) / (decode_s / (steps * eng.state.B))
+
+
 @torch.no_grad()
 def continuous_turns(eng: FastGen, source, cfg: SamplingConfig, eos_ids, pad_id: int, refill_min: int | None = None,
                      progress=None, first_width: int = 1, total: int | None = None) -> dict:
@@ -147,7 +176,9 @@ def continuous_turns(eng: FastGen, source, cfg: SamplingConfig, eos_ids, pad_id:
     take the turns ``source.ready`` has (each turn's whole context prefilled into its row, at most ``turn.budget``
     new tokens), a finished row hands its tokens and log-probs to ``source.done``, and only when no row is
     generating and no turn is ready does the engine block in ``source.wait`` (it stops once that says False). So a
-    trajectory waiting for its tool holds no row: the others keep decoding. Returns the stats; ``first_width``
+    trajectory waiting for its tool holds no row that another turn needs: the others keep decoding. With
+    ``turn_cache`` (turncache.py) a finished turn's row is parked for its trajectory's next turn, which goes on in
+    that cache; ``source.ended()`` names the trajectories that will have none. Returns the stats; ``first_width``
     (the narrowest context expected) bounds the set-up's captures, ``total`` (the turns, where known) the
     progress lines."""
     st, dev = eng.state, eng.device
@@ -157,23 +188,38 @@ def continuous_turns(eng: FastGen, source, cfg: SamplingConfig, eos_ids, pad_id:
     st.reset()
     st.unfinished.fill_(False)
     st.out.fill_(int(pad_id))
-    owner: list = [None] * B  # the turn each row is generating, None: free
+    owner: list = [None] * B  # the turn each row is generating, None: free or parked
+    base = [0] * B  # each row's first cache slot (its left padding)
+    cache = TurnCache(st.T, st.force.shape[1]) if eng.options.turn_cache else None
     # Turns taken from the source, not started yet. Holding up to B + refill_min of them, the refill rule below sees
     # the same as if it saw every waiting turn (so a prompt list refills as it always did).
     pending: list = []
     lookahead = B + refill_min
     prefill_s = decode_s = wait_s = 0.0
-    steps = refills = waits = idle_row_steps = tokens = 0
+    steps = refills = waits = idle_row_steps = tokens = prefilled = 0
     bound = 0  # an upper bound of every row's slot (the bucketed paths attend over slots [0, bound])
     ended = told = 0
     shapes: set = set()  # the refills' (rows, width)
     t_start = time.perf_counter()
     while True:
-        if len(pending) < lookahead:
-            for turn in source.ready(lookahead - len(pending)):
-                check_turn(st.max_prompt, turn)
+        if cache is not None:
+            cache.forget(source.ended())
+        want = max(0, lookahead - len(pending)) + (len(cache) if cache is not None else 0)
+        resumed = []
+        ratio = _prefill_cost(eng, prefill_s, prefilled, decode_s, steps)
+        for turn in source.ready(want) if want else []:
+            check_turn(st.max_prompt, turn)
+            took = cache.take(turn, ratio, busy=bool(pending)) if cache is not None else None
+            if took is None:
                 pending.append(turn)
-        free = [r for r in range(B) if owner[r] is None]
+            else:
+                resumed.append((*took, turn))
+                owner[took[0]] = turn
+        if resumed:
+            _resume_turns(eng, resumed, pad_id)
+        free = [r for r in range(B) if owner[r] is None and not (cache is not None and cache.holds(r))]
+        if cache is not None and len(free) < len(pending) and steps:
+            free += cache.evictable(steps, ratio)
         if pending and free and (len(free) >= min(refill_min, len(pending)) or len(free) == B):
             t0 = time.perf_counter()
             # Few distinct prefill shapes: per-shape work (an attention plan, say) is paid once a shape, 4 s of
@@ -183,12 +229,15 @@ def continuous_turns(eng: FastGen, source, cfg: SamplingConfig, eos_ids, pad_id:
             if k < len(pending):
                 k = max(1, k // refill_min) * refill_min
             take, turns, pending = free[:k], pending[:k], pending[k:]
+            if cache is not None:
+                cache.evict(take)
             width = _start_turns(eng, take, turns, pad_id, cfg)
             shapes.add((len(take), width))
             for r, t in zip(take, turns):
-                owner[r] = t
+                owner[r], base[r] = t, width - len(t.context)
             bound = max(bound, width)
             refills += 1
+            prefilled += width * len(take)
             sync(dev)
             prefill_s += time.perf_counter() - t0
         if all(o is None for o in owner):
@@ -214,7 +263,10 @@ def continuous_turns(eng: FastGen, source, cfg: SamplingConfig, eos_ids, pad_id:
             cols, out, logp = st.col[ix].tolist(), st.out[ix].cpu(), st.out_logp[ix].cpu()
             for j, r in enumerate(rows):
                 turn, owner[r] = owner[r], None
-                source.done(turn, out[j, :cols[j]].tolist(), logp[j, :cols[j]].tolist())
+                sampled = out[j, :cols[j]].tolist()
+                source.done(turn, sampled, logp[j, :cols[j]].tolist())
+                if cache is not None:  # its cache holds the context and what it sampled but the last token
+                    cache.park(r, turn.key, turn.context + sampled[:-1], base[r], steps)
                 tokens += cols[j]
             ended += len(rows)
             if progress and (ended - told >= B or ended == total):
@@ -226,4 +278,5 @@ def continuous_turns(eng: FastGen, source, cfg: SamplingConfig, eos_ids, pad_id:
     return {"setup_s": setup_s, "prefill_s": prefill_s, "decode_s": decode_s, "steps": steps,
             "decode_ms_per_step": 1e3 * decode_s / max(steps, 1), "batch": B, "refills": refills,
             "refill_shapes": len(shapes), "tokens": tokens, "occupancy": tokens / max(steps * B, 1),
-            "turns": ended, "wait_s": wait_s, "waits": waits, "idle_row_steps": idle_row_steps}
+            "turns": ended, "wait_s": wait_s, "waits": waits, "idle_row_steps": idle_row_steps,
+            "prefilled_slots": prefilled, **(cache.stats() if cache is not None else {})}

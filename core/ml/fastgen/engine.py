@@ -71,7 +71,8 @@ class FastGen:
         self.options = asked.resolved(cuda=graphs.on_cuda(self.device), have_triton=HAVE_TRITON,
                                       softcap=self.w.spec.softcap, model_type=model.config.model_type)
         self.tuned = Tuned(self.options.attn, self.options.sampler, self.options.compile)
-        self.state = DecodeState(self.w, batch_size, max_prompt_len, max_new_tokens, self.options.bucket)
+        self.state = DecodeState(self.w, batch_size, max_prompt_len, max_new_tokens, self.options.bucket,
+                                 self.options.forced_tokens if self.options.turn_cache else 1)
         self.runner = Runner(self.w, self.state, self.tuned, self.options)
         self.last_logprobs: torch.Tensor | None = None
         self.last_stats: dict = {}

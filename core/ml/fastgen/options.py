@@ -51,6 +51,11 @@ class EngineOptions:
         was 2.69 ms dynamic, 2.01 static), None: VERLFLOW_FASTGEN_BUCKET_COMPILE or dynamic.
       - ``check_every``: decode steps between the host's looks for all rows finished; ``prefill_tokens``: prompt
         tokens a prefill chunk holds.
+      - ``turn_cache``: multi-turn sources (``generate_turns``): a row whose turn ended keeps its cache for its
+        trajectory's next turn, which goes on there, fed its new tokens (the observation, up to ``forced_tokens``)
+        through the decode step instead of its whole context prefilled again; a row kept waiting longer than a
+        prefill of its context would cost is given to another turn (turncache.py). ``prefill_cost``: a prefilled
+        cache slot's cost in row-steps (one row of one decode step) for those choices; None: measured as it runs.
       - ``attn``: decode attention, "triton", "sdpa" or "bmm" (``FastGen``'s docstring); "auto": triton on CUDA with
         Triton (timed against sdpa), sdpa on CUDA without it (bmm for a soft-capped model), bmm elsewhere.
       - ``sampler``: "triton" or "torch" for the top-p passes; "auto": triton on CUDA with Triton. ``nucleus``: the
@@ -69,6 +74,9 @@ class EngineOptions:
     bucket_compile: str | None = None
     check_every: int = 16
     prefill_tokens: int = 32768
+    turn_cache: bool = True
+    forced_tokens: int = 128
+    prefill_cost: float | None = None
     attn: str = "auto"
     sampler: str = "auto"
     nucleus: str | None = None
@@ -106,11 +114,14 @@ class EngineOptions:
             bucket_compile=self.bucket_compile or env.get("VERLFLOW_FASTGEN_BUCKET_COMPILE", "dynamic"),
             nucleus=self.nucleus or env.get("VERLFLOW_FASTGEN_NUCLEUS", "two_pass"),
             check_every=max(1, int(self.check_every)), prefill_tokens=int(self.prefill_tokens),
+            forced_tokens=int(self.forced_tokens),
             bucket=int(self.bucket))
         _one_of("bucket_compile" + ("" if self.bucket_compile else " (VERLFLOW_FASTGEN_BUCKET_COMPILE)"),
                 done.bucket_compile, ("dynamic", "static"))
         _one_of("nucleus" + ("" if self.nucleus else " (VERLFLOW_FASTGEN_NUCLEUS)"), done.nucleus,
                 ("two_pass", "one_pass"))
+        if done.forced_tokens < 1:
+            raise ValueError(f"forced_tokens must be at least 1, got {done.forced_tokens}")
         if done.prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be at least 1, got {done.prefill_tokens}")
         return done

@@ -11,20 +11,27 @@ import torch
 from verlflow.core.ml.fastgen.layers import FP8
 
 
-def _advance_rows(nxt, logp, live, out, out_logp, col, pos, slot, limit, eos, pad_id, tok, max_new: int):
+def _advance_rows(nxt, logp, live, out, out_logp, col, pos, slot, limit, eos, pad_id, tok, force, fidx, flen,
+                  max_new: int):
     """Emit the sampled tokens of the unfinished rows (``live``) with their log-probs, in place. A finished row
     stands still (its column, position and slot stay; it is fed pad_id) until it is refilled or the batch ends; it
-    finishes at an EOS or at its token budget ``limit``. Compiled on CUDA: its ~15 small kernels become a few."""
-    nxt = torch.where(live, nxt, pad_id)
+    finishes at an EOS or at its token budget ``limit``. A row continuing a turn in its cache is fed its known
+    tokens first (``force[row, fidx:flen]``): it advances, keeps nothing sampled and cannot finish meanwhile (the
+    tokens it is fed may be EOS ids). Compiled on CUDA: its ~15 small kernels become a few."""
+    forcing = live & (fidx < flen)
+    emit = live & ~forcing
+    nxt = torch.where(emit, nxt, pad_id)
     c = col.clamp(max=max_new - 1).unsqueeze(1)  # a row at its budget rewrites its last column
-    out.scatter_(1, c, torch.where(live, nxt, out.gather(1, c).squeeze(1)).unsqueeze(1))
-    out_logp.scatter_(1, c, torch.where(live, logp, out_logp.gather(1, c).squeeze(1)).unsqueeze(1))
+    out.scatter_(1, c, torch.where(emit, nxt, out.gather(1, c).squeeze(1)).unsqueeze(1))
+    out_logp.scatter_(1, c, torch.where(emit, logp, out_logp.gather(1, c).squeeze(1)).unsqueeze(1))
     step = live.long()
-    col += step
+    col += emit.long()
     pos += step
     slot += step
-    live &= ~(nxt.unsqueeze(1) == eos.unsqueeze(0)).any(1) & (col < limit)
-    tok.copy_(nxt)
+    fed = force.gather(1, fidx.clamp(max=force.shape[1] - 1).unsqueeze(1)).squeeze(1)
+    fidx += forcing.long()
+    live &= ~(emit & ((nxt.unsqueeze(1) == eos.unsqueeze(0)).any(1) | (col >= limit)))
+    tok.copy_(torch.where(forcing, fed, nxt))
 
 
 class DecodeState:
@@ -33,7 +40,7 @@ class DecodeState:
 
     MAX_EOS = 8  # EOS ids a generation may stop at (a fixed-size buffer: captured steps need not change)
 
-    def __init__(self, w, rows: int, max_prompt: int, max_new: int, min_bucket: int):
+    def __init__(self, w, rows: int, max_prompt: int, max_new: int, min_bucket: int, forced_tokens: int = 0):
         self.B = int(rows)
         self.max_prompt = int(max_prompt)
         self.max_new = int(max_new)
@@ -68,6 +75,10 @@ class DecodeState:
         self.out_logp = torch.zeros(self.B, self.max_new, dtype=torch.float32, device=dev)  # of the chosen tokens
         self.eos = torch.full((self.MAX_EOS,), -1, dtype=torch.long, device=dev)  # -1: no token matches
         self.pad_id = torch.zeros((), dtype=torch.long, device=dev)
+        # a continued turn's known tokens, fed before it samples (its trajectory's observation): force[row, :flen]
+        self.force = torch.zeros(self.B, max(1, int(forced_tokens)), dtype=torch.long, device=dev)
+        self.fidx = torch.zeros(self.B, dtype=torch.long, device=dev)
+        self.flen = torch.zeros(self.B, dtype=torch.long, device=dev)
         self._eos_key: tuple | None = None
 
     def kv_len(self, slot: int, attn: str) -> int:
@@ -95,6 +106,8 @@ class DecodeState:
         self.pad_off.zero_()
         self.limit.fill_(self.max_new)
         self.unfinished.fill_(True)
+        self.fidx.zero_()
+        self.flen.zero_()
 
     def clear_past(self, rows: torch.Tensor | None, P: int):
         """Zero the cache slots past the first ``P`` of rows ``rows`` (None: every row)."""
@@ -119,8 +132,23 @@ class DecodeState:
         self.col[rows] = 1
         self.limit[rows] = limits
         self.unfinished[rows] = ~(first.unsqueeze(1) == self.eos.unsqueeze(0)).any(1) & (limits > 1)
+        self.fidx[rows] = 0
+        self.flen[rows] = 0
+
+    def resume(self, rows: torch.Tensor, forced: torch.Tensor, lens: torch.Tensor, limits: torch.Tensor):
+        """Rows ``rows`` go on in their cache: they are fed ``forced`` (n, F) (its first ``lens`` tokens each, the
+        first of them next step, at the slot the row stopped at), then sample at most ``limits`` new tokens."""
+        self.force[rows] = forced
+        self.tok[rows] = forced[:, 0]
+        self.fidx[rows] = 1
+        self.flen[rows] = lens
+        self.out[rows] = self.pad_id
+        self.out_logp[rows] = 0.0
+        self.col[rows] = 0
+        self.limit[rows] = limits
+        self.unfinished[rows] = True
 
     def advance(self, fn, nxt: torch.Tensor, logp: torch.Tensor):
         """One decode step's bookkeeping by ``fn`` (``_advance_rows``, compiled or not)."""
         fn(nxt, logp, self.unfinished, self.out, self.out_logp, self.col, self.pos, self.slot, self.limit, self.eos,
-           self.pad_id, self.tok, self.max_new)
+           self.pad_id, self.tok, self.force, self.fidx, self.flen, self.max_new)
