@@ -193,7 +193,7 @@ def _reached(step):
     return step.iteration - (step.stage == "rollout") if isinstance(step.iteration, int) else None
 
 
-def test_eight_iterations_keep_two_checkpoints_after_every_stage(tiny_kit, tmp_path, capsys):
+def test_six_iterations_keep_two_checkpoints_after_every_stage(tiny_kit, tmp_path, capsys):
     """keep_last_checkpoints 2 in a warm pool: after every stage the store holds at most the last two update
     checkpoints, the build's and the ones pointers name; a rerun extends the run from the last one, and a --from
     that needs a pruned checkpoint is refused before anything runs, naming the nearest resumable step."""
@@ -202,51 +202,51 @@ def test_eight_iterations_keep_two_checkpoints_after_every_stage(tiny_kit, tmp_p
     root = tmp_path / "store"
     # Commits inline (async_checkpoint off): each pass has finished when its stage returns, so the check after
     # every stage sees no half-done prune; tests below cover the committer thread.
-    fields = dict(resources__warm_workers=True, resources__async_checkpoint=False, iterations=8,
+    fields = dict(resources__warm_workers=True, resources__async_checkpoint=False, iterations=6,
                   storage__keep_last_checkpoints=2, storage__keep_last=2, storage__keep_best_metric=None)
     bp = tiny_blueprint(tiny_kit, root, *ONE_RANK, **fields)
     seen = []
 
     def after(step, result):
         seen.append(step.name)
-        if step.name == "update[4]":  # a pointer of someone else's: it pins update[4] from now on
-            open_store(bp.storage).set_pointer("pins/kept", {"policy": "runs/t/4/update"})
-        _assert_retained(root, "t", 2, pins=("runs/t/4/update",) if "update[4]" in seen else ())
+        if step.name == "update[2]":  # a pointer of someone else's: it pins update[2] from now on
+            open_store(bp.storage).set_pointer("pins/kept", {"policy": "runs/t/2/update"})
+        _assert_retained(root, "t", 2, pins=("runs/t/2/update",) if "update[2]" in seen else ())
 
     run_pipeline(bp, "t", on_line=lambda line: None, on_step=after)
-    assert len(seen) == 2 + 3 * 8
-    assert _checkpoints_with_files(root, "t") == {"runs/t/4/update", "runs/t/7/update", "runs/t/8/update"}
+    assert len(seen) == 2 + 3 * 6
+    assert _checkpoints_with_files(root, "t") == {"runs/t/2/update", "runs/t/5/update", "runs/t/6/update"}
     build = ArtifactStore(root).read_manifest("runs/t/init/build")  # partly pruned: hf_meta/ and ref/ stay
     assert build["pruned"] and {f.split("/")[0] for f in build["files"]} == {"hf_meta", "ref"}
 
-    with pytest.raises(PrunedError) as e:  # update[6] is gone; update[4] is the latest kept before it
-        run_pipeline(bp, "t", on_line=lambda line: None, force_from="rollout[7]")
-    assert "rollout[7] needs" in str(e.value) and "runs/t/6/update" in str(e.value)
-    assert "nearest step this run can resume from is rollout[5]" in str(e.value)
-    assert "--from 'rollout[5]'" in str(e.value) or "--from rollout[5]" in str(e.value)
+    with pytest.raises(PrunedError) as e:  # update[4] and [3] are gone; update[2] is the latest kept before them
+        run_pipeline(bp, "t", on_line=lambda line: None, force_from="rollout[5]")
+    assert "rollout[5] needs" in str(e.value) and "runs/t/4/update" in str(e.value)
+    assert "nearest step this run can resume from is rollout[3]" in str(e.value)
+    assert "--from 'rollout[3]'" in str(e.value) or "--from rollout[3]" in str(e.value)
     # nothing ran:
-    assert _checkpoints_with_files(root, "t") == {"runs/t/4/update", "runs/t/7/update", "runs/t/8/update"}
-    with pytest.raises(PrunedError, match=r"rollout\[3\] needs .*runs/t/2/update.* resume from is build"):
-        run_pipeline(bp, "t", on_line=lambda line: None, force_from="rollout[3]")  # none kept before it
+    assert _checkpoints_with_files(root, "t") == {"runs/t/2/update", "runs/t/5/update", "runs/t/6/update"}
+    with pytest.raises(PrunedError, match=r"rollout\[2\] needs .*runs/t/1/update.* resume from is build"):
+        run_pipeline(bp, "t", on_line=lambda line: None, force_from="rollout[2]")  # none kept before it
 
-    # The step the error named: forced from rollout[5], the new update[5] and update[6] are the last two, not the
-    # stale update[7] and update[8] that are about to be replaced (which stay until then).
-    rerun = run_pipeline(bp, "t", on_line=lambda line: None, force_from="rollout[5]",
-                         on_step=lambda s, r: _assert_retained(root, "t", 2, ("runs/t/4/update",), _reached(s)))
-    assert [r.manifest["iteration"] for r in rerun if not r.skipped] == [it for it in range(5, 9) for _ in "ruc"]
-    assert _checkpoints_with_files(root, "t") == {"runs/t/4/update", "runs/t/7/update", "runs/t/8/update"}
+    # The step the error named: forced from rollout[3], the new update[3] and update[4] are the last two, not the
+    # stale update[5] and update[6] that are about to be replaced (which stay until then).
+    rerun = run_pipeline(bp, "t", on_line=lambda line: None, force_from="rollout[3]",
+                         on_step=lambda s, r: _assert_retained(root, "t", 2, ("runs/t/2/update",), _reached(s)))
+    assert [r.manifest["iteration"] for r in rerun if not r.skipped] == [it for it in range(3, 7) for _ in "ruc"]
+    assert _checkpoints_with_files(root, "t") == {"runs/t/2/update", "runs/t/5/update", "runs/t/6/update"}
 
-    more = tiny_blueprint(tiny_kit, root, *ONE_RANK, **{**fields, "iterations": 9})
+    more = tiny_blueprint(tiny_kit, root, *ONE_RANK, **{**fields, "iterations": 7})
     results = run_pipeline(more, "t", on_line=lambda line: None,
-                           on_step=lambda s, r: _assert_retained(root, "t", 2, pins=("runs/t/4/update",)))
-    assert [r.manifest["iteration"] for r in results if not r.skipped] == [9, 9, 9]
-    assert _checkpoints_with_files(root, "t") == {"runs/t/4/update", "runs/t/8/update", "runs/t/9/update"}
+                           on_step=lambda s, r: _assert_retained(root, "t", 2, pins=("runs/t/2/update",)))
+    assert [r.manifest["iteration"] for r in results if not r.skipped] == [7, 7, 7]
+    assert _checkpoints_with_files(root, "t") == {"runs/t/2/update", "runs/t/6/update", "runs/t/7/update"}
     capsys.readouterr()
     assert cli.main(["ls", "--run", "t", *_cli_bp(more)]) == 0
     shown = capsys.readouterr().out
-    assert "update[5]" in shown and "pruned" in shown.split("update[5]")[1].splitlines()[0]
+    assert "update[3]" in shown and "pruned" in shown.split("update[3]")[1].splitlines()[0]
     assert "partly pruned" in shown.split("build[init]")[1].splitlines()[0]
-    assert "committed" in shown.split("update[8]")[1].splitlines()[0]
+    assert "committed" in shown.split("update[6]")[1].splitlines()[0]
 
 
 def _cli_bp(bp) -> list[str]:
