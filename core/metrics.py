@@ -79,7 +79,7 @@ FILTER_GROUPS_KEYS = ("rounds", "prompts_sampled", "informative_groups", "unifor
                       "samples_sampled")
 # verlflow.core.ml.agent_rollout.agent_stats, as rollout/agent/<key>: rollout.mode=agent
 AGENT_KEYS = ("turns_mean", "turns_max", "tool_calls_mean", "tool_errors_mean", "tool_timeouts", "truncated_frac",
-              "failed", "tool_success_frac", "env_s", "env_wait_s", "gen_s")
+              "failed", "tool_success_frac", "env_s", "env_wait_s", "gen_s", "turns_resumed_frac")
 UPDATE_KEYS = ("step", "pg_loss", "kl_loss", "entropy", "pg_clipfrac", "grad_norm", "tokens_per_s")
 # adv_estimator gae: the critic's (verl's critic/* names; vf_explained_var from verlflow.core.ml.ppo.prepare)
 CRITIC_KEYS = ("vf_loss", "vf_clipfrac", "vpred_mean", "vf_explained_var", "critic_grad_norm")

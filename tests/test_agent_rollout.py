@@ -116,7 +116,7 @@ def agent_samples(trajs) -> list[dict]:
     """The sample dicts generate_agent_share makes of trajectories (one prompt group)."""
     return [{"sample": t.key, "group": 0, "row": t.key, "prompt_ids": t.prompt_ids, "response_ids": t.response_ids,
              "logprobs": t.logprobs, "response": "", "ground_truth": "", "score": t.score, "gen_s": 1.0,
-             "env_wait_s": 0.0, "loss_mask": t.loss_mask, "turn_rewards": t.turn_rewards,
+             "env_wait_s": 0.0, "agent_rank": 0, "engine_turns": 0, "turns_resumed": 0, "loss_mask": t.loss_mask, "turn_rewards": t.turn_rewards,
              "agent": {"turns": t.turns, "tool_calls": t.tool_calls, "tool_errors": t.tool_errors,
                        "tool_timeouts": t.tool_timeouts, "truncated": t.truncated, "failed": t.failed,
                        "env_s": t.env_s}} for t in trajs]
@@ -271,7 +271,7 @@ def test_agent_rollout_end_to_end_and_its_logprobs_are_the_updates(tok, model, t
     rollout log-probs are the forward's over the saved trajectories: the trained context is the sampled one."""
     prompts = Prompts([[{"role": "user", "content": f"Look up word {i}."}] for i in range(2)], ["d"] * 2, ["x"] * 2,
                       [{"rewards": [0.0, 0.5, 1.0]}, {"rewards": [1.0, 0.0, 0.0]}], [10, 11])
-    spec = rollout_spec().model_copy(update={"engine": engine})
+    spec = rollout_spec().model_copy(update={"engine": engine, "micro_batch_size": 4})  # a row per trajectory
     runs = []
     for run in range(2 if engine == "hf" else 1):
         jitter = random.Random(time.time_ns())
@@ -288,6 +288,10 @@ def test_agent_rollout_end_to_end_and_its_logprobs_are_the_updates(tok, model, t
     stats = save_batch(samples, tmp_path, tok.pad_token_id, max_new_tokens=6)
     assert stats["tokens"] == sum(sum(s["loss_mask"]) for s in samples)
     assert {k for k in stats if k.startswith("agent/")} == {f"agent/{k}" for k in AGENT_KEYS}  # the metric names
+    # no turn waits for a row: the static engine resumes a later turn in its row's cache where the row has room
+    resumable = sum(s["agent"]["turns"] - 1 for s in samples) / sum(s["agent"]["turns"] for s in samples)
+    resumed = stats["agent/turns_resumed_frac"]
+    assert 0 < resumed <= resumable + 1e-6 if engine == "static" else resumed == 0.0
     b = load_batch(tmp_path)
     with torch.no_grad():
         logp = forward(model, Rows.of(b), list(range(4)), "cpu", temperature=1.0)[0]

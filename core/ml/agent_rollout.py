@@ -57,10 +57,13 @@ def run_trajectories(model, tok, rollout: RolloutSpec, reward: RewardSpec, promp
                          ordered=rollout.engine == "hf", max_prompt_len=max_prompt_len,
                          names=[prompts.rows[p] for p in p_idx])
         timings = {"setup_s": 0.0}
-        serve(model, tok, loop, rollout, at.device, seed, progress, timings, max_context=agent.max_total_tokens)
+        engine = serve(model, tok, loop, rollout, at.device, seed, progress, timings,
+                       max_context=agent.max_total_tokens)
         wall = time.perf_counter() - t0 - timings["setup_s"]
         loop.shutdown(timeout=agent.tool_timeout_s)
-    return loop.records(), {"gen_s": wall, "setup_s": timings["setup_s"], "env_wait_s": loop.wait_s}
+    return loop.records(), {"gen_s": wall, "setup_s": timings["setup_s"], "env_wait_s": loop.wait_s,
+                            "agent_rank": at.rank, "engine_turns": engine.get("turns", 0),
+                            "turns_resumed": engine.get("resumed", 0)}
 
 
 def env_row(prompts: Prompts, p: int) -> dict:
@@ -105,15 +108,16 @@ def check_failures(samples: list[dict], max_failed_fraction: float) -> None:
 
 
 def serve(model, tok, source: TurnSource, rollout: RolloutSpec, device, seed: int, progress=None,
-          timings: dict | None = None, *, max_context: int) -> None:
+          timings: dict | None = None, *, max_context: int) -> dict:
     """Generate every turn `source` hands out, on the blueprint's engine; `max_context`: the longest context a
-    turn may have (rollout.agent.max_total_tokens)."""
+    turn may have (rollout.agent.max_total_tokens). Returns the static engine's stats ({} on hf)."""
     if rollout.engine == "static":
         from verlflow.core.ml.fastgen import sample_turns
 
-        sample_turns(model, tok, source, rollout, device, seed, max_context, timings=timings, progress=progress)
-        return
+        return sample_turns(model, tok, source, rollout, device, seed, max_context, timings=timings,
+                            progress=progress)
     serve_hf(model, tok, source, rollout, device, seed, progress)
+    return {}
 
 
 @torch.no_grad()
@@ -144,10 +148,13 @@ def serve_hf(model, tok, source: TurnSource, rollout: RolloutSpec, device, seed:
 def agent_stats(samples: list[dict]) -> dict:
     """The rollout's agent metrics (rollout/agent/...; core/metrics.py AGENT_KEYS): turns per trajectory, tool
     calls and errors per trajectory, timeouts, the truncated share, failed trajectories, the share with a tool
-    call that returned a result (a timed-out call's step is not counted in tool_calls), and the environment's time
-    (summed over trajectories, and the engine's wait for it) against generation's."""
+    call that returned a result (a timed-out call's step is not counted in tool_calls), the environment's time
+    (summed over trajectories, and the engine's wait for it) against generation's, and the share of the model's
+    turns that went on in their trajectory's KV cache (the static engine's turn cache; 0 on hf)."""
     a = [s["agent"] for s in samples]
     n = len(a)
+    ranks = {s["agent_rank"]: s for s in samples}.values()  # a rank's engine counts are on each of its samples
+    resumed = sum(s["turns_resumed"] for s in ranks) / max(sum(s["engine_turns"] for s in ranks), 1)
 
     def mean(k):
         return round(sum(x[k] for x in a) / n, 6)
@@ -159,4 +166,5 @@ def agent_stats(samples: list[dict]) -> dict:
             "agent/tool_success_frac": round(sum(x["tool_calls"] > x["tool_errors"] for x in a) / n, 6),
             "agent/env_s": round(sum(x["env_s"] for x in a), 4),
             "agent/env_wait_s": round(max(s["env_wait_s"] for s in samples), 4),
-            "agent/gen_s": round(max(s["gen_s"] - s["env_wait_s"] for s in samples), 4)}
+            "agent/gen_s": round(max(s["gen_s"] - s["env_wait_s"] for s in samples), 4),
+            "agent/turns_resumed_frac": round(resumed, 6)}

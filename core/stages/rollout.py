@@ -34,10 +34,11 @@ def run(ctx: StageContext) -> dict:
              stats["reward_std"], stats["samples"], stats["tokens_per_s"])
     if bp.rollout.mode == "agent":
         log.info("rollout[%s]: agent: %.2f turns and %.2f tool calls per trajectory, %d timeouts, %.0f%% truncated, "
-                 "%d failed; tools %.1f s (the engine waited %.1f s of them), generation %.1f s", ctx.iteration,
+                 "%d failed; tools %.1f s (the engine waited %.1f s of them), generation %.1f s, %.0f%% of turns "
+                 "resumed in their trajectory's cache", ctx.iteration,
                  stats["agent/turns_mean"], stats["agent/tool_calls_mean"], stats["agent/tool_timeouts"],
                  100 * stats["agent/truncated_frac"], stats["agent/failed"], stats["agent/env_s"],
-                 stats["agent/env_wait_s"], stats["agent/gen_s"])
+                 stats["agent/env_wait_s"], stats["agent/gen_s"], 100 * stats["agent/turns_resumed_frac"])
     return stats
 
 
