@@ -124,6 +124,8 @@ def _rl_names(bp) -> list[str]:
         names += [f"rollout/agent/{k}" for k in AGENT_KEYS]
     if bp.algorithm.greedy_baseline:
         names.append("rollout/remax/baseline_reward_mean")
+    if bp.rollout.weights == "auto":
+        names.append("rollout/weights_fp8")
     if bp.reward.overlong_buffer.enable:
         names += ["rollout/overlong/penalised_frac", "rollout/overlong/penalty_mean"]
     if bp.algorithm.use_kl_in_reward:

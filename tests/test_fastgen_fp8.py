@@ -405,6 +405,8 @@ def test_rollout_correction_names_a_batch_without_rollout_logprobs():
 @pytest.mark.parametrize("overrides,message", [
     (["rollout.weights=fp8"], r"rollout.engine=static"),
     (["rollout.weights=fp8", "rollout.engine=static"], r"algorithm.rollout_correction=true.*old_logprobs=rollout"),
+    (["rollout.weights=auto"], r"rollout.weights=auto is the static engine's"),
+    (["rollout.weights=auto", "rollout.engine=static"], r"may sample from an fp8 model.*rollout_correction=true"),
     (["rollout.weights=fp8", "rollout.engine=static", "algorithm.rollout_correction=true", "resources.device=cuda"],
      r"fsdp.mixed_precision=fp32.*set fsdp.mixed_precision=bf16"),
     (["algorithm.rollout_correction=true", "algorithm.old_logprobs=rollout"], r"old_logprobs=recompute"),
@@ -421,6 +423,32 @@ def test_fp8_and_the_correction_refuse_what_they_cannot_do(overrides, message):
     assert ok.rollout.weights == "fp8"
     assert load_blueprint(None, ["rollout.weights=fp8", "rollout.engine=static",
                                  "algorithm.old_logprobs=rollout"]).rollout.weights == "fp8"
+
+
+def test_auto_weights_are_decided_before_the_engine_and_recorded(tiny_kit, tmp_path):
+    """rollout.weights=auto: the rollout stage decides it (on a CPU: the model's weights, not timed, nothing kept)
+    and the engine gets model or fp8, never auto; the rollout's metrics record the choice, and promotion may name
+    it. The memory plan counts the larger of the two weight copies."""
+    from tinybp import ONE_RANK, tiny_blueprint
+
+    from verlflow.core import metrics
+    from verlflow.core.checks import memplan
+    from verlflow.core.ml.fastgen import choices
+    from verlflow.core.ml.fastgen.weightcheck import fp8_pays
+    from verlflow.core.orchestrate.pipeline import run_pipeline
+
+    assert fp8_pays(transformers.Qwen2Config(), torch.bfloat16, 8, "cpu") == (
+        False, {"fp8": False, "reason": "no fp8 matmul off CUDA"})
+    assert not choices.where().exists() or "weights" not in choices.where().read_text()
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "rollout.engine=static", "rollout.weights=auto",
+                        "algorithm.rollout_correction=true")
+    (rollout,) = [r.manifest for r in run_pipeline(bp, "auto", on_line=lambda line: None)
+                  if r.manifest["stage"] == "rollout"]
+    assert rollout["metrics"]["weights_fp8"] == 0 and "rollout/weights_fp8" in metrics.available(bp)
+    shape = memplan.Shape.of(tiny_kit["model_dir"])
+    each = {w: memplan.engine_weights_bytes(bp.model_copy(update={"rollout": bp.rollout.model_copy(
+        update={"weights": w})}), shape, 4) for w in ("model", "fp8", "auto")}
+    assert each["auto"] == max(each["model"], each["fp8"]) > 0
 
 
 def test_fp8_rollout_with_the_correction_through_the_pipeline(tiny_kit, tmp_path):

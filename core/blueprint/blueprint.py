@@ -96,16 +96,17 @@ class Blueprint(Section):
 
     @model_validator(mode="after")
     def _fp8_rollout_is_served_and_corrected(self):
-        """rollout.weights=fp8 and rollout.kv_cache=fp8: the static engine's (the fp8 weights bf16 on CUDA), and the
-        update told it samples another model."""
+        """rollout.weights=fp8 (or auto, which may pick it) and rollout.kv_cache=fp8: the static engine's (the fp8
+        weights bf16 on CUDA), and the update told it samples another model."""
         r, a = self.rollout, self.algorithm
-        for field in [f for f in ("weights", "kv_cache") if getattr(r, f) == "fp8"]:
+        for field in [f for f in ("weights", "kv_cache") if getattr(r, f) in ("fp8", "auto")]:
+            value = getattr(r, field)
             if r.engine != "static":
-                raise ValueError(f"rollout.{field}=fp8 is the static engine's: set rollout.engine=static, or "
+                raise ValueError(f"rollout.{field}={value} is the static engine's: set rollout.engine=static, or "
                                  f"rollout.{field}=model")
             if a.old_logprobs == "recompute" and not a.rollout_correction:
                 raise ValueError(
-                    f"rollout.{field}=fp8 samples from an fp8 model, not the policy the update recomputes its old "
+                    f"rollout.{field}={value} may sample from an fp8 model, not the policy the update recomputes its old "
                     f"log-probs with: set algorithm.rollout_correction=true (importance-weighted against the "
                     f"rollout's own log-probs), or algorithm.old_logprobs=rollout (the PPO ratio against them)")
         if r.weights == "fp8" and self.resources.device == "cuda" and self.fsdp.mixed_precision != "bf16":

@@ -449,11 +449,14 @@ class RolloutSpec(Section):
         "continuous", description="engine static: continuous: micro_batch_size rows generate at once and a row "
         "whose response ended takes the next waiting prompt (a long response holds one row, not a whole batch); "
         "micro_batches: each micro-batch runs until its longest response ends.")
-    weights: Literal["model", "fp8"] = Field(
+    weights: Literal["model", "fp8", "auto"] = Field(
         "model", description="engine static: the projections' weights in the model's dtype, or fp8 (e4m3, a scale per "
         "output channel, activations scaled per token; the embedding and LM head stay): half the weight bytes and "
         "the GPU's fp8 matmuls (sm_89 or newer), sampling from a slightly different model, so it needs "
-        "algorithm.rollout_correction or algorithm.old_logprobs=rollout. Evaluation samples the model's weights.")
+        "algorithm.rollout_correction or algorithm.old_logprobs=rollout. auto: fp8 only where a timed check of the "
+        "projections at the engine's rows finds it at least 5% faster on this card (never on a CPU, a GPU without "
+        "fp8 or a model not in bf16; kept per machine, agreed by the ranks, rollout/weights_fp8 says which). "
+        "Evaluation samples the model's weights.")
     kv_cache: Literal["model", "fp8"] = Field(
         "model", description="engine static: the KV cache in the model's dtype, or fp8 (e4m3, a scale per KV head and "
         "slot): half the cache's bytes, read directly by the Triton decode kernel (sm_89 or newer); every token, the "

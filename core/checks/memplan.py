@@ -300,7 +300,8 @@ def terms(bp, shape: Shape, choice: Choice) -> dict[str, StagePlan]:
                         "left unsharded by its forward-only pass")
     infer = Term("inference copy", P * cdt, "unsharded, " + f.mixed_precision)
     fused = Term("engine weights", engine_weights_bytes(bp, shape, cdt) if r.engine == "static" else 0,
-                 "fp8 projections" if r.weights == "fp8" else "fused q/k/v and gate/up copies")
+                 {"fp8": "fp8 projections", "model": "fused q/k/v and gate/up copies"}.get(
+                     r.weights, "fp8 projections or fused copies, the larger (weights auto)"))
     rows = min(choice.rows, samples_per_rank(bp))  # the engine takes no more rows than it has samples
     kv = Term("KV cache", kv_cache_bytes(bp, shape, rows, cdt),
               f"{rows} rows x {seq_len(bp) + 1} slots" if r.engine == "static" else
@@ -340,11 +341,11 @@ def terms(bp, shape: Shape, choice: Choice) -> dict[str, StagePlan]:
 
 def engine_weights_bytes(bp, shape: Shape, cdt: int) -> float:
     """The static engine's own copies of the projections: fused [q; k; v] and [gate; up] in the compute dtype, or
-    (rollout.weights=fp8) every projection in e4m3 with a scale per output channel."""
+    (rollout.weights=fp8) every projection in e4m3 with a scale per output channel; auto plans for the larger."""
     h, q, kv, i = shape.hidden, shape.heads * shape.head_dim, shape.kv_width, shape.intermediate
-    if bp.rollout.weights == "fp8":
-        return shape.layers * (h * (q + 2 * kv) + q * h + 3 * h * i + 4 * (q + 2 * kv + h + 2 * i + h))
-    return shape.layers * (h * (q + 2 * kv) + 2 * h * i) * cdt
+    fp8 = shape.layers * (h * (q + 2 * kv) + q * h + 3 * h * i + 4 * (q + 2 * kv + h + 2 * i + h))
+    model = shape.layers * (h * (q + 2 * kv) + 2 * h * i) * cdt
+    return {"fp8": fp8, "model": model}.get(bp.rollout.weights, max(fp8, model))  # auto: either
 
 
 def kv_cache_bytes(bp, shape: Shape, rows: int, cdt: int) -> float:

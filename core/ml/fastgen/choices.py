@@ -39,9 +39,10 @@ def _read() -> dict:
         return {}
 
 
-def load(k: str) -> dict | None:
+def load(k: str, valid=lambda got: got.get("attn") in ("sdpa", "triton")) -> dict | None:
+    """The choice kept under ``k`` (an attention choice, or what ``valid`` accepts), None if none or unreadable."""
     got = _read().get(k)
-    return got if isinstance(got, dict) and got.get("attn") in ("sdpa", "triton") else None
+    return got if isinstance(got, dict) and valid(got) else None
 
 
 def store(k: str, choice: dict) -> None:
