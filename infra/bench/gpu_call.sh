@@ -10,7 +10,8 @@
 # Plans: next (fp8's projections, the A/Bs, 7B fp8, ragged), attention (the decode attention's micro-benchmarks beside
 # a read of the same bytes, and the engine's timing of its kernels), families (the other families at their real sizes),
 # big (7B and Qwen3-8B, fp8 and the fp8 cache), e2e (the pipeline: the shipped blueprint, today's and the previous),
-# tests (the CUDA tests), agent (multi-turn rollouts against single-turn), async (issue 42: one-step-off rollouts
+# tests (the CUDA tests), agent (multi-turn rollouts against single-turn, the turn cache on and off; then
+# rollout.weights=auto's check), async (issue 42: one-step-off rollouts
 # against on-policy on 2 and on 8 GPUs, kind nvidia-h100-x8 or nvidia-h200-x8; ASYNC_GPUS picks the counts), multi
 # (issue 42: the shipped blueprint on 1/2/4/8 GPUs and 7B on 8, for the memory and scaling tables).
 # BUDGET_S (default 560) is the call's seconds: a command may run 600.
@@ -129,6 +130,8 @@ case $plan in
   agent)
     # issue 40: agent-mode tok/s against single-turn at the same model-token count, tool latency 0/50/500 ms
     [ "${AGENT_4X256:-1}" = 1 ] && step agent python infra/bench/agent.py --json "$R/agent.json"
+    # issue 41: rollout.weights=auto's timed check at 1.5B and 7B, 256 and 640 rows (what it would choose)
+    step weights_auto python infra/bench/weights_auto.py --json "$R/weights_auto.json"
     # the same tokens in 2 turns of 512: half the turns, so about half the contexts prefilled again
     step agent_2x512 python infra/bench/agent.py --turns 2 --turn-tokens 512 --latency-ms 50 --json "$R/agent_2x512.json"
     ;;
