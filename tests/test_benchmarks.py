@@ -82,13 +82,17 @@ def test_dcp_benchmark_smoke(tmp_path):
     assert [list(d.iterdir()) for d in dirs] == [[], []]  # every checkpoint deleted
 
 
-def test_e2e_benchmark_smoke(tmp_path):
+def test_e2e_benchmark_smoke(tiny_kit, tmp_path):
     """infra/bench/e2e.py on CPU: a config through the real pipeline (warm pool), a report whose numbers agree with
     the committed artifacts and with each other. One config (the rollout's log-probs): its other one, `baseline`,
     is the pipeline every other test runs, and a second pool would double the test's time."""
     from safetensors.torch import load_file
 
     out, store = tmp_path / "e.json", tmp_path / "store"
+    # the session's tiny kit, where a rerun with this --root finds its own (the smoke's kit is make_tiny's): making
+    # it again cost ~5 CPU-s
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny/e2e-kit.json").write_text(json.dumps({k: tiny_kit[k] for k in ("model_dir", "train_file")}))
     proc = subprocess.run([sys.executable, str(ROOT / "infra/bench/e2e.py"), "--smoke", "--root", str(tmp_path),
                            "--store", str(store), "--keep", "--json", str(out), "--configs", "rollout_logprobs"],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)

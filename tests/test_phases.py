@@ -219,6 +219,9 @@ def test_a_run_ending_in_dpo_promotes_its_export_by_a_dpo_metric(phased, tmp_pat
     data["phases"] = data["phases"][:3]
     data["storage"]["uri"], data["tracking"]["backends"] = str(tmp_path / "store"), []
     data["promote"]["metric"] = "dpo/rewards/accuracies"
+    # one rank: the export reshards dpo's 2-rank checkpoint (no stage but validate keys the resources) and the
+    # gate is the subject; a 2-rank pool for one export step cost a rank start
+    data["resources"]["nproc_per_node"] = 1
     lines: list[str] = []
     results = run_pipeline(Blueprint.model_validate(data), RUN, on_line=lines.append)
     done = {f"{r.manifest['stage']}[{r.manifest['iteration']}]": r for r in results}
