@@ -1,6 +1,8 @@
 """A real tiny FSDP2 policy on gloo (run under torchrun by tests/test_memplan.py): the bytes this rank holds for its
 parameters, gradients and AdamW state after one optimizer step, built and stepped by the update stage's own code
-(model.wrap_fsdp, optim.make_optimizer). Prints one JSON line per blueprint (argv: JSON list of override lists)."""
+(model.wrap_fsdp, optim.make_optimizer). Prints one JSON line per blueprint (argv: JSON list of override lists).
+Then the rollout's bf16 inference copy filled from the trained policy tensor by tensor (checkpoint.copy_full_into)
+against the whole state dict loaded into a model of the policy's dtype and cast after: the same tensors."""
 
 import json
 import sys
@@ -28,7 +30,20 @@ def measure(overrides: list[str]) -> dict:
     opt.step()
     trained = [p for p in model.parameters() if p.requires_grad]
     state = [t for p in trained for k, t in opt.state[p].items() if k != "step"]
-    return {"weights": weights, "gradients": local_bytes(p.grad for p in trained), "adamw": local_bytes(state)}
+    return {"weights": weights, "gradients": local_bytes(p.grad for p in trained), "adamw": local_bytes(state),
+            "copy_equal": copy_equal(bp, model)}
+
+
+def copy_equal(bp, model) -> bool:
+    from verlflow.core.ml import checkpoint
+
+    whole = M.build_module(bp.model.path, bp.model)
+    whole.load_state_dict(checkpoint.full_state_dict(model))
+    whole.to(torch.bfloat16)
+    streamed = M.build_module(bp.model.path, bp.model.model_copy(update={"dtype": "bfloat16"}))
+    checkpoint.copy_full_into(model, streamed)
+    a, b = whole.state_dict(), streamed.state_dict()
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 
 
 def main() -> None:

@@ -41,7 +41,9 @@ def gpu_bp(model: Path, *overrides: str):
 
 def test_weight_gradient_and_adamw_terms_match_a_tiny_fsdp_build(tiny_kit):
     """Two gloo ranks build the tiny policy with the update's own code and take one AdamW step: each rank's bytes of
-    parameters, gradients and AdamW moments are the plan's terms (full fine-tune, and LoRA: adapters only)."""
+    parameters, gradients and AdamW moments are the plan's terms (full fine-tune, and LoRA: adapters only). The
+    rollout's inference copy, filled from the trained policy a tensor at a time in bf16 (no second whole copy on the
+    device), holds what loading the whole state dict and casting after gave."""
     base = [f"model.path={tiny_kit['model_dir']}", "resources.device=cpu", "resources.nproc_per_node=2",
             "fsdp.mixed_precision=fp32", "data.batch_size=4", "algorithm.ppo_mini_batch_size=2", "rollout.n=2",
             "algorithm.ppo_micro_batch_size_per_gpu=2"]
@@ -59,6 +61,7 @@ def test_weight_gradient_and_adamw_terms_match_a_tiny_fsdp_build(tiny_kit):
             assert update.term(term).bytes == pytest.approx(m[key], rel=0.15), (overrides[-1], term, m)
     full, lora = measured
     assert lora["adamw"] < full["adamw"] / 10  # the adapters' moments only
+    assert full["copy_equal"] and lora["copy_equal"]
 
 
 def _saved_bytes_per_token(model, checkpointing: bool) -> float:

@@ -100,15 +100,18 @@ def split(full: dict) -> tuple[dict, dict]:
 @torch.no_grad()
 def merge(base: dict, adapters: dict, scaling: float) -> dict:
     """`base` (plain names) with every adapter's update W + scaling * B @ A added in fp32, in W's dtype."""
-    out = dict(base)
-    for key in adapters:
-        if not key.endswith(LORA_A):
-            continue
-        prefix = key[: -len(LORA_A)]
-        a, b = adapters[key], adapters[prefix + LORA_B]
-        w = out[prefix + ".weight"]
-        out[prefix + ".weight"] = (w.float() + scaling * (b.to(w.device).float() @ a.to(w.device).float())).to(w.dtype)
-    return out
+    return {name: merged_weight(name, w, adapters, scaling) for name, w in base.items()}
+
+
+def merged_weight(name: str, w: torch.Tensor, adapters: dict, scaling: float) -> torch.Tensor:
+    """Base tensor `name` (its plain name) with its adapter's update added in fp32, in w's dtype; w itself when no
+    adapter targets it."""
+    prefix = name[: -len(".weight")]
+    a = adapters.get(prefix + LORA_A)
+    if not name.endswith(".weight") or a is None:
+        return w
+    b = adapters[prefix + LORA_B]
+    return (w.float() + scaling * (b.to(w.device).float() @ a.to(w.device).float())).to(w.dtype)
 
 
 def merge_into(model: nn.Module, adapters: dict, scaling: float) -> None:

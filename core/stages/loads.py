@@ -57,6 +57,9 @@ def frozen_copy(ctx: StageContext, meta_dir, policy):
     return ref
 
 
+INFERENCE_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # fsdp.mixed_precision -> model.dtype
+
+
 def inference_copy(ctx: StageContext, policy: Policy, into=None):
     """The policy's weights in an unsharded model of the inference dtype: `into` (an earlier copy) refilled from the
     weights in memory, else a new model filled from them or from the policy's checkpoint."""
@@ -64,11 +67,17 @@ def inference_copy(ctx: StageContext, policy: Policy, into=None):
 
     model = into
     if model is None:
+        # Filled from memory, tensor by tensor, it is built in the inference dtype: never a whole model in the
+        # policy's dtype beside the policy. From a checkpoint it loads in the model's dtype (a LoRA merge runs on
+        # those weights) and is cast after, as before: both give the same tensors.
+        spec = ctx.bp.model
+        if policy.trained is not None:
+            spec = spec.model_copy(update={"dtype": INFERENCE_DTYPE_NAMES[ctx.bp.fsdp.mixed_precision]})
         with torch.device(ctx.device):  # random init on the device is fast; the load overwrites it
-            model = M.build_module(policy.meta_dir, ctx.bp.model)
+            model = M.build_module(policy.meta_dir, spec)
         if policy.trained is None:
             checkpoint.load_full(policy.folder, model, base=policy.base_dir)
     if policy.trained is not None:
-        model.load_state_dict(checkpoint.full_state_dict(policy.trained.model))
+        checkpoint.copy_full_into(policy.trained.model, model)
     model.to(M.inference_dtype(ctx.bp.fsdp))  # a no-op for the reused copy: its tensors (and graphs) stay
     return model

@@ -82,7 +82,7 @@ def run(ctx: StageContext) -> dict:
     per_iter = []
     for it in range(1, bp.iterations + 1):
         with ctx.timed("rollout_s"):
-            infer.load_state_dict(checkpoint.full_state_dict(policy.model))
+            checkpoint.copy_full_into(policy.model, infer)
             got = collect(ctx, infer, tok, data, state["data_cursor"], it, data_seed=state.get("data_seed"))
         batch, stats = _as_batch(ctx, got, tok, it)
         with ctx.timed("update_s"):
