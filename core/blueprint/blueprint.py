@@ -106,7 +106,8 @@ class Blueprint(Section):
                                  f"rollout.{field}=model")
             if a.old_logprobs == "recompute" and not a.rollout_correction:
                 raise ValueError(
-                    f"rollout.{field}={value} may sample from an fp8 model, not the policy the update recomputes its old "
+                    f"rollout.{field}={value} {'samples' if value == 'fp8' else 'may sample'} from an fp8 model, not "
+                    f"the policy the update recomputes its old "
                     f"log-probs with: set algorithm.rollout_correction=true (importance-weighted against the "
                     f"rollout's own log-probs), or algorithm.old_logprobs=rollout (the PPO ratio against them)")
         if r.weights == "fp8" and self.resources.device == "cuda" and self.fsdp.mixed_precision != "bf16":
