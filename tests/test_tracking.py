@@ -280,6 +280,31 @@ def test_tensorboard_event_files_hold_each_iteration(reference, tmp_path):
                            (2, pytest.approx(expected[2][name], rel=1e-6))], name
 
 
+def test_a_step_committed_in_the_background_is_logged_before_the_later_ones(tmp_path):
+    """update[1]'s commit lands in the background after update[2] committed inline: the tracker logs them in step
+    order, so TensorBoard's event file holds the points in step order (tests/test_phases.py's tracking test saw
+    them reversed under load)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from verlflow.core.blueprint import load_blueprint
+    from verlflow.core.store.artifacts import open_store
+    from verlflow.core.tracking.tracker import tracked
+
+    bp = load_blueprint(None, [f"storage.uri={tmp_path / 'store'}", "iterations=2", "tracking.backends=[tensorboard]"])
+
+    def manifest(it: int, loss: float, pending: bool = False) -> dict:
+        return {"key": f"runs/r/{it}/update", "committed_at": f"2026-12-06T12:00:0{it}.000001+00:00",
+                "metrics": {"pg_loss": loss}, **({"pending": True} if pending else {})}
+
+    with tracked(bp, "r", open_store(bp.storage)) as tracker:
+        tracker.step("update", 1, manifest(1, 0.5, pending=True))
+        tracker.step("update", 2, manifest(2, 0.25))
+        tracker.step("update", 1, manifest(1, 0.5))  # the background commit landed
+    events = EventAccumulator(str(tmp_path / "store/tracking/tensorboard/r"), purge_orphaned_data=True)
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("update/pg_loss")] == [(1, 0.5), (2, 0.25)]
+
+
 def _wandb_records(path: Path):
     """The records of a .wandb file (wandb's own protobuf, in the LevelDB log framing wandb-core writes: a 7-byte
     file header, then 32 KiB blocks of chunks with a 7-byte header: crc32, length, type FULL/FIRST/MIDDLE/LAST)."""

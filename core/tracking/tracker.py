@@ -76,6 +76,8 @@ class Tracker:
         self.backends: list[Backend] | None = None  # None: not opened yet
         self.ledger: dict = {}
         self._steps: tuple[dict[str, int], dict[int, str]] | None = None  # the plan's step numbers and names
+        self._pending: set[int] = set()  # step numbers whose commit is still in the background
+        self._held: dict[str, tuple[int, str, object, dict]] = {}  # committed, waiting for an earlier pending step
 
     def _open(self) -> None:
         run = TrackedRun(self.bp, self.run_id, self.store, blueprint_params(self.bp), prefect_flow_run_url())
@@ -92,13 +94,30 @@ class Tracker:
         self._save()
 
     def step(self, stage: str, iteration, manifest: dict | None) -> None:
-        """Log a committed step's metrics (core/metrics.PREFIX's stages) at its step number, once per commit."""
+        """Log a committed step's metrics (core/metrics.PREFIX's stages) at its step number, once per commit, in
+        step order: a step committed while an earlier one's commit is still in the background waits for it.
+        Logged as they came, evaluate[1] went into TensorBoard's event file before evaluate[tuned] (whose commit
+        landed at the run's end), and every reader of the file saw that tag's points out of step order."""
         if stage == "validate":
             return
         if self.backends is None:
             self._open()
-        if stage not in metrics.PREFIX or not manifest or manifest.get("pending") or not self.backends:
+        if stage not in metrics.PREFIX or not manifest or not self.backends:
             return
+        number = self._number(iteration)[0]
+        if manifest.get("pending"):
+            self._pending.add(number)
+            return
+        self._pending.discard(number)
+        self._held[f"{stage}[{iteration}]"] = (number, stage, iteration, manifest)
+        first_pending = min(self._pending, default=None)
+        for name, (n, st, it, m) in sorted(self._held.items(), key=lambda kv: kv[1][0]):
+            if first_pending is not None and n > first_pending:
+                break
+            del self._held[name]
+            self._log(st, it, m)
+
+    def _log(self, stage: str, iteration, manifest: dict) -> None:
         name, done = f"{stage}[{iteration}]", commit_id(manifest)
         number, label = self._number(iteration)
         values = metrics.flat(stage, manifest.get("metrics", {}))
@@ -135,6 +154,9 @@ class Tracker:
             self._each("tag the promoted model", lambda b: b.tag_model(it, pointer["hf_uri"], step))
 
     def close(self, status: str) -> None:
+        for n, st, it, m in sorted(self._held.values(), key=lambda held: held[0]):  # a failed run: what it committed
+            self._log(st, it, m)
+        self._held.clear()
         self._each(f"close ({status})", lambda b: b.close(status))
         self.backends = []
 
