@@ -172,8 +172,18 @@ def recomputed_here(bp: Blueprint, run_id: str, step: Step) -> bool:
         return False
     if m is None or not m.get("committed_at"):
         return False
-    created = int(get_run_context().flow_run.created.timestamp())  # older manifests' committed_at has whole seconds
-    return dt.datetime.fromisoformat(m["committed_at"]).timestamp() >= created
+    return committed_since(m["committed_at"], get_run_context().flow_run.created)
+
+
+def committed_since(committed_at: str, created: dt.datetime) -> bool:
+    """Whether a manifest's commit time is at or after `created`. An older manifest's committed_at has whole
+    seconds: then only the second is compared (a commit in the second the flow run began counts as after it), never
+    otherwise, or a stage committed just before the flow run began in the same second would count as recomputed."""
+    committed = dt.datetime.fromisoformat(committed_at)
+    since = created.timestamp()
+    if committed.microsecond == 0:
+        since = int(since)
+    return committed.timestamp() >= since
 
 
 def flow_hooks(bp: Blueprint, run_id: str) -> PipelineHooks:

@@ -153,6 +153,21 @@ def test_a_flow_rerun_from_a_damaged_stage_forces_it(tmp_path):
     assert recomputed_here(bp, RUN, Step("update", 1)) is False
 
 
+def test_a_stage_committed_just_before_the_flow_run_began_was_not_recomputed_by_it():
+    """A Retry forces from_step's stages only once: what this flow run committed counts as recomputed, what was
+    committed before it began does not, even within the same second. An older manifest's whole-second time counts
+    from the second the run began."""
+    import datetime as dt
+
+    from verlflow.flows.common import committed_since
+
+    created = dt.datetime(2026, 12, 6, 12, 0, 0, 900_000, tzinfo=dt.timezone.utc)
+    assert not committed_since("2026-12-06T12:00:00.700000+00:00", created)
+    assert committed_since("2026-12-06T12:00:00.950000+00:00", created)
+    assert committed_since("2026-12-06T12:00:00+00:00", created)  # whole seconds: the same second counts
+    assert not committed_since("2026-12-06T11:59:59+00:00", created)
+
+
 # ---------------------------------------------------------------- a rerun checks what it reuses (issue 38, item 7)
 
 def _reference_args(reference, root, *more: str) -> list[str]:
