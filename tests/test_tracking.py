@@ -283,7 +283,7 @@ def test_tensorboard_event_files_hold_each_iteration(reference, tmp_path):
 def test_a_step_committed_in_the_background_is_logged_before_the_later_ones(tmp_path):
     """update[1]'s commit lands in the background after update[2] committed inline: the tracker logs them in step
     order, so TensorBoard's event file holds the points in step order (tests/test_phases.py's tracking test saw
-    them reversed under load)."""
+    them reversed under load); a step waits for every earlier one, steps of one number alike."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from verlflow.core.blueprint import load_blueprint
@@ -296,10 +296,13 @@ def test_a_step_committed_in_the_background_is_logged_before_the_later_ones(tmp_
         return {"key": f"runs/r/{it}/update", "committed_at": f"2026-12-06T12:00:0{it}.000001+00:00",
                 "metrics": {"pg_loss": loss}, **({"pending": True} if pending else {})}
 
+    rollout1 = {"key": "runs/r/1/rollout", "committed_at": "2026-12-06T12:00:00.5+00:00", "metrics": {}}
     with tracked(bp, "r", open_store(bp.storage)) as tracker:
+        tracker.step("rollout", 1, {**rollout1, "pending": True})  # another step of number 1, in the background
         tracker.step("update", 1, manifest(1, 0.5, pending=True))
+        tracker.step("rollout", 1, rollout1)  # rollout[1]'s commit landed; update[1]'s has not
         tracker.step("update", 2, manifest(2, 0.25))
-        tracker.step("update", 1, manifest(1, 0.5))  # the background commit landed
+        tracker.step("update", 1, manifest(1, 0.5))
     events = EventAccumulator(str(tmp_path / "store/tracking/tensorboard/r"), purge_orphaned_data=True)
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("update/pg_loss")] == [(1, 0.5), (2, 0.25)]

@@ -76,7 +76,7 @@ class Tracker:
         self.backends: list[Backend] | None = None  # None: not opened yet
         self.ledger: dict = {}
         self._steps: tuple[dict[str, int], dict[int, str]] | None = None  # the plan's step numbers and names
-        self._pending: set[int] = set()  # step numbers whose commit is still in the background
+        self._pending: dict[str, int] = {}  # steps whose commit is still in the background: their numbers
         self._held: dict[str, tuple[int, str, object, dict]] = {}  # committed, waiting for an earlier pending step
 
     def _open(self) -> None:
@@ -104,13 +104,13 @@ class Tracker:
             self._open()
         if stage not in metrics.PREFIX or not manifest or not self.backends:
             return
-        number = self._number(iteration)[0]
-        if manifest.get("pending"):
-            self._pending.add(number)
+        name, number = f"{stage}[{iteration}]", self._number(iteration)[0]
+        if manifest.get("pending"):  # several steps share a number (rollout[1], update[1]): kept by name
+            self._pending[name] = number
             return
-        self._pending.discard(number)
-        self._held[f"{stage}[{iteration}]"] = (number, stage, iteration, manifest)
-        first_pending = min(self._pending, default=None)
+        self._pending.pop(name, None)
+        self._held[name] = (number, stage, iteration, manifest)
+        first_pending = min(self._pending.values(), default=None)
         for name, (n, st, it, m) in sorted(self._held.items(), key=lambda kv: kv[1][0]):
             if first_pending is not None and n > first_pending:
                 break
