@@ -274,10 +274,10 @@ def picking() -> dict:
     from verlflow.core.ml.fastgen import choices
 
     every = FastGen._ATTN_CONFIGS
-    # the first plain, two bounded and the first ranged one: the choice among kinds (the picker checks each
-    # candidate, interpreted: every configuration's check is attention()'s)
+    # two bounded and the first ranged one: the choice among kinds (the picker checks each candidate, interpreted:
+    # every configuration's check is attention()'s)
     bounded = [c for c in every if c.get("bounded")]
-    configs = (every[0], *bounded[:2], next(c for c in every if c.get("splits")))
+    configs = (*bounded[:2], next(c for c in every if c.get("splits")))
     broken = {"split_n": 64, "block_n": 48, "num_warps": 4}  # 48: not a power of two, Triton refuses the block
     FastGen._ATTN_CONFIGS = configs + (broken,)
     last_bounded = max(i for i, c in enumerate(configs) if c.get("bounded"))
