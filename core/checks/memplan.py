@@ -333,9 +333,14 @@ def terms(bp, shape: Shape, choice: Choice) -> dict[str, StagePlan]:
         "update": update,
     }
     if warm:
+        # The export gathers the whole model (views of the one shard on one GPU) and copies it to the host a tensor
+        # at a time, each cast on the device (checkpoint.copy_state_into): the largest is the embedding, in the
+        # export dtype; with LoRA, a merged projection's fp32 temporaries (W, B @ A, their sum)
         export = ITEMSIZE.get(bp.storage.export_dtype, cdt)
-        stages["export"] = (*kept_train, *kept_rollout, Term("export copy", P * export,
-                                                                 "the whole model in the export dtype"))
+        one = max(shape.vocab * shape.hidden * export, 3 * 4 * shape.intermediate * shape.hidden if lora else 0)
+        stages["export"] = (*kept_train, *kept_rollout,
+                            Term("export gather", P * mdt * (S - 1) / S, "the other ranks' shards, whole"),
+                            Term("export copy", one, "one tensor at a time, cast on the device"))
     return {s: StagePlan(s, tuple(t for t in ts if t.bytes)) for s, ts in stages.items()}
 
 

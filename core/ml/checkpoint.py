@@ -7,6 +7,7 @@ LoRA policy (verlflow.core.ml.lora) it holds the adapters and their optimizer on
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -174,32 +175,34 @@ def read_tensors(folder: Path) -> dict:
 
 
 @torch.no_grad()
-def copy_full_into(model: nn.Module, plain: nn.Module) -> None:
-    """The whole of ``model`` (sharded; an adapted one with its adapters merged, as ``full_state_dict`` gives it)
-    copied into the unsharded ``plain`` model on every rank, cast as each tensor lands: a merged weight is made one
-    at a time, so no second whole copy of the model is on the device beside the policy and ``plain`` (7B with LoRA:
-    28 GiB more, an H100's out-of-memory). The values are ``plain.load_state_dict(full_state_dict(model))``'s."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
-    adapters, scaling = {}, 0.0
-    if lora.is_adapted(model):
-        full, adapters = lora.split(full)
-        scaling = lora.describe(model)["scaling"]
+def copy_state_into(plain: nn.Module, full: Mapping) -> None:
+    """``plain.load_state_dict(full)``'s values, one tensor at a time: each is read from ``full`` (a ``lora.Merged``
+    makes a merged weight then), cast on its own device and copied in, so no second whole copy of the model is
+    made beside ``full`` and ``plain``."""
     into = plain.state_dict(keep_vars=True)
     if set(full) != set(into):
-        raise RuntimeError(f"the inference model's tensors differ from the policy's: missing "
-                           f"{sorted(set(into) - set(full))[:5]}, unexpected {sorted(set(full) - set(into))[:5]}")
-    for name, value in full.items():
-        into[name].copy_(lora.merged_weight(name, value, adapters, scaling) if adapters else value)
+        raise RuntimeError(f"the copy's tensors differ from the policy's: missing {sorted(set(into) - set(full))[:5]}, "
+                           f"unexpected {sorted(set(full) - set(into))[:5]}")
+    for name, t in into.items():
+        src = full[name]
+        # cast where the source is: a device-to-host copy then moves the target dtype's bytes
+        t.copy_(src if src.device == t.device else src.to(t.dtype))
 
 
-def full_state_dict(model: nn.Module) -> dict:
-    """The whole model on every rank, on its device (for the inference copy and HF export): of an adapted model, the
-    plain model's names with the adapters merged in."""
+def copy_full_into(model: nn.Module, plain: nn.Module) -> None:
+    """The whole of ``model`` (sharded; an adapted one with its adapters merged) copied into the unsharded
+    ``plain`` model on every rank (collective), cast as each tensor lands."""
+    copy_state_into(plain, full_state_dict(model))
+
+
+def full_state_dict(model: nn.Module) -> Mapping:
+    """The whole model on every rank, on its device (for the inference copy and HF export; collective): of an adapted
+    model, the plain model's names with the adapters merged in as each weight is read (``lora.Merged``)."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
     if not lora.is_adapted(model):
         return full
     base, adapters = lora.split(full)
-    return lora.merge(base, adapters, lora.describe(model)["scaling"])
+    return lora.Merged(base, adapters, lora.describe(model)["scaling"])
 
 
 def full_adapters(model: nn.Module) -> dict:

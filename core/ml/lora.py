@@ -9,6 +9,7 @@ generation engines never see PEFT.
 """
 
 import contextlib
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -97,10 +98,29 @@ def split(full: dict) -> tuple[dict, dict]:
     return base, {k: v for k, v in full.items() if is_adapter_key(k)}
 
 
-@torch.no_grad()
+class Merged(Mapping):
+    """`base` (plain names) with every adapter's update W + scaling * B @ A added in fp32, in W's dtype, each weight
+    made when it is read: a reader that takes one tensor at a time (the copies into the inference model and the HF
+    export) holds one merged weight beside the model, not a second whole model (7B with LoRA on one H100: 26 GiB
+    more in fp32, an out-of-memory)."""
+
+    def __init__(self, base: dict, adapters: dict, scaling: float):
+        self._base, self._adapters, self._scaling = base, adapters, scaling
+
+    @torch.no_grad()
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return merged_weight(name, self._base[name], self._adapters, self._scaling)
+
+    def __iter__(self):
+        return iter(self._base)
+
+    def __len__(self) -> int:
+        return len(self._base)
+
+
 def merge(base: dict, adapters: dict, scaling: float) -> dict:
-    """`base` (plain names) with every adapter's update W + scaling * B @ A added in fp32, in W's dtype."""
-    return {name: merged_weight(name, w, adapters, scaling) for name, w in base.items()}
+    """`Merged`, every weight made at once."""
+    return dict(Merged(base, adapters, scaling))
 
 
 def merged_weight(name: str, w: torch.Tensor, adapters: dict, scaling: float) -> torch.Tensor:
