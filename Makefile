@@ -3,14 +3,14 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # --no-compile: pip byte-compiles every installed module one by one (torch alone: 134 s to install here, 19 s
-# without); COMPILE does it afterwards on every core.
+# without). WARM compiles what verlflow's processes import instead (infra/warm_bytecode.py: ~6,000 modules by
+# importing them, ~15 s on 2 cores; compileall of the whole venv took 60 s).
 PIP := $(BIN)/pip install -q --no-compile
-# Byte-compile the venv and the project in parallel (~40 s on 2 cores, once). Python would cache what a process
-# compiles on first import, but not where PYTHONDONTWRITEBYTECODE is set (this machine and CI set it): there every
-# process -- each rank of each stage job, each flow run -- compiled torch, transformers and verl from source again,
-# twice the import time (a stage rank's imports: 10.8 s -> 5.2 s). A few files are for newer Pythons (torch's
-# py312_intrinsics.py) and fail to compile, as they would to import: hence `|| true`.
-COMPILE := $(BIN)/python -m compileall -q -j 0 $(VENV)/lib core tasks flows >/dev/null 2>&1 || true
+WARM := $(BIN)/python infra/warm_bytecode.py
+# Python caches what it compiles on a first import, but not where PYTHONDONTWRITEBYTECODE is set (this machine and
+# CI set it): every process -- each rank of each stage job, each flow run -- then compiled torch, transformers and
+# verl from source again, twice a rank's import time. Make's recipes (the demo, the tests) cache what they compile.
+export PYTHONDONTWRITEBYTECODE :=
 # CPU machines take the local CPU wheel; a machine with CUDA keeps the torch it has (or pip's default build).
 TORCH_CPU := torch==2.13.0
 # ... and, for the tests, Triton (a CUDA build of torch brings its own): its interpreter runs the engine's kernels
@@ -32,7 +32,7 @@ ifeq ($(HAS_GPU),)
 	$(PIP) $(TORCH_CPU)
 endif
 	$(PIP) -e .
-	$(COMPILE)
+	$(WARM)
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
@@ -40,7 +40,6 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 ifeq ($(HAS_GPU),)
 	$(PIP) $(TRITON_CPU) || echo "no Triton wheel for this machine: tests/test_triton_kernels.py will be skipped"
 endif
-	$(COMPILE)
 	touch $@
 
 install: $(VENV)/.installed
