@@ -33,6 +33,10 @@ class PrunedError(StoreError):
     """A committed stage's file that retention pruned (verlflow.core.store.retention) is needed."""
 
 
+class PrefectServerError(VerlflowError):
+    """The Prefect server refused a request or could not be reached, after the Prefect client's own retries."""
+
+
 class NonFiniteError(VerlflowError):
     """A loss or gradient norm became NaN/inf; the stage commits nothing."""
 

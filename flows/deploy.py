@@ -7,14 +7,17 @@ form is its schema as a person fills it in (`run_form`).
 
 import re
 
+import httpx
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import DeploymentScheduleCreate, WorkPoolCreate
-from prefect.deployments.runner import EntrypointType, RunnerDeployment
-from prefect.exceptions import ObjectNotFound
+from prefect.deployments.runner import DeploymentApplyError, EntrypointType, RunnerDeployment
+from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
 from prefect.schedules import Cron
+from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES
 from prefect.utilities.callables import ParameterSchema
 
 from verlflow.core.blueprint import Blueprint
+from verlflow.core.errors import PrefectServerError
 from verlflow.flows.common import turn_limit
 from verlflow.flows.finetune import finetune
 from verlflow.flows.validate import validate
@@ -143,9 +146,17 @@ def ensure_process_pool(pool: str) -> None:
 def deploy(bp: Blueprint, name: str | None = None, cron: str | None = None, pool: str = "verlflow") -> str:
     """Create or update the deployment `finetune/<name>` on a process work pool; returns its id. The worker
     imports `verlflow.flows.finetune` (the project installed in its environment), so no code is uploaded."""
-    ensure_process_pool(pool)
-    d = finetune_deployment(bp, name, cron, work_pool_name=pool, entrypoint_type=EntrypointType.MODULE_PATH)
-    return str(keep_other_schedules(d).apply())
+    try:
+        ensure_process_pool(pool)
+        d = finetune_deployment(bp, name, cron, work_pool_name=pool, entrypoint_type=EntrypointType.MODULE_PATH)
+        return str(keep_other_schedules(d).apply())
+    except (DeploymentApplyError, PrefectHTTPStatusError, httpx.HTTPError) as e:
+        reason = str(e).splitlines()[0].split(" - For more information")[0]
+        raise PrefectServerError(
+            f"the Prefect server at {PREFECT_API_URL.value()} did not take deployment finetune/{name or bp.name} "
+            f"(after the Prefect client's {PREFECT_CLIENT_MAX_RETRIES.value()} retries): {reason}. A server on "
+            "SQLite answers 503 while its database is busy (many flow runs at once): run the command again, or run "
+            "the server on PostgreSQL (infra/OPERATIONS.md).") from e
 
 
 def serve(bps: list[Blueprint], cron: str | None = None, limit: int | None = None) -> None:

@@ -185,6 +185,27 @@ def test_lr_change_keeps_validate_build_and_rollout_keys(tiny_kit, tmp_path):
     assert compute_key("build", a, "init", {}) != compute_key("build", c, "init", {})
 
 
+def test_deploy_to_a_busy_server_says_which_server_and_what_to_do(prefect_server, tiny_kit, tmp_path, capsys):
+    """A server that keeps answering 503 to the deployment (SQLite busy under load): `verlflow deploy` exits 2 with
+    one message naming the server, the deployment, the answer and the fix, not Prefect's traceback."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    from verlflow.flows.cli import main
+
+    bp = tiny_blueprint(tiny_kit, tmp_path / "store", *ONE_RANK, "name=busy")
+    proxy = FlakyApi(prefect_server.url, failing=False, busy="/deployments/")
+    try:
+        with temporary_settings({PREFECT_API_URL: proxy.url, PREFECT_CLIENT_MAX_RETRIES: 1}):
+            code = main(["deploy", str(write_blueprint(bp, tmp_path / "bp.yaml"))])
+    finally:
+        proxy.close()
+    err = capsys.readouterr().err
+    assert code == 2 and proxy.errors == 2, (code, proxy.errors, err)  # the first answer and Prefect's one retry
+    assert err.startswith(f"verlflow deploy: error: the Prefect server at {proxy.url} did not take deployment "
+                          "finetune/busy"), err
+    assert "503 Service Unavailable" in err and "run the command again" in err and "Traceback" not in err, err
+
+
 def test_deploy_creates_a_work_pool_deployment_with_the_blueprint(prefect_server, tiny_kit, tmp_path):
     from verlflow.flows.cli import main
 
@@ -358,25 +379,43 @@ def test_s3_blueprint_file_paths_are_relative_to_its_folder_and_leave_no_temp_fi
 
 
 class FlakyApi:
-    """An HTTP proxy in front of the Prefect server that answers 500 to every GET while `failing` is set."""
+    """An HTTP proxy in front of the Prefect server that answers 500 to every GET while `failing` is set, and 503
+    (what the server answers while its SQLite database is busy) to every POST to `busy` (a path under /api)."""
 
-    def __init__(self, upstream: str):
+    def __init__(self, upstream: str, failing: bool = True, busy: str | None = None):
         import http.server
         import threading
 
         import httpx
 
         flaky = self
-        self.failing, self.errors = True, 0
+        self.failing, self.errors = failing, 0
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
                 if flaky.failing:
                     flaky.errors += 1
-                    status, body, kind = 500, b'{"detail": "injected"}', "application/json"
+                    self.answer(500, b'{"detail": "injected"}', "application/json")
                 else:
-                    r = httpx.get(upstream + self.path.removeprefix("/api"), timeout=30)
-                    status, body, kind = r.status_code, r.content, r.headers.get("content-type", "")
+                    self.forward()
+
+            def do_POST(self):
+                if busy is not None and self.path == "/api" + busy:
+                    flaky.errors += 1
+                    self.answer(503, b'{"exception_message": "Service Unavailable"}', "application/json")
+                else:
+                    self.forward()
+
+            do_PATCH = do_PUT = do_DELETE = do_POST
+
+            def forward(self):
+                n = int(self.headers.get("content-length") or 0)
+                r = httpx.request(self.command, upstream + self.path.removeprefix("/api"), timeout=30,
+                                  content=self.rfile.read(n) if n else None,
+                                  headers={k: v for k, v in self.headers.items() if k.lower() == "content-type"})
+                self.answer(r.status_code, r.content, r.headers.get("content-type", ""))
+
+            def answer(self, status, body, kind):
                 self.send_response(status)
                 self.send_header("content-type", kind)
                 self.send_header("content-length", str(len(body)))
