@@ -9,6 +9,7 @@ generation engines never see PEFT.
 """
 
 import contextlib
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -49,6 +50,8 @@ def inject(model: nn.Module, spec, *, meta: bool) -> nn.Module:
 
 
 def _layers(model: nn.Module):
+    if "peft" not in sys.modules:  # no LoraLayer exists before PEFT is imported (inject imports it): a rank of a
+        return []  # model without adapters skips PEFT's import (0.3 s)
     from peft.tuners.lora import LoraLayer
 
     return [m for m in model.modules() if isinstance(m, LoraLayer)]
