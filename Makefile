@@ -3,8 +3,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # --no-compile: pip byte-compiles every installed module one by one (torch alone: 134 s to install here, 19 s
-# without). WARM compiles what verlflow's processes import instead (infra/warm_bytecode.py: ~6,000 modules by
-# importing them, ~15 s on 2 cores; compileall of the whole venv took 60 s).
+# without). WARM compiles what verlflow's processes import instead (infra/warm_bytecode.py: ~7,000 modules by
+# importing them, ~21 s on 2 cores; compileall of the whole venv, twice, took 60 s).
 PIP := $(BIN)/pip install -q --no-compile
 WARM := $(BIN)/python infra/warm_bytecode.py
 # Python caches what it compiles on a first import, but not where PYTHONDONTWRITEBYTECODE is set (this machine and

@@ -3,8 +3,8 @@ driver's and Prefect server's in another, at once (make's install step runs this
 
 Python caches the code it compiles on a first import, except where PYTHONDONTWRITEBYTECODE is set (this machine and
 CI set it): there every rank of every stage job compiled torch, transformers and verl from source again, twice a
-rank's import time. Importing them once with caching on writes those ~6,000 modules' caches in ~15 s on 2 cores;
-`compileall` of the whole venv (30,000 files) took 60 s. A module outside these lists is compiled on its first
+rank's import time. Importing them once with caching on writes those ~7,000 modules' caches in ~21 s on 2 cores;
+`compileall` of the whole venv (30,000 files, twice) took 60 s. A module outside these lists is compiled on its first
 import as usual (make's recipes run with caching on)."""
 
 import importlib

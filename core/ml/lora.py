@@ -140,9 +140,9 @@ def merged_weight(name: str, w: torch.Tensor, adapters: dict, scaling: float) ->
 def merge_into(model: nn.Module, adapters: dict, scaling: float) -> None:
     """Add the adapters' updates to a plain (unsharded) model's weights in place."""
     weights = {n: p for n, p in model.named_parameters()}
-    merged = merge({k: weights[k] for k in _targets(adapters)}, adapters, scaling)
+    merged = Merged({k: weights[k] for k in _targets(adapters)}, adapters, scaling)
     with torch.no_grad():
-        for k, w in merged.items():
+        for k, w in merged.items():  # one merged weight at a time
             weights[k].copy_(w)
 
 

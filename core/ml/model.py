@@ -19,6 +19,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """model.dtype's name for a torch dtype (DTYPES' first, long name)."""
+    return next(name for name, d in DTYPES.items() if d == dtype)
+
+
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 

@@ -57,9 +57,6 @@ def frozen_copy(ctx: StageContext, meta_dir, policy):
     return ref
 
 
-INFERENCE_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # fsdp.mixed_precision -> model.dtype
-
-
 def inference_copy(ctx: StageContext, policy: Policy, into=None):
     """The policy's weights in an unsharded model of the inference dtype: `into` (an earlier copy) refilled from the
     weights in memory, else a new model filled from them or from the policy's checkpoint."""
@@ -72,7 +69,7 @@ def inference_copy(ctx: StageContext, policy: Policy, into=None):
         # those weights) and is cast after, as before: both give the same tensors.
         spec = ctx.bp.model
         if policy.trained is not None:
-            spec = spec.model_copy(update={"dtype": INFERENCE_DTYPE_NAMES[ctx.bp.fsdp.mixed_precision]})
+            spec = spec.model_copy(update={"dtype": M.dtype_name(M.inference_dtype(ctx.bp.fsdp))})
         with torch.device(ctx.device):  # random init on the device is fast; the load overwrites it
             model = M.build_module(policy.meta_dir, spec)
         if policy.trained is None:
